@@ -1,0 +1,1 @@
+"""Pure-Python scheduling core: blocks, prefix cache, scheduler. Never imports torch."""

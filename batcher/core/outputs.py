@@ -1,0 +1,67 @@
+"""The only handoff between the scheduler (`core/`) and the runner (`runtime/`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batcher.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's work in a step: compute KV for `token_ids` at positions
+    `start_pos .. start_pos + len(token_ids) - 1`, reading and writing through `block_ids`
+    (the whole block table, covering at least `start_pos + len(token_ids)` tokens).
+    If `sample` is true, the last row's logits are sampled (the chunk reaches the sequence's end)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    sampling: SamplingParams
+    # Index of the token being sampled within the output (for seeded sampling that does not depend
+    # on batch composition or preemption): len(output) at sampling time.
+    output_index: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.start_pos > 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Sequences to run this step. Decodes (one token each) come first, then prefill chunks."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    # IDs finished or preempted since the previous step: the runner may drop per-request state.
+    freed_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The sampled token's logprob and the top-k alternatives (token id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Sampled tokens for the sequences with `sample=True`, in the order they were scheduled."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)

