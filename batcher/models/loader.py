@@ -1,0 +1,239 @@
+"""Load a Llama-family model from one of three sources behind one function.
+
+- `smollm2-135m` (default): the bundled GGUF, dequantized to dense tensors (cached as safetensors
+  in the user's cache folder after the first load, keyed by the file's hash and the dtype), or any
+  other Llama-architecture `.gguf` path;
+- a local Hugging Face folder (`config.json` + `*.safetensors` + tokenizer files);
+- `tiny`: a seeded random-weight model (2 layers, hidden 64, GQA) using the bundled tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from batcher.models import gguf_weights
+from batcher.models.bundled import smollm2_gguf_path
+from batcher.models.llama import LlamaConfig, LlamaModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model source is missing, incomplete or not a supported architecture."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    model: LlamaModel
+    config: LlamaConfig
+    dtype: torch.dtype
+    device: torch.device
+    tokenizer_source: Path  # a .gguf file or a Hugging Face folder
+    load_seconds: float
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16: about 2x faster than fp32 on AVX-512 CPUs and the norm on GPUs."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BATCHER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batcher")
+    return Path(root)
+
+
+def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "auto",
+               device: str | None = "auto", seed: int = 0) -> LoadedModel:
+    """Load `source` (a name, a .gguf path or a Hugging Face folder) onto `device` in `dtype`."""
+    start = time.perf_counter()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if source == "tiny":
+        tok_src = smollm2_gguf_path()
+        cfg = tiny_config()
+        model = _build(cfg, _tiny_state(cfg, seed), dt, dev)
+        name = "tiny"
+    else:
+        path = smollm2_gguf_path() if source == DEFAULT_MODEL else Path(source).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model path not found: {source}")
+        if path.is_dir():
+            cfg, state = _read_hf_folder(path)
+            name = path.name
+        elif path.suffix == ".gguf":
+            cfg, state = _read_gguf_cached(path, dt)
+            name = DEFAULT_MODEL if source == DEFAULT_MODEL else path.stem
+        else:
+            raise ModelLoadError(f"not a model folder or a .gguf file: {source}")
+        tok_src = path
+        model = _build(cfg, state, dt, dev)
+    took = time.perf_counter() - start
+    log.info("loaded %s (%s, %s) in %.2fs", name, dt, dev, took)
+    return LoadedModel(name, model, cfg, dt, dev, tok_src, took)
+
+
+def tiny_config() -> LlamaConfig:
+    # The bundled tokenizer's vocabulary, so tests can feed real text.
+    return LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                       max_position_embeddings=4096, tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_ids=(2,))
+
+
+def _tiny_state(cfg: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights in Hugging Face names. A wide init keeps greedy choices away from
+    near-ties, so batch composition cannot flip them."""
+    gen = torch.Generator().manual_seed(seed)
+    hf = _hf_shapes(cfg)
+    state = {}
+    for name, shape in hf.items():
+        if name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            state[name] = torch.randn(shape, generator=gen) * (1.0 / shape[-1] ** 0.5)
+    return state
+
+
+def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h),
+                                          "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (cfg.num_heads * d, h),
+                   p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
+                   p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
+                   p + "self_attn.o_proj.weight": (h, cfg.num_heads * d),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+    return shapes
+
+
+def fuse_hf_state(cfg: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> ours: drop the `model.` prefix, fuse q/k/v and gate/up."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        if "rotary_emb" in name:
+            continue
+        out[name.removeprefix("model.")] = t
+    for n in range(cfg.num_layers):
+        p = f"layers.{n}."
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
+            if all(x is not None for x in parts):
+                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts, 0)
+        gate, up = out.pop(f"{p}mlp.gate_proj.weight"), out.pop(f"{p}mlp.up_proj.weight")
+        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up], 0)
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _build(cfg: LlamaConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype,
+           device: torch.device) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    state = fuse_hf_state(cfg, hf_state)
+    missing = set(model.state_dict()) - set(state)
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ModelLoadError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def _read_hf_folder(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json")
+    raw = json.loads(cfg_path.read_text())
+    archs = set(raw.get("architectures") or [])
+    if not archs & SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {sorted(archs) or raw.get('model_type')};"
+                             f" supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weight files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return LlamaConfig.from_hf(raw), state
+
+
+def _read_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Dequantizing takes seconds; later loads read the dense safetensors cache instead."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    digest = _file_digest(path)
+    dtype_name = str(dtype).removeprefix("torch.")
+    cached = cache_dir() / "weights" / f"{path.stem}-{digest[:16]}-{dtype_name}.safetensors"
+    if cached.is_file():
+        try:
+            with safe_open(str(cached), framework="pt") as f:
+                cfg = _config_from_json(f.metadata()["config"])
+                return cfg, {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # a torn or stale cache file: rebuild it
+            log.warning("ignoring unreadable weight cache %s: %s", cached.name, exc)
+    cfg, state = gguf_weights.read_gguf(path)
+    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        save_file(state, str(tmp), metadata={"config": json.dumps(asdict(cfg))})
+        os.replace(tmp, cached)  # atomic: concurrent replicas never read a half-written file
+    except OSError as exc:
+        log.warning("could not write the weight cache: %s", exc)
+    return cfg, state
+
+
+def _config_from_json(text: str) -> LlamaConfig:
+    raw = json.loads(text)
+    raw["eos_token_ids"] = tuple(raw.get("eos_token_ids") or ())
+    return LlamaConfig(**raw)
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()

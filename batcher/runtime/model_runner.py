@@ -1,0 +1,100 @@
+"""Turn a SchedulerOutput into tensors, run the model, sample. Runs in the engine's worker thread;
+it owns the KV cache tensors and never touches scheduler state."""
+
+from __future__ import annotations
+
+import torch
+
+from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from batcher.models.loader import LoadedModel
+from batcher.runtime.attention import AttentionMetadata, PrefillChunk
+from batcher.runtime.kv_cache import allocate_kv_cache
+from batcher.runtime.sampler import Sampler
+
+
+class ModelRunner:
+    """Flatten a step's sequences into one varlen batch: single-token rows (decodes) first, then
+    multi-token prefill chunks; positions, slot mapping, block tables and masks are built once per
+    step for all layers."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype,
+                                           loaded.device)
+        self.sampler = Sampler()
+        # NOTE: one-token SDPA with enable_gqa is several times slower on CPU in reduced
+        # precision; in fp32 it is the faster choice.
+        self.fold_gqa = loaded.dtype != torch.float32 or loaded.device.type != "cpu"
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
+        if sched.is_empty:
+            return RunnerOutput()
+        ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched)
+        logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
+        if not sample_seqs:
+            return RunnerOutput()
+        tokens, logprobs = self.sampler.sample(logits, sample_seqs)
+        return RunnerOutput([s.request_id for s in sample_seqs], tokens, logprobs)
+
+    def prepare(self, sched: SchedulerOutput):
+        bs, dev = self.block_size, self.device
+        decodes = [s for s in sched.seqs if len(s.token_ids) == 1]
+        prefills = [s for s in sched.seqs if len(s.token_ids) > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_of: dict[int, int] = {}  # id(seq) -> flattened row of its last token
+        for s in decodes + prefills:
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + n)
+            positions.extend(pos)
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            row_of[id(s)] = len(ids) - 1
+        meta = AttentionMetadata(block_size=bs, fold_gqa=self.fold_gqa,
+                                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        if decodes:
+            self._decode_meta(meta, decodes)
+        row = len(decodes)
+        for s in prefills:
+            n = len(s.token_ids)
+            ctx = s.start_pos + n
+            nblocks = -(-ctx // bs)
+            mask = None
+            if s.start_pos:
+                # Bottom-right aligned causal mask: query i sees keys [0, start_pos + i].
+                q_pos = torch.arange(s.start_pos, ctx, device=dev).unsqueeze(1)
+                mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos  # [n, ctx]
+            meta.prefills.append(PrefillChunk(
+                row=row, length=n, start_pos=s.start_pos, mask=mask,
+                block_ids=torch.tensor(s.block_ids[:nblocks], dtype=torch.long, device=dev)))
+            row += n
+        sample_seqs: list[ScheduledSeq] = [s for s in sched.seqs if s.sample]
+        logits_idx = torch.tensor([row_of[id(s)] for s in sample_seqs] or [0],
+                                  dtype=torch.long, device=dev)
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_idx,
+                sample_seqs)
+
+    def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledSeq]) -> None:
+        bs, dev = self.block_size, self.device
+        ctx_lens = [s.start_pos + 1 for s in decodes]
+        max_blocks = -(-max(ctx_lens) // bs)
+        flat: list[int] = []
+        for s, ctx in zip(decodes, ctx_lens):
+            used = s.block_ids[:-(-ctx // bs)]
+            # Pad with the sequence's own first block; padded keys are masked out.
+            flat.extend(used + [used[0]] * (max_blocks - len(used)))
+        meta.num_decodes = len(decodes)
+        meta.decode_max_blocks = max_blocks
+        meta.decode_block_table = torch.tensor(flat, dtype=torch.long, device=dev)
+        lens = torch.tensor(ctx_lens, device=dev)
+        keys = torch.arange(max_blocks * bs, device=dev)
+        meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
