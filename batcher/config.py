@@ -10,6 +10,7 @@ CPU_MAX_NUM_SEQS = 64
 CPU_MAX_NUM_BATCHED_TOKENS = 320
 CUDA_MAX_NUM_SEQS = 256
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+MAX_DEFAULT_BLOCKS = 65536
 
 
 @dataclass(slots=True)
@@ -56,8 +57,11 @@ class CacheConfig:
         """Blocks that fit the budget (at least 1)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        budget = self.kv_cache_memory if self.kv_cache_memory is not None else default_bytes
-        return max(1, budget // (kv_bytes_per_token * self.block_size))
+        if self.kv_cache_memory is not None:
+            return max(1, self.kv_cache_memory // (kv_bytes_per_token * self.block_size))
+        # NOTE: a tiny model would turn the default budget into millions of blocks.
+        return max(1, min(MAX_DEFAULT_BLOCKS,
+                          default_bytes // (kv_bytes_per_token * self.block_size)))
 
 
 def parse_bytes(text: str) -> int:

@@ -1,0 +1,85 @@
+"""`batcher serve | bench | fleet | router | sim | plan`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from batcher.config import CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model", default="smollm2-135m", help="smollm2-135m (bundled), tiny (random weights, "
+      "for tests), fake (simulated engine for fleet tests), a .gguf file or a Hugging Face "
+      "folder (default: %(default)s)")
+    a("--served-model-name", default=None, help="name clients use in 'model' (default: derived "
+      "from --model)")
+    a("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    a("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    a("--dtype", default="auto", help="auto (bfloat16), float32 or bfloat16 "
+      "(default: %(default)s)")
+    a("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    a("--kv-cache-memory", default=None, help="KV cache budget, e.g. 1GiB (default: 2GiB on "
+      "CPU, at most a quarter of RAM; free GPU memory x 0.9 on CUDA)")
+    a("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    a("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    a("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    a("--max-num-seqs", type=int, default=CPU_MAX_NUM_SEQS,
+      help="most sequences in one step (default: %(default)s)")
+    a("--max-num-batched-tokens", type=int, default=CPU_MAX_NUM_BATCHED_TOKENS,
+      help="token budget of one step (default: %(default)s)")
+    a("--max-model-len", type=int, default=8192, help="context limit, prompt + output "
+      "(default: %(default)s, capped by the model)")
+    a("--default-max-tokens", type=int, default=1024, help="chat max_tokens when the client "
+      "sends none (default: %(default)s)")
+    a("--tenants", default=None, help="tenants TOML file (keys, token budgets); none = auth off")
+    a("--max-waiting", type=int, default=256, help="queue bound before 503 "
+      "(default: %(default)s)")
+    a("--max-body-bytes", type=int, default=4 * 2**20, help="request body limit "
+      "(default: %(default)s)")
+    a("--admin-port", type=int, default=None, help="admin listener port (drain/undrain); off "
+      "unless given")
+    a("--admin-host", default="127.0.0.1", help="admin listener address (default: %(default)s)")
+    a("--admin-key", default=None, help="admin key (or env BATCHER_ADMIN_KEY)")
+    a("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput and admission")
+    a("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
+    a("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
+      "finish on SIGTERM (default: %(default)s)")
+    a("--embedding-model", default="minilm", choices=["minilm", "none"],
+      help="serve /v1/embeddings with the bundled all-MiniLM-L6-v2 (default: %(default)s)")
+    a("--embedding-batch-size", type=int, default=32, help="(default: %(default)s)")
+    a("--embedding-max-wait-ms", type=float, default=5.0, help="(default: %(default)s)")
+    a("--version", default="v1", help="version label reported in /v1/state "
+      "(default: %(default)s)")
+    a("--log-level", default="info", help="(default: %(default)s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batcher", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from batcher.serve import run_server
+
+        return _run(run_server(args))
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _run(coro) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""AsyncEngine: the continuous-batching step loop behind an async API.
+
+Scheduling and output demultiplexing run on the event loop; tensor work runs in one worker thread,
+so the loop stays free for HTTP while a step (even a long prefill chunk) runs. Each request's
+events go to its own stream queue (by request ID); a consumer that goes away aborts its request
+and its KV blocks are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from batcher.config import CacheConfig, SchedulerConfig
+from batcher.core.kv_cache_manager import KVCacheManager
+from batcher.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from batcher.core.scheduler import RequestUpdate, Scheduler
+from batcher.futures import FutureRegistry, iter_stream
+from batcher.request import Request, RequestStatus
+from batcher.sampling import SamplingParams
+from batcher.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Work is pending but no step finished for this long: the engine is wedged.
+STALL_SECONDS = 30.0
+PROBE_PRIORITY = -1  # ahead of every client class
+
+
+class Runner(Protocol):
+    """What the engine needs from a model runner (the real one, or the fake one for fleets)."""
+
+    num_blocks: int
+    block_size: int
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve: it failed (see `state()['error']`) or is shutting down."""
+
+
+@dataclass(slots=True)
+class EngineEvent:
+    """A text/token delta for one request; the last one has `finish_reason` set (and `error`
+    when the reason is "error"), with the request's counts and timings."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    stop_reason: str | None = None  # the stop string that matched
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_wait: float | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+    token_times: list[float] = field(default_factory=list)  # monotonic time of each token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tpot(self) -> float | None:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+
+@dataclass(slots=True)
+class _Live:
+    """Engine-side bookkeeping for one in-flight request."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    token_times: list[float] = field(default_factory=list)
+    abort_time: float | None = None
+
+
+class AsyncEngine:
+    """`async for ev in engine.generate(req, stop=[...])`; `engine.abort(id)`; `engine.state()`."""
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer,
+                 sched_config: SchedulerConfig | None = None, enable_prefix_caching: bool = True,
+                 metrics: Any = None, version: str = "v1",
+                 clock: Callable[[], float] = time.monotonic, debug_checks: bool = False):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(sched_config or SchedulerConfig(), self.kv, clock=clock,
+                                   debug_checks=debug_checks)
+        self.metrics = metrics
+        self.version = version
+        self.clock = clock
+        self._streams = FutureRegistry()
+        self._live: dict[str, _Live] = {}
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="batcher-model")
+        self._task: asyncio.Task[None] | None = None
+        self._error: str | None = None
+        self._stopping = False
+        self.steps = 0
+        self.last_step_end = clock()
+        self.busy_since: float | None = None
+        # Called after every step with (scheduler output, step seconds): admission's rate EWMAs.
+        self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
+
+    @classmethod
+    def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
+                    cache_config: CacheConfig, **kw: Any) -> AsyncEngine:
+        """Build the real model runner for a loaded model, sizing the KV pool from the budget."""
+        from batcher.runtime.kv_cache import default_kv_budget
+        from batcher.runtime.model_runner import ModelRunner
+
+        cache_config.validate()
+        per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
+        num_blocks = cache_config.resolve_num_blocks(per_token, default_kv_budget(loaded.device))
+        runner = ModelRunner(loaded, num_blocks, cache_config.block_size)
+        return cls(runner, tokenizer, sched_config,
+                   enable_prefix_caching=cache_config.enable_prefix_caching, **kw)
+
+    # lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self, reason: str = "the server is shutting down") -> None:
+        """Stop stepping; every request still in flight gets an `error` event."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._fail_all(reason)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and not self._stopping
+
+    # requests ------------------------------------------------------------------------------
+    async def generate(self, request: Request, stop: list[str] | None = None
+                       ) -> AsyncIterator[EngineEvent]:
+        """Queue `request` and yield its events until the final one. Raises ValueError for a
+        request that can never run, `DuplicateRequestId` for an ID already in flight, and
+        EngineError when the engine cannot serve. Leaving early (break, cancel, disconnect)
+        aborts the request."""
+        if not self.healthy:
+            raise EngineError(self._error or "the engine is stopping")
+        rid = request.request_id
+        queue = self._streams.create_stream(rid)
+        try:
+            if not request.eos_token_ids:
+                request.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+            self.scheduler.add_request(request)
+        except BaseException:
+            self._streams.discard(rid)
+            raise
+        self._live[rid] = _Live(request, IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, stop or request.sampling.stop))
+        self._wake.set()
+        finished = False
+        try:
+            async for ev in iter_stream(queue):
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+            self._streams.discard(rid, queue)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort from any task; the blocks are freed at the start of the next step."""
+        live = self._live.get(request_id)
+        if live is None or not self.scheduler.abort(request_id):
+            return False
+        live.abort_time = self.clock()
+        self._wake.set()
+        return True
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    async def probe(self, timeout: float = 5.0) -> float:
+        """One-token generation ahead of the queue; returns its latency (s). Raises on failure."""
+        start = self.clock()
+        bos = self.tokenizer.bos_token_id
+        req = Request(f"probe-{time.time_ns()}", [bos if bos is not None else 0],
+                      SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                      tenant="__probe__", priority=PROBE_PRIORITY)
+        async with asyncio.timeout(timeout):
+            async for ev in self.generate(req):
+                if ev.finish_reason == "error":
+                    raise EngineError(ev.error or "probe failed")
+        return self.clock() - start
+
+    def state(self) -> dict[str, Any]:
+        """Capacity and health as JSON-ready values (the `/v1/state` contract)."""
+        now = self.clock()
+        stalled = self.busy_since is not None and now - self.last_step_end > STALL_SECONDS
+        st = self.scheduler.stats
+        return {
+            "free_blocks": self.kv.num_free_blocks,
+            "total_blocks": self.kv.num_total_blocks,
+            "block_size": self.kv.block_size,
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "version": self.version,
+            "healthy": self.healthy and not stalled,
+            "error": self._error or ("engine loop stalled" if stalled else None),
+            "steps": self.steps,
+            "last_step_age": round(now - self.last_step_end, 3),
+            "preemptions": st.preemptions,
+            "prefix_hit_tokens": st.prefix_hit_tokens,
+        }
+
+    # the loop ------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            if not self.scheduler.has_unfinished():
+                self.busy_since = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            sched = self.scheduler.schedule()
+            self._note_freed(sched.freed_ids)
+            if sched.is_empty:
+                await asyncio.sleep(0)  # only aborts were processed
+                continue
+            if self.busy_since is None:
+                self.busy_since = self.clock()
+            started = self.clock()
+            try:
+                out = await loop.run_in_executor(self._executor, self.runner.execute, sched)
+            except Exception as exc:  # the model failed: fail everyone loudly, stop serving
+                log.exception("model step failed")
+                self._error = f"model step failed: {type(exc).__name__}: {exc}"
+                self._fail_all(self._error)
+                return
+            self.steps += 1
+            self.last_step_end = now = self.clock()
+            updates = self.scheduler.update(sched, out)
+            self._emit(updates, now)
+            if self.metrics is not None:
+                self.metrics.observe_step(self, sched, now)
+            for listener in self.step_listeners:
+                listener(sched, now - started)
+
+    def _note_freed(self, freed_ids: list[str]) -> None:
+        """Requests whose blocks were just released; finish the aborted ones."""
+        now = self.clock()
+        for rid in freed_ids:
+            live = self._live.get(rid)
+            if live is None or not live.request.is_finished:
+                continue  # preempted, not finished
+            if live.abort_time is not None and self.metrics is not None:
+                self.metrics.observe_cancel_delay(now - live.abort_time)
+            self._finish(live, now)
+
+    def _emit(self, updates: list[RequestUpdate], now: float) -> None:
+        for u in updates:
+            live = self._live.get(u.request_id)
+            if live is None:
+                continue  # output of a request the engine no longer tracks: drop it
+            live.token_times.extend([now] * len(u.new_token_ids))
+            text = live.detok.add(u.new_token_ids)
+            if live.detok.stopped and not u.finished:
+                self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
+            ev = EngineEvent(u.request_id, text, list(u.new_token_ids), list(u.new_logprobs))
+            if live.request.is_finished:
+                if not live.detok.stopped:
+                    ev.text += live.detok.flush()
+                self._finish(live, now, ev)
+            else:
+                self._streams.push(u.request_id, ev)
+
+    def _finish(self, live: _Live, now: float, ev: EngineEvent | None = None,
+                error: str | None = None) -> None:
+        req = live.request
+        rid = req.request_id
+        ev = ev or EngineEvent(rid)
+        ev.finish_reason = "error" if error else (req.status.finish_reason or "abort")
+        ev.error = error
+        ev.stop_reason = live.detok.stop_reason
+        ev.num_prompt_tokens = req.num_prompt_tokens
+        ev.num_output_tokens = req.num_output_tokens
+        ev.num_cached_tokens = max(0, req.num_cached_tokens)
+        if req.first_scheduled_time is not None:
+            ev.queue_wait = req.first_scheduled_time - req.arrival_time
+        if req.first_token_time is not None:
+            ev.ttft = req.first_token_time - req.arrival_time
+        ev.e2e = now - req.arrival_time
+        ev.token_times = live.token_times
+        del self._live[rid]
+        self._streams.push(rid, ev)
+        self._streams.close_stream(rid)
+        if self.metrics is not None and req.tenant != "__probe__":
+            self.metrics.observe_finished(req, ev)
+
+    def _fail_all(self, reason: str) -> None:
+        now = self.clock()
+        for rid, live in list(self._live.items()):
+            if not live.request.is_finished:
+                self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+            self._finish(live, now, error=reason)

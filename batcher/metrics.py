@@ -1,0 +1,111 @@
+"""Prometheus metrics. Queue wait is split from service time; goodput counts requests that met
+both latency SLOs. Each server owns its own registry (several can live in one process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+
+
+class Metrics:
+    """The server's metrics (names carry the `batcher_` prefix when exposed)."""
+
+    def __init__(self, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+                 registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
+
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"batcher_{name}", doc, buckets=buckets, registry=r)
+
+        self.ttft = hist("ttft_seconds", "Arrival to first token")
+        self.tpot = hist("tpot_seconds", "Mean time per output token after the first",
+                         TPOT_BUCKETS)
+        self.queue_wait = hist("queue_wait_seconds", "Arrival to first scheduled step")
+        self.service = hist("service_seconds", "First scheduled step to finish")
+        self.e2e = hist("e2e_seconds", "Arrival to finish")
+        self.batch_size = hist("batch_size", "Sequences per engine step", BATCH_BUCKETS)
+        self.cancel_delay = hist("cancel_delay_seconds", "Abort to KV blocks freed")
+        self.kv_used = Gauge("batcher_kv_blocks_used", "KV blocks in use", registry=r)
+        self.kv_total = Gauge("batcher_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.running = Gauge("batcher_running", "Running sequences", registry=r)
+        self.waiting = Gauge("batcher_waiting", "Waiting sequences", registry=r)
+        self.prompt_tokens = Counter("batcher_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generated_tokens = Counter("batcher_generated_tokens", "Tokens generated",
+                                        registry=r)
+        self.prefill_computed = Counter("batcher_prefill_tokens_computed",
+                                        "Prompt positions run through the model (recompute "
+                                        "included)", registry=r)
+        self.prefix_hits = Counter("batcher_prefix_cache_hit_tokens",
+                                   "Prompt tokens served from the prefix cache", registry=r)
+        self.preemptions = Counter("batcher_preemptions", "Requests preempted for recompute",
+                                   registry=r)
+        self.finished = Counter("batcher_requests_finished", "Requests finished",
+                                ["reason"], registry=r)
+        self.rejected = Counter("batcher_requests_rejected", "Requests refused before the "
+                                "engine", ["reason"], registry=r)
+        self.goodput = Counter("batcher_goodput_requests", "Requests finished within both the "
+                               "TTFT and the TPOT SLO", registry=r)
+        self.retries = Counter("batcher_retries", "Retried attempts", registry=r)
+        self.failovers = Counter("batcher_failovers", "Failovers", ["kind"], registry=r)
+        self.info = Gauge("batcher_info", "Server identity", ["version", "model"], registry=r)
+        self._last: dict[str, int] = {}
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # engine hooks ----------------------------------------------------------------------------
+    def observe_step(self, engine: Any, sched: Any, now: float) -> None:
+        self.batch_size.observe(len(sched.seqs))
+        kv = engine.kv
+        self.kv_total.set(kv.num_total_blocks)
+        self.kv_used.set(kv.num_total_blocks - kv.num_free_blocks)
+        self.running.set(engine.scheduler.num_running)
+        self.waiting.set(engine.scheduler.num_waiting)
+        st = engine.scheduler.stats
+        for name, counter in (("generated_tokens", self.generated_tokens),
+                              ("prompt_tokens_computed", self.prefill_computed),
+                              ("prefix_hit_tokens", self.prefix_hits),
+                              ("preemptions", self.preemptions)):
+            value = getattr(st, name)
+            delta = value - self._last.get(name, 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._last[name] = value
+
+    def observe_finished(self, req: Any, ev: Any) -> None:
+        self.finished.labels(ev.finish_reason).inc()
+        self.prompt_tokens.inc(ev.num_prompt_tokens)
+        if ev.queue_wait is not None:
+            self.queue_wait.observe(ev.queue_wait)
+            if ev.e2e is not None:
+                self.service.observe(max(0.0, ev.e2e - ev.queue_wait))
+        if ev.e2e is not None:
+            self.e2e.observe(ev.e2e)
+        if ev.ttft is not None:
+            self.ttft.observe(ev.ttft)
+        tpot = ev.tpot
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        if ev.finish_reason in ("stop", "length") and self.met_slo(ev.ttft, tpot):
+            self.goodput.inc()
+
+    def met_slo(self, ttft: float | None, tpot: float | None) -> bool:
+        if ttft is None:
+            return False
+        if self.slo_ttft_s is not None and ttft > self.slo_ttft_s:
+            return False
+        return not (self.slo_tpot_s is not None and tpot is not None and tpot > self.slo_tpot_s)
+
+    def observe_cancel_delay(self, seconds: float) -> None:
+        self.cancel_delay.observe(seconds)
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()

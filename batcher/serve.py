@@ -1,0 +1,141 @@
+"""`batcher serve`: wire model, tokenizer, engine, admission, metrics and the embedding batcher
+into the HTTP app, and run it until SIGTERM (drain, then exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+
+from aiohttp import web
+
+from batcher.admission import Admission
+from batcher.config import CacheConfig, SchedulerConfig, parse_bytes
+from batcher.engine import AsyncEngine
+from batcher.metrics import Metrics
+from batcher.server.admin import create_admin_app
+from batcher.server.app import GATEWAY, create_app
+from batcher.server.auth import Authenticator, load_tenants
+from batcher.server.gateway import Gateway, GatewayConfig
+
+log = logging.getLogger("batcher.serve")
+EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
+
+
+def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
+    """The engine for `--model` (blocking: loads weights)."""
+    from batcher.tokenizer import load_tokenizer
+
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                        kv_cache_memory=parse_bytes(args.kv_cache_memory)
+                        if args.kv_cache_memory else None,
+                        enable_prefix_caching=not args.no_prefix_caching)
+    if args.model == "fake":
+        from batcher.fake_runner import build_fake_engine
+
+        return build_fake_engine(args, sched, cache, metrics)
+    from batcher.models.loader import load_model
+
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    sched.max_model_len = min(args.max_model_len, lm.config.max_position_embeddings)
+    if lm.device.type == "cuda" and args.max_num_batched_tokens is None:
+        sched.max_num_batched_tokens = 8192
+    tok = load_tokenizer(lm.tokenizer_source)
+    log.info("model %s loaded in %.1fs (%s on %s)", lm.name, lm.load_seconds, lm.dtype,
+             lm.device)
+    return AsyncEngine.from_loaded(lm, tok, sched.validate(), cache, metrics=metrics,
+                                   version=args.version)
+
+
+def build_embedder(args: argparse.Namespace):
+    if args.embedding_model == "none":
+        return None, None
+    from batcher.embeddings import EmbeddingModel, make_embedding_batcher
+
+    model = EmbeddingModel(dtype=args.dtype if args.dtype != "auto" else "bfloat16",
+                           device="cpu" if args.device in ("auto", None) else args.device)
+    return make_embedding_batcher(model, max_batch_size=args.embedding_batch_size,
+                                  max_wait_ms=args.embedding_max_wait_ms), model.count_tokens
+
+
+def gateway_factory(args: argparse.Namespace):
+    async def build() -> Gateway:
+        loop = asyncio.get_running_loop()
+        metrics = Metrics(slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
+                          slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None)
+        engine = await loop.run_in_executor(None, build_engine, args, metrics)
+        embedder, counter = await loop.run_in_executor(None, build_embedder, args)
+        tenants = load_tenants(args.tenants) if args.tenants else None
+        if tenants is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("no --tenants file: authentication is off on a non-loopback address")
+        admission = Admission(tenants, max_waiting=args.max_waiting,
+                              slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None)
+        engine.step_listeners.append(_prefill_observer(admission))
+        name = "fake" if args.model == "fake" else engine_model_name(args.model)
+        metrics.info.labels(args.version, name).set(1)
+        cfg = GatewayConfig(model_name=args.served_model_name or name,
+                            max_model_len=engine.scheduler.config.max_model_len,
+                            default_max_tokens=args.default_max_tokens,
+                            max_body_bytes=args.max_body_bytes,
+                            shutdown_timeout=args.shutdown_timeout, version=args.version)
+        return Gateway(cfg, engine, Authenticator(tenants), admission, metrics, embedder,
+                       EMBEDDING_MODEL_NAME, counter)
+
+    return build
+
+
+def engine_model_name(source: str) -> str:
+    return os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
+
+
+def _prefill_observer(admission: Admission):
+    def observe(sched, seconds: float) -> None:
+        prefill = sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1)
+        if prefill:
+            admission.observe_prefill(prefill, seconds)
+        admission.observe_service(seconds)
+
+    return observe
+
+
+async def run_server(args: argparse.Namespace) -> int:
+    app = create_app(gateway_factory(args), args.max_body_bytes)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=args.shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    await site.start()
+    admin_runner = None
+    if args.admin_port:
+        key = args.admin_key or os.environ.get("BATCHER_ADMIN_KEY")
+        if not key:
+            raise SystemExit("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
+        admin_runner = web.AppRunner(create_admin_app(app, key), access_log=None)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, args.admin_host, args.admin_port).start()
+    gw = app[GATEWAY]
+    log.info("serving %s on http://%s:%d", gw.cfg.model_name, args.host, args.port)
+    print(f"batcher: serving {gw.cfg.model_name} on http://{args.host}:{args.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Drain: readiness 503, new work 503 + Retry-After, in-flight requests finish in time.
+    gw.set_draining(True)
+    deadline = time.monotonic() + args.shutdown_timeout
+    while gw.jobs and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if gw.jobs:
+        log.warning("shutdown timeout: ending %d requests with an error", len(gw.jobs))
+        await gw.engine.stop("the server shut down before this request finished")
+        await asyncio.sleep(0.1)  # let handlers write their final error events
+    if admin_runner is not None:
+        await admin_runner.cleanup()
+    await runner.cleanup()
+    return 0

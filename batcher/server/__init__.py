@@ -1,0 +1,1 @@
+"""The HTTP gateway (aiohttp): OpenAI-compatible routes, auth, admission, SSE."""

@@ -1,0 +1,45 @@
+"""The admin listener: drain and undrain, on its own port and key (never on the public one)."""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from batcher.server.errors import ApiError
+
+
+def create_admin_app(public: web.Application, admin_key: str) -> web.Application:
+    from batcher.server.app import GATEWAY, json_response
+
+    expected = f"Bearer {admin_key}".encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler):
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            return ApiError(401, "invalid admin key", code="invalid_api_key").response()
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return err.response()
+
+    async def drain(request: web.Request) -> web.Response:
+        gw = public[GATEWAY]
+        gw.set_draining(True)
+        return json_response({"draining": True, "in_flight": len(gw.jobs),
+                              "idle": not gw.jobs})
+
+    async def undrain(request: web.Request) -> web.Response:
+        public[GATEWAY].set_draining(False)
+        return json_response({"draining": False})
+
+    async def status(request: web.Request) -> web.Response:
+        gw = public[GATEWAY]
+        return json_response(dict(gw.state(), idle=not gw.jobs))
+
+    app = web.Application(middlewares=[check_key])
+    app.router.add_post("/admin/drain", drain)
+    app.router.add_post("/admin/undrain", undrain)
+    app.router.add_get("/admin/status", status)
+    return app

@@ -1,0 +1,155 @@
+"""The aiohttp application: middlewares (request ID, auth, errors, body limit), routes, the admin
+listener, and the engine's lifetime in `cleanup_ctx`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from batcher.futures import new_request_id
+from batcher.server import embeddings_route
+from batcher.server.auth import AuthError
+from batcher.server.errors import ApiError
+from batcher.server.gateway import Gateway
+from batcher.server.openai_routes import GenerationHandler
+from batcher.server.protocol import valid_request_id
+
+log = logging.getLogger(__name__)
+
+GATEWAY = web.AppKey("gateway", Gateway)
+HANDLERS = web.AppKey("handlers", dict)
+# Routes anyone on the network may call: liveness, readiness, capacity, metrics, the probe.
+OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
+
+
+def json_response(payload: object, status: int = 200, **kw) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload),
+                        content_type="application/json", **kw)
+
+
+@web.middleware
+async def gateway_middleware(request: web.Request, handler: Callable[[web.Request],
+                             Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Request ID on every response, auth, body limit before reading, errors in OpenAI shape."""
+    gw = request.app[GATEWAY]
+    rid = new_request_id()
+    try:
+        rid = valid_request_id(request.headers.get("X-Request-Id")) or rid
+        request["request_id"] = rid
+        request["state_header"] = lambda: orjson.dumps(gw.state()).decode()
+        length = request.content_length
+        if length is not None and length > gw.cfg.max_body_bytes:
+            raise ApiError(413, f"the request body is {length} bytes; the limit is "
+                           f"{gw.cfg.max_body_bytes}", code="body_too_large")
+        if request.path not in OPEN_PATHS:
+            try:
+                request["tenant"] = gw.auth.authenticate(request.headers.get("Authorization"),
+                                                         request.headers.get("x-api-key"))
+            except AuthError as exc:
+                raise ApiError(401, str(exc), code="invalid_api_key") from None
+        resp = await handler(request)
+    except ApiError as err:
+        return err.response(rid)
+    except web.HTTPRequestEntityTooLarge:
+        return ApiError(413, "the request body is too large", code="body_too_large"
+                        ).response(rid)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return ApiError(exc.status, exc.reason or "error", code=exc.reason).response(rid)
+    if not resp.prepared:
+        resp.headers["X-Request-Id"] = rid
+    return resp
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: the loop answers. 503 once the engine has failed, saying why."""
+    st = request.app[GATEWAY].engine.state()
+    if st["error"]:
+        return json_response({"status": "error", "error": st["error"]}, 503)
+    return json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    ok, why = request.app[GATEWAY].ready()
+    return json_response({"ready": ok, "reason": why}, 200 if ok else 503)
+
+
+async def state(request: web.Request) -> web.Response:
+    return json_response(request.app[GATEWAY].state())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[GATEWAY].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def probe(request: web.Request) -> web.Response:
+    """One-token generation ahead of the queue, with a deadline (`?timeout=` seconds)."""
+    gw = request.app[GATEWAY]
+    try:
+        timeout = min(60.0, max(0.01, float(request.query.get("timeout", "5"))))
+    except ValueError:
+        raise ApiError(400, "timeout must be a number of seconds", param="timeout") from None
+    try:
+        latency = await gw.engine.probe(timeout)
+    except TimeoutError:
+        return json_response({"ok": False, "error": f"no token within {timeout:g}s"}, 503)
+    except Exception as exc:  # the probe exists to report failures, not raise them
+        return json_response({"ok": False, "error": str(exc)}, 503)
+    return json_response({"ok": True, "latency_ms": round(latency * 1000, 2)})
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    return json_response({"object": "list", "data": [{
+        "id": gw.cfg.model_name, "object": "model", "created": int(gw.started_at),
+        "owned_by": "batcher", "max_model_len": gw.cfg.max_model_len}]})
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """DELETE /v1/requests/{id}: only the owning tenant may; anyone else gets 404."""
+    gw = request.app[GATEWAY]
+    client_id = request.match_info["id"]
+    if not gw.cancel(request["tenant"].name, client_id):
+        raise ApiError(404, f"no request '{client_id}' in flight", param="id",
+                       code="request_not_found")
+    return json_response({"id": client_id, "object": "request.cancelled", "cancelled": True})
+
+
+def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int,
+               ) -> web.Application:
+    """The public app. `gw_factory` builds the gateway (model, engine) at startup; cleanup
+    stops the engine."""
+    app = web.Application(middlewares=[gateway_middleware], client_max_size=max_body_bytes)
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        gw = await gw_factory()
+        app[GATEWAY] = gw
+        app[HANDLERS] = {"/v1/completions": GenerationHandler(gw, chat=False),
+                         "/v1/chat/completions": GenerationHandler(gw, chat=True)}
+        await gw.engine.start()
+        yield
+        if gw.embedder is not None:
+            await gw.embedder.close()
+        await gw.engine.stop()
+
+    app.cleanup_ctx.append(lifetime)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/v1/state", state)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/probe", probe)
+    app.router.add_get("/v1/models", models)
+    app.router.add_delete("/v1/requests/{id}", cancel)
+
+    async def generation(request: web.Request) -> web.StreamResponse:
+        return await request.app[HANDLERS][request.path](request)
+
+    app.router.add_post("/v1/completions", generation)
+    app.router.add_post("/v1/chat/completions", generation)
+    app.router.add_post("/v1/embeddings", embeddings_route.handle)
+    return app

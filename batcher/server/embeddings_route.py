@@ -1,0 +1,72 @@
+"""POST /v1/embeddings through the size-or-timeout `Batcher`: a list input becomes several items
+in the batcher and one response."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+
+from aiohttp import web
+
+from batcher.flusher import Closed, Overloaded
+from batcher.server.errors import ApiError, invalid
+
+MAX_INPUTS = 2048
+
+
+def _inputs(body: object) -> tuple[str, list[str], str]:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None, "invalid_type")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required", "model", "missing")
+    raw = body.get("input")
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) for x in items):
+        raise invalid("'input' must be a string or a non-empty list of strings", "input",
+                      "invalid_type")
+    if len(items) > MAX_INPUTS:
+        raise invalid(f"'input' takes at most {MAX_INPUTS} strings", "input")
+    if any(not x for x in items):
+        raise invalid("'input' strings must not be empty", "input")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise invalid("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    return model, items, fmt
+
+
+async def handle(request: web.Request) -> web.Response:
+    from batcher.server.app import GATEWAY, json_response
+    from batcher.server.openai_routes import read_json
+
+    gw = request.app[GATEWAY]
+    if gw.embedder is None:
+        raise ApiError(404, "this server has no embedding model", code="model_not_found")
+    model, items, fmt = _inputs(await read_json(request))
+    if model != gw.embedder_name:
+        raise invalid(f"model '{model}' is not served here; available: "
+                      f"['{gw.embedder_name}']", "model", "model_not_found")
+    rid = request["request_id"]
+    try:
+        vectors = await asyncio.gather(*(gw.embedder.submit(x, request_id=f"{rid}:{i}")
+                                         for i, x in enumerate(items)))
+    except Overloaded as exc:
+        raise ApiError(503, "the embedding queue is full", code="overloaded",
+                       retry_after=exc.retry_after) from None
+    except Closed:
+        raise ApiError(503, "the server is shutting down", code="draining",
+                       retry_after=1) from None
+    except TimeoutError:
+        raise ApiError(504, "the embedding request timed out", code="deadline_exceeded"
+                       ) from None
+    data = []
+    for i, vec in enumerate(vectors):
+        emb = (base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+               if fmt == "base64" else vec)
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    tokens = sum(gw.embedder_tokens(items))
+    return json_response({"object": "list", "data": data, "model": model,
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+

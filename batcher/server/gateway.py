@@ -1,0 +1,195 @@
+"""The gateway's state and the steps every generation request goes through: tokenize, check the
+context limit, admit against the tenant's token budget and the queue, register the request ID,
+run the engine requests (n choices) and merge their events."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from batcher.admission import Admission, Rejected, Ticket
+from batcher.engine import AsyncEngine, EngineEvent
+from batcher.metrics import Metrics
+from batcher.request import Priority, Request
+from batcher.server.auth import Authenticator, TenantConfig
+from batcher.server.errors import ApiError, invalid
+from batcher.server.protocol import GenerationSpec
+
+log = logging.getLogger(__name__)
+
+# Tokenize text this long in a worker thread so the event loop keeps answering.
+TOKENIZE_OFFLOAD_CHARS = 20_000
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    model_name: str
+    max_model_len: int
+    default_max_tokens: int = 1024
+    max_body_bytes: int = 4 * 2**20
+    shutdown_timeout: float = 30.0
+    version: str = "v1"
+
+
+@dataclass(slots=True)
+class Job:
+    """One admitted client request: its ticket and the engine requests (one per choice)."""
+
+    key: tuple[str, str]  # (tenant, client request id)
+    ticket: Ticket
+    requests: list[Request] = field(default_factory=list)
+
+
+class Gateway:
+    """Everything the handlers share. Lives on the event loop; no locks needed."""
+
+    def __init__(self, cfg: GatewayConfig, engine: AsyncEngine, auth: Authenticator,
+                 admission: Admission, metrics: Metrics, embedder: Any = None,
+                 embedder_name: str = "", embedder_tokens: Any = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.auth = auth
+        self.admission = admission
+        self.metrics = metrics
+        self.embedder = embedder  # a Batcher over the embedding model, or None
+        self.embedder_name = embedder_name
+        self.embedder_tokens = embedder_tokens  # texts -> token counts
+        self.jobs: dict[tuple[str, str], Job] = {}
+        self.draining = False
+        self.started_at = time.time()
+
+    # state ---------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        st = self.engine.state()
+        st["draining"] = self.draining
+        st["healthy"] = st["healthy"]
+        st["in_flight"] = len(self.jobs)
+        return st
+
+    def ready(self) -> tuple[bool, str]:
+        st = self.engine.state()
+        if self.draining:
+            return False, "draining"
+        if not st["healthy"]:
+            return False, st["error"] or "engine unhealthy"
+        return True, "ready"
+
+    def set_draining(self, draining: bool) -> None:
+        self.draining = draining
+        self.admission.set_draining(draining)
+
+    # steps of a generation request ------------------------------------------------------------
+    async def tokenize(self, spec: GenerationSpec) -> list[list[int]]:
+        def work() -> list[list[int]]:
+            if spec.chat:
+                return [self.tokenizer.apply_chat_template(spec.messages)]
+            return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in spec.prompts]
+
+        size = sum(len(p) for p in spec.prompts if isinstance(p, str)) + len(
+            str(spec.messages or ""))
+        try:
+            if size > TOKENIZE_OFFLOAD_CHARS:
+                out = await asyncio.get_running_loop().run_in_executor(None, work)
+            else:
+                out = work()
+        except ValueError as exc:
+            raise invalid(str(exc), "messages" if spec.chat else "prompt") from exc
+        for ids in out:
+            if not ids:
+                raise invalid("the prompt is empty", "messages" if spec.chat else "prompt")
+        return out
+
+    def fit_context(self, spec: GenerationSpec, prompts: list[list[int]]) -> None:
+        """Check prompt + max_tokens against the context; fill a default max_tokens for chat."""
+        limit = self.cfg.max_model_len
+        longest = max(len(p) for p in prompts)
+        if not spec.max_tokens_given and spec.chat:
+            spec.sampling.max_tokens = max(1, min(self.cfg.default_max_tokens, limit - longest))
+        need = longest + spec.sampling.max_tokens
+        if need > limit:
+            raise ApiError(400, f"this model's context is {limit} tokens; the prompt has "
+                           f"{longest} and max_tokens is {spec.sampling.max_tokens} "
+                           f"({need} in all)", param="max_tokens",
+                           code="context_length_exceeded")
+
+    def admit(self, tenant: TenantConfig, spec: GenerationSpec, prompts: list[list[int]],
+              client_id: str) -> Job:
+        key = (tenant.name, client_id)
+        if key in self.jobs:
+            raise ApiError(409, f"request id '{client_id}' is already in flight",
+                           param="X-Request-Id", code="duplicate_request_id")
+        copies = spec.n
+        prompt_tokens = sum(len(p) for p in prompts) * copies
+        max_tokens = spec.sampling.max_tokens * len(prompts) * copies
+        st = self.engine.scheduler
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in st.waiting)
+        try:
+            ticket = self.admission.admit(tenant, spec.priority, prompt_tokens, max_tokens,
+                                          st.num_waiting, waiting_tokens)
+        except Rejected as rej:
+            self.metrics.observe_rejected(rej.reason)
+            raise ApiError(rej.status, rej.message, code=rej.reason,
+                           retry_after=rej.retry_after) from None
+        except ValueError as exc:
+            raise invalid(str(exc), "max_tokens") from None
+        job = Job(key, ticket)
+        prio = Priority.BATCH if spec.priority == "batch" else Priority.INTERACTIVE
+        for i, ids in enumerate(p for p in prompts for _ in range(copies)):
+            sp = copy.copy(spec.sampling)
+            sp.stop = list(sp.stop)
+            if sp.seed is not None:
+                sp.seed += i  # n choices with one seed must still differ
+            job.requests.append(Request(f"{tenant.name}:{client_id}:{i}", ids, sp,
+                                        tenant=tenant.name, priority=prio))
+        self.jobs[key] = job
+        return job
+
+    def release(self, job: Job, generated: int) -> None:
+        if self.jobs.get(job.key) is job:
+            del self.jobs[job.key]
+        self.admission.release(job.ticket, generated)
+
+    def cancel(self, tenant: str, client_id: str) -> bool:
+        job = self.jobs.get((tenant, client_id))
+        if job is None:
+            return False
+        for r in job.requests:
+            self.engine.abort(r.request_id)
+        return True
+
+    async def events(self, job: Job) -> AsyncIterator[tuple[int, EngineEvent]]:
+        """(choice index, event) for every choice of the job, as they come. Leaving early
+        aborts every choice still running."""
+        if len(job.requests) == 1:
+            async for ev in self.engine.generate(job.requests[0]):
+                yield 0, ev
+            return
+        merged: asyncio.Queue[tuple[int, EngineEvent | BaseException]] = asyncio.Queue()
+
+        async def pump(i: int, req: Request) -> None:
+            try:
+                async for ev in self.engine.generate(req):
+                    merged.put_nowait((i, ev))
+            except Exception as exc:  # surfaced to the reader below
+                merged.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(job.requests)]
+        try:
+            done = 0
+            while done < len(tasks):
+                i, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    done += 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

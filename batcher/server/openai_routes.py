@@ -1,0 +1,244 @@
+"""POST /v1/completions and /v1/chat/completions: whole answers and SSE streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from batcher.core.outputs import TokenLogprobs
+from batcher.engine import EngineError, EngineEvent
+from batcher.futures import DuplicateRequestId
+from batcher.server.errors import ApiError, invalid
+from batcher.server.gateway import Gateway, Job
+from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
+from batcher.server.sse import DONE, sse_event
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, "the request body is too large", code="body_too_large") from exc
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+
+
+def engine_refusal(exc: Exception) -> ApiError:
+    """The engine refused a request before running it."""
+    if isinstance(exc, DuplicateRequestId):
+        return ApiError(409, "request id already in flight", code="duplicate_request_id")
+    if isinstance(exc, ValueError):
+        return invalid(str(exc), None)
+    return ApiError(503, f"the engine cannot serve: {exc}", code="engine_error", retry_after=5)
+
+
+class Choice:
+    """Accumulates one choice's text, tokens and logprobs."""
+
+    __slots__ = ("text", "tokens", "logprobs", "final")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs | None] = []
+        self.final: EngineEvent | None = None
+
+
+class GenerationHandler:
+    def __init__(self, gw: Gateway, chat: bool):
+        self.gw = gw
+        self.chat = chat
+        self.object = "chat.completion" if chat else "text_completion"
+        self.prefix = "chatcmpl-" if chat else "cmpl-"
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        gw = self.gw
+        body = await read_json(request)
+        spec = parse_generation(body, self.chat, {gw.cfg.model_name}, gw.tokenizer.vocab_size)
+        prompts = await gw.tokenize(spec)
+        gw.fit_context(spec, prompts)
+        tenant = request["tenant"]
+        rid: str = request["request_id"]
+        job = gw.admit(tenant, spec, prompts, rid)
+        generated = 0
+        try:
+            if spec.stream:
+                return await self._stream(request, spec, job)
+            choices = await self._collect(spec, job)
+            generated = sum(len(c.tokens) for c in choices)
+            return web.Response(body=orjson.dumps(self._whole(spec, rid, choices)),
+                                content_type="application/json",
+                                headers={"X-Replica-State": request["state_header"]()})
+        finally:
+            gw.release(job, generated or sum(r.num_output_tokens for r in job.requests))
+
+    # whole answers -----------------------------------------------------------------------------
+    async def _collect(self, spec: GenerationSpec, job: Job) -> list[Choice]:
+        choices = [Choice() for _ in job.requests]
+        try:
+            async with asyncio.timeout(spec.timeout):
+                async for i, ev in self.gw.events(job):
+                    c = choices[i]
+                    c.text.append(ev.text)
+                    c.tokens += ev.token_ids
+                    c.logprobs += ev.logprobs
+                    if ev.finished:
+                        c.final = ev
+        except TimeoutError:
+            raise ApiError(504, f"the request's deadline of {spec.timeout:g}s passed",
+                           param="timeout", code="deadline_exceeded") from None
+        except (ValueError, EngineError) as exc:
+            raise engine_refusal(exc) from None
+        for c in choices:
+            if c.final is not None and c.final.finish_reason in ("error", "abort"):
+                reason = c.final.error or "the request was cancelled"
+                raise ApiError(503, reason, code="engine_error", retry_after=1)
+        return choices
+
+    def _whole(self, spec: GenerationSpec, rid: str, choices: list[Choice]) -> dict[str, Any]:
+        out = []
+        prompt = completion = cached = 0
+        seen_prompts = set()
+        for i, c in enumerate(choices):
+            fin = c.final
+            assert fin is not None
+            text = "".join(c.text)
+            lp = self._logprobs(spec, c.tokens, c.logprobs, text)
+            item: dict[str, Any] = {"index": i, "logprobs": lp,
+                                    "finish_reason": fin.finish_reason}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            if fin.stop_reason is not None:
+                item["stop_reason"] = fin.stop_reason
+            out.append(item)
+            completion += fin.num_output_tokens
+            p = i // spec.n
+            if p not in seen_prompts:  # n copies of one prompt count it once
+                seen_prompts.add(p)
+                prompt += fin.num_prompt_tokens
+                cached += fin.num_cached_tokens
+        return {"id": self.prefix + rid, "object": self.object, "created": now_s(),
+                "model": spec.model, "choices": out, "usage": usage(prompt, completion, cached)}
+
+    # streams -------------------------------------------------------------------------------
+    async def _stream(self, request: web.Request, spec: GenerationSpec, job: Job
+                      ) -> web.StreamResponse:
+        rid = request["request_id"]
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", "X-Request-Id": rid,
+            "X-Replica-State": request["state_header"]()})
+        # NOTE: a request the engine refuses must fail with a status, before any byte is sent.
+        events = self.gw.events(job)
+        first: tuple[int, EngineEvent] | None = None
+        try:
+            async with asyncio.timeout(spec.timeout) as deadline:
+                try:
+                    first = await anext(events)
+                except (ValueError, EngineError) as exc:
+                    raise engine_refusal(exc) from None
+                await resp.prepare(request)
+                base = {"id": self.prefix + rid, "object": self.object + ".chunk"
+                        if self.chat else self.object, "created": now_s(), "model": spec.model}
+                if self.chat:
+                    for i in range(len(job.requests)):
+                        await resp.write(sse_event(self._chunk(base, i, role=True)))
+                totals = [0, 0, 0]
+                prompts_seen: set[int] = set()
+                item: tuple[int, EngineEvent] | None = first
+                while item is not None:
+                    i, ev = item
+                    if ev.finish_reason in ("error", "abort"):
+                        await resp.write(sse_event(self._error(ev)))
+                        break
+                    lp = self._logprobs(spec, ev.token_ids, ev.logprobs, ev.text)
+                    if ev.text or ev.finished or lp:
+                        await resp.write(sse_event(self._chunk(
+                            base, i, text=ev.text, logprobs=lp,
+                            finish=ev.finish_reason, stop_reason=ev.stop_reason)))
+                    if ev.finished:
+                        totals[1] += ev.num_output_tokens
+                        if i // spec.n not in prompts_seen:
+                            prompts_seen.add(i // spec.n)
+                            totals[0] += ev.num_prompt_tokens
+                            totals[2] += ev.num_cached_tokens
+                    item = await anext(events, None)
+                else:
+                    if spec.include_usage:
+                        await resp.write(sse_event(dict(base, choices=[],
+                                                        usage=usage(*totals))))
+                deadline.reschedule(None)
+        except TimeoutError:
+            if not resp.prepared:
+                raise ApiError(504, f"the request's deadline of {spec.timeout:g}s passed",
+                               param="timeout", code="deadline_exceeded") from None
+            err = ApiError(504, f"the request's deadline of {spec.timeout:g}s passed",
+                           code="deadline_exceeded")
+            with contextlib.suppress(ConnectionError):
+                await resp.write(sse_event(err.body()))
+        finally:
+            await events.aclose()
+        with contextlib.suppress(ConnectionError):
+            await resp.write(DONE)
+            await resp.write_eof()
+        return resp
+
+    def _chunk(self, base: dict[str, Any], index: int, text: str = "", role: bool = False,
+               logprobs: Any = None, finish: str | None = None,
+               stop_reason: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text else {})
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs,
+                      "finish_reason": finish}
+        if stop_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return dict(base, choices=[choice])
+
+    @staticmethod
+    def _error(ev: EngineEvent) -> dict[str, Any]:
+        msg = ev.error or "the request was cancelled"
+        err = ApiError(503, f"{msg} after {ev.num_output_tokens} tokens", code="engine_error")
+        body = err.body()
+        body["error"]["tokens_sent"] = ev.num_output_tokens
+        return body
+
+    # logprobs --------------------------------------------------------------------------------
+    def _logprobs(self, spec: GenerationSpec, tokens: list[int],
+                  lps: list[TokenLogprobs | None], text: str) -> Any:
+        if spec.logprobs is None or not tokens:
+            return None
+        dec = self.gw.tokenizer.decode
+        if self.chat:
+            content = []
+            for t, lp in zip(tokens, lps):
+                if lp is None:
+                    continue
+                tok = dec([t])
+                content.append({"token": tok, "logprob": lp.logprob,
+                                "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": dec([a]), "logprob": b,
+                                                  "bytes": list(dec([a]).encode())}
+                                                 for a, b in lp.top]})
+            return {"content": content}
+        toks, token_lps, tops, offsets, off = [], [], [], [], 0
+        for t, lp in zip(tokens, lps):
+            tok = dec([t])
+            toks.append(tok)
+            offsets.append(off)
+            off += len(tok)
+            token_lps.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {dec([a]): b for a, b in lp.top})
+        return {"tokens": toks, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
