@@ -137,7 +137,8 @@ class Gateway:
             raise ApiError(rej.status, rej.message, code=rej.reason,
                            retry_after=rej.retry_after) from None
         except ValueError as exc:
-            raise invalid(str(exc), "max_tokens") from None
+            param = "priority" if "priority" in str(exc) else "max_tokens"
+            raise invalid(str(exc), param) from None
         job = Job(key, ticket)
         prio = Priority.BATCH if spec.priority == "batch" else Priority.INTERACTIVE
         for i, ids in enumerate(p for p in prompts for _ in range(copies)):
@@ -154,6 +155,10 @@ class Gateway:
         if self.jobs.get(job.key) is job:
             del self.jobs[job.key]
         self.admission.release(job.ticket, generated)
+        first = job.requests[0] if job.requests else None
+        if first is not None and first.finished_time and first.first_scheduled_time:
+            # Mean service time per request: the concurrency 429's Retry-After.
+            self.admission.observe_service(first.finished_time - first.first_scheduled_time)
 
     def cancel(self, tenant: str, client_id: str) -> bool:
         job = self.jobs.get((tenant, client_id))

@@ -1,0 +1,184 @@
+"""Which KV blocks each request holds: prefix-cache hits, slot allocation, freeing, fit checks.
+
+The runner addresses KV by block id: token position `p` of a request lives in block
+`request.block_ids[p // block_size]` at offset `p % block_size`. Every id below `num_blocks` is a
+real block (no reserved null block), so a runner that pads block tables must mask the padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batcher.core.block_pool import BlockHash, BlockPool, PrefixCacheStats, hash_block_tokens
+from batcher.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class _ReqState:
+    """Per-request bookkeeping that survives between steps (dropped by `free`)."""
+
+    hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks
+    num_cached_blocks: int = 0  # leading blocks already registered in (or hit from) the cache
+
+
+class KVCacheManager:
+    """Allocates blocks to requests. Pure bookkeeping: it never sees a tensor.
+
+    Contract with the scheduler: `get_computed_blocks` then `allocate_slots(..., computed_blocks)`
+    when a request is admitted (and then the scheduler sets `num_computed_tokens` to the hit
+    length); `allocate_slots(request, n)` before each later step; `cache_full_blocks` after each
+    step; `free` exactly once when the request finishes, is aborted or is preempted.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._state: dict[str, _ReqState] = {}
+        self._holders: dict[str, Request] = {}  # requests holding blocks, for integrity checks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation could take now (free plus evictable cached)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks in use by requests, 0..1 (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        return self.pool.stats
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a new sequence of `num_tokens` fits in the free blocks right now, ignoring
+        prefix hits (conservative: a hit only lowers the need)."""
+        return self.blocks_needed(num_tokens) <= self.pool.num_free_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest chain of cached full blocks matching the request's leading tokens, as
+        (block ids, number of tokens they cover). Takes no references (`allocate_slots` does).
+
+        NOTE: the hit stops short of the last token, so a full-prompt hit still computes at least
+        one token and yields logits; when the prompt ends on a block boundary the whole last block
+        is recomputed rather than writing into a block that other requests share.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hashes = self._hashes(request, max_blocks)
+        tokens = request.token_ids
+        block_ids: list[int] = []
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            block = self.pool.lookup(hashes[i], parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            block_ids.append(block.block_id)
+            parent = hashes[i]
+        return block_ids, len(block_ids) * bs
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Grow `request.block_ids` so that it covers `num_computed_tokens` (plus the hit blocks)
+        plus `num_new_tokens`. With `computed_blocks` (an admission: the request holds nothing),
+        take a reference to each hit block first. Returns False and changes nothing when the free
+        blocks are too few."""
+        computed = computed_blocks or []
+        assert not computed or (not request.block_ids and request.num_computed_tokens == 0)
+        bs = self.block_size
+        num_tokens = request.num_computed_tokens + len(computed) * bs + num_new_tokens
+        assert num_tokens <= request.num_tokens, "cannot compute tokens not yet sampled"
+        held = len(request.block_ids) + len(computed)
+        num_fresh = max(0, cdiv(num_tokens, bs) - held)
+        # NOTE: a hit on a cached (ref 0) block takes it out of the free LRU, so it cannot count
+        # towards the fresh blocks as well.
+        blocks = self.pool.blocks
+        num_hits_in_lru = sum(1 for b in computed if blocks[b].ref_count == 0)
+        if num_fresh > self.pool.num_free_blocks - num_hits_in_lru:
+            return False
+        if computed_blocks is not None and self.enable_prefix_caching:
+            self.pool.record_query(request.num_tokens, len(computed) * bs)
+        state = self._state.setdefault(request.request_id, _ReqState())
+        if computed:
+            # NOTE: touch hits before allocating, so the allocation cannot evict them.
+            self.pool.touch(computed)
+            request.block_ids.extend(computed)
+            state.num_cached_blocks = len(computed)
+        if num_fresh:
+            request.block_ids.extend(self.pool.allocate(num_fresh))
+        if request.block_ids:
+            self._holders[request.request_id] = request
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache (after a step
+        advanced `num_computed_tokens`), so later requests with the same prefix can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        state = self._state.get(request.request_id)
+        if state is None:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        if num_full <= state.num_cached_blocks:
+            return
+        hashes = self._hashes(request, num_full)
+        tokens = request.token_ids
+        for i in range(state.num_cached_blocks, num_full):
+            self.pool.cache_block(
+                request.block_ids[i],
+                hashes[i],
+                hashes[i - 1] if i else None,
+                tuple(tokens[i * bs : (i + 1) * bs]),
+            )
+        state.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (tail first, so tails are evicted first) and
+        forget its bookkeeping. Registered blocks keep their hashes until reused."""
+        self.pool.free(reversed(request.block_ids))
+        # NOTE: a new list, not clear(): the last step's ScheduledSeq may still refer to the old.
+        request.block_ids = []
+        self._state.pop(request.request_id, None)
+        self._holders.pop(request.request_id, None)
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants and that every ref count equals the number of requests
+        holding that block."""
+        refs: dict[int, int] = {}
+        for req in self._holders.values():
+            assert len(set(req.block_ids)) == len(req.block_ids), req.request_id
+            for bid in req.block_ids:
+                assert 0 <= bid < self.pool.num_blocks, bid
+                refs[bid] = refs.get(bid, 0) + 1
+        self.pool.check_integrity(refs)
+
+    def holders(self) -> set[str]:
+        """IDs of the requests that hold blocks."""
+        return set(self._holders)
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the request's first `num_blocks` full blocks, computed once."""
+        state = self._state.setdefault(request.request_id, _ReqState())
+        hashes, bs, tokens = state.hashes, self.block_size, request.token_ids
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+        return hashes

@@ -1,0 +1,344 @@
+"""One scheduling loop under a token budget: running requests first, then waiting ones.
+
+There is no prefill phase. Each request has `num_computed_tokens`; each step hands out up to
+`max_num_batched_tokens` tokens to at most `max_num_seqs` sequences: a decode is one token, a prompt
+(or a preempted request's recompute) is a chunk of whatever budget is left. When a running request
+cannot get a block, the lowest-priority, newest running request is preempted (recomputed later).
+Finish, abort and preemption all release resources through `_free`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from batcher.config import SchedulerConfig
+from batcher.core.kv_cache_manager import KVCacheManager
+from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from batcher.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step produced for one request: new tokens (and logprobs), and its status after
+    them (`finished` once it stopped; its blocks are already freed then)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    status: RequestStatus
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Cumulative counters (metrics take differences)."""
+
+    preemptions: int = 0
+    prompt_tokens_computed: int = 0  # prompt positions run through the model, recompute included
+    generated_tokens: int = 0
+    steps: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+
+
+def _running_key(req: Request) -> tuple[int, float]:
+    return (req.priority, req.arrival_time)
+
+
+def _waiting_key(req: Request) -> tuple[int, int, float]:
+    # NOTE: a preempted request goes to the head of its priority class: it already waited, and
+    # its prefix is probably still cached.
+    return (req.priority, 0 if req.num_preemptions else 1, req.arrival_time)
+
+
+class Scheduler:
+    """Decides each step's work. Not thread-safe: call it from the engine's loop only.
+
+    Per step: `schedule()` -> run the model -> `update(out, runner_out)`; `finish()` between
+    steps. `abort()` may be called at any time: the request is freed at the next `schedule()`,
+    because the runner may still be reading the current step's blocks.
+    """
+
+    def __init__(
+        self,
+        sched_config: SchedulerConfig,
+        kv: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+        debug_checks: bool = False,
+    ) -> None:
+        self.config = sched_config.validate()
+        self.kv = kv
+        self.clock = clock
+        self.debug_checks = debug_checks
+        self.stats = SchedulerStats()
+        # Sorted by `_waiting_key`; `running` by `_running_key`, so its tail is the next victim.
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._pending_aborts: dict[str, None] = {}
+        self._freed_ids: list[str] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id (finished ones are forgotten)."""
+        return self._requests.get(request_id)
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. Raises ValueError (a client error) when it can never run: a
+        duplicate id, an empty prompt, prompt + max_tokens over `max_model_len`, or more KV than
+        the whole pool holds."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        if req.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        req.sampling.validate()
+        total = req.num_prompt_tokens + req.sampling.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                f"({req.sampling.max_tokens}) exceeds the model's {self.config.max_model_len}"
+            )
+        # NOTE: the last sampled token is never fed back, so it needs no KV slot.
+        if self.kv.blocks_needed(total - 1) > self.kv.num_total_blocks:
+            raise ValueError(f"the request needs more KV than this server holds ({total} tokens)")
+        assert req.status is RequestStatus.WAITING and not req.block_ids
+        assert req.num_computed_tokens == 0 and req.num_tokens == req.num_prompt_tokens
+        self._requests[req.request_id] = req
+        bisect.insort(self.waiting, req, key=_waiting_key)
+
+    def abort(self, request_id: str) -> bool:
+        """Queue an abort; the request is freed at the start of the next `schedule()` and gets no
+        further updates. Returns whether the id was known (unfinished)."""
+        if request_id not in self._requests:
+            return False
+        self._pending_aborts[request_id] = None
+        return True
+
+    def finish(self, request_id: str, status: RequestStatus) -> bool:
+        """End a request now (e.g. a stop string matched on text), between steps. Returns whether
+        the id was known (unfinished)."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._free(req, status)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences. Decodes come first in the output, then prefill chunks."""
+        for request_id in self._pending_aborts:
+            req = self._requests.get(request_id)
+            if req is not None:
+                self._free(req, RequestStatus.FINISHED_ABORTED)
+        self._pending_aborts.clear()
+
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted = False
+
+        # Running requests, highest priority and oldest first.
+        # NOTE: a prefill chunk leaves one token of budget for each decode behind it, so a long
+        # prompt of a high-priority request never stalls the streams already decoding.
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        i = 0
+        while i < len(self.running) and budget > 0 and len(seqs) < cfg.max_num_seqs:
+            req = self.running[i]
+            if req.num_tokens - req.num_computed_tokens == 1:
+                decodes_left -= 1
+                num_new = 1
+            elif budget > decodes_left:
+                num_new = self._chunk(req, req.num_computed_tokens, budget - decodes_left)
+            else:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                # NOTE: the tail of `running` is the lowest-priority, newest request; it is never
+                # one scheduled earlier in this loop, so no budget needs refunding.
+                victim = self.running[-1]
+                if victim is not req and victim.num_tokens - victim.num_computed_tokens == 1:
+                    decodes_left -= 1
+                self._free(victim, RequestStatus.WAITING)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                seqs.append(self._seq(req, num_new))
+                budget -= num_new
+                i += 1
+
+        # Waiting requests by (priority, arrival); none in a step that preempted, because the
+        # freed blocks were needed by the running ones (admitting would just thrash).
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
+        ):
+            req = self.waiting[0]
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            num_new = self._chunk(req, num_hit, budget)
+            if not self.kv.allocate_slots(req, num_new, computed):
+                # NOTE: strict order: a large request at the head is not overtaken forever.
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+            self.stats.prefix_hit_tokens += num_hit
+            self.stats.prefix_query_tokens += req.num_tokens
+            bisect.insort(self.running, req, key=_running_key)
+            seqs.append(self._seq(req, num_new))
+            budget -= num_new
+
+        # NOTE: stable partition; ScheduledSeq.is_decode also covers a 1-token tail chunk after a
+        # full prefix hit, which is the same computation as a decode.
+        out = SchedulerOutput(
+            seqs=[s for s in seqs if s.is_decode] + [s for s in seqs if not s.is_decode],
+            freed_ids=self._freed_ids,
+        )
+        self._freed_ids = []
+        self.stats.steps += 1
+        if self.debug_checks:
+            self.check_integrity()
+        return out
+
+    def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestUpdate]:
+        """Apply a step's results: advance `num_computed_tokens`, register newly full blocks in the
+        prefix cache, append sampled tokens and stop requests that are done (their blocks are
+        freed at once). Output for a request finished or aborted meanwhile is dropped."""
+        ids, tokens = runner_out.request_ids, runner_out.token_ids
+        # NOTE: a runner with logprobs off may leave the list empty.
+        lps = runner_out.logprobs if runner_out.logprobs else [None] * len(tokens)
+        sampled = dict(zip(ids, zip(tokens, lps, strict=True), strict=True))
+        updates: list[RequestUpdate] = []
+        now: float | None = None
+        for seq in sched_out.seqs:
+            req = self._requests.get(seq.request_id)
+            if (
+                req is None
+                or req.status is not RequestStatus.RUNNING
+                or seq.request_id in self._pending_aborts
+            ):
+                continue
+            assert req.num_computed_tokens == seq.start_pos, (req.request_id, seq.start_pos)
+            req.num_computed_tokens += seq.num_tokens
+            self.stats.prompt_tokens_computed += max(
+                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
+            )
+            self.kv.cache_full_blocks(req)
+            if not seq.sample:
+                continue
+            assert seq.request_id in sampled, f"runner returned no token for {seq.request_id}"
+            token, lp = sampled[seq.request_id]
+            req.append_token(token)
+            self.stats.generated_tokens += 1
+            if req.first_token_time is None:
+                now = self.clock() if now is None else now
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._free(req, status)
+            updates.append(RequestUpdate(req.request_id, [token], [lp], req.status))
+        if self.debug_checks:
+            self.check_integrity()
+        return updates
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's and the KV manager's invariants (cheap enough for tests)."""
+        assert len(self.running) + len(self.waiting) == len(self._requests)
+        assert len(self.running) <= self.config.max_num_seqs
+        bs = self.kv.block_size
+        for req in self.running:
+            assert req.status is RequestStatus.RUNNING, req.request_id
+            assert self._requests.get(req.request_id) is req
+            assert req.num_computed_tokens < req.num_tokens, req.request_id
+            assert len(req.block_ids) >= -(-req.num_computed_tokens // bs), req.request_id
+        for req in self.waiting:
+            assert req.status is RequestStatus.WAITING, req.request_id
+            assert self._requests.get(req.request_id) is req
+            assert not req.block_ids and req.num_computed_tokens == 0, req.request_id
+        assert self.running == sorted(self.running, key=_running_key)
+        assert self.waiting == sorted(self.waiting, key=_waiting_key)
+        assert self.kv.holders() == {r.request_id for r in self.running}
+        self.kv.check_integrity()
+
+    def _chunk(self, req: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute for `req` this step: the rest of it, capped by the budget and, for a
+        prefill, by `long_prefill_token_threshold`, so running streams keep getting tokens."""
+        num_new = min(req.num_tokens - num_computed, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        assert num_new > 0, req.request_id
+        return num_new
+
+    def _seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start : start + num_new],
+            start_pos=start,
+            # NOTE: a copy: the runner reads it while the next step may grow the request's list.
+            block_ids=list(req.block_ids),
+            sample=start + num_new == req.num_tokens,
+            sampling=req.sampling,
+            output_index=req.num_output_tokens,
+        )
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """FINISHED_STOPPED on EOS (unless ignore_eos) or a stop token id, once more than
+        `min_tokens` were generated; else FINISHED_LENGTH at max_tokens or max_model_len.
+        NOTE: a stop token that is also the last allowed one reports "stop", the truer reason.
+        The sampler is expected to mask stop tokens below `min_tokens`; if it does not, such a
+        token is kept as an ordinary one."""
+        sp = req.sampling
+        if req.num_output_tokens > sp.min_tokens and (
+            (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        """The one exit: release the request's blocks and move it out of `running`/`waiting`.
+        `status` WAITING means preemption: it goes back to the head of the queue to recompute
+        prompt + output so far. Any other status finishes it and forgets it."""
+        self.kv.free(req)
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._freed_ids.append(req.request_id)
+        if status is RequestStatus.WAITING:
+            req.status = RequestStatus.WAITING
+            req.num_computed_tokens = 0
+            req.num_preemptions += 1
+            self.stats.preemptions += 1
+            bisect.insort(self.waiting, req, key=_waiting_key)
+        else:
+            req.status = status
+            req.finished_time = self.clock()
+            del self._requests[req.request_id]
