@@ -55,6 +55,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--version", default="v1", help="version label reported in /v1/state "
       "(default: %(default)s)")
     a("--log-level", default="info", help="(default: %(default)s)")
+    a("--router", action="append", default=[], help="router URL to heartbeat /v1/state to "
+      "about once a second (repeatable; joins that router's fleet)")
+    a("--advertise-url", default=None, help="URL routers should use for this replica "
+      "(default: http://HOST:PORT)")
+    a("--replica-id", default=None, help="stable replica name (default: HOST:PORT)")
+    fake = p.add_argument_group("fake model (--model fake)")
+    fake.add_argument("--fake-prefill-rate", type=float, default=20_000.0,
+                      help="simulated prefill tokens/s (default: %(default)s)")
+    fake.add_argument("--fake-decode-step-ms", type=float, default=20.0,
+                      help="simulated decode step time (default: %(default)s)")
+    fake.add_argument("--fake-fault", default="none",
+                      choices=["none", "hang", "crash", "slow", "error"],
+                      help="inject a fault after --fake-fault-after-steps (default: %(default)s)")
+    fake.add_argument("--fake-fault-after-steps", type=int, default=0,
+                      help="(default: %(default)s)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,6 +120,13 @@ async def run_server(args: argparse.Namespace) -> int:
         await admin_runner.setup()
         await web.TCPSite(admin_runner, args.admin_host, args.admin_port).start()
     gw = app[GATEWAY]
+    beats = None
+    if args.router:
+        from batcher.fleet.heartbeat import heartbeat_loop
+
+        url = args.advertise_url or f"http://{args.host}:{args.port}"
+        beats = asyncio.get_running_loop().create_task(heartbeat_loop(
+            gw.state, args.router, args.replica_id or f"{args.host}:{args.port}", url))
     log.info("serving %s on http://%s:%d", gw.cfg.model_name, args.host, args.port)
     print(f"batcher: serving {gw.cfg.model_name} on http://{args.host}:{args.port}", flush=True)
     stop = asyncio.Event()
@@ -136,6 +143,8 @@ async def run_server(args: argparse.Namespace) -> int:
         log.warning("shutdown timeout: ending %d requests with an error", len(gw.jobs))
         await gw.engine.stop("the server shut down before this request finished")
         await asyncio.sleep(0.1)  # let handlers write their final error events
+    if beats is not None:
+        beats.cancel()
     if admin_runner is not None:
         await admin_runner.cleanup()
     await runner.cleanup()

@@ -1,0 +1,91 @@
+"""`--model fake`: a deterministic runner behind the real engine, scheduler and block pool.
+
+Only the model step is simulated: it sleeps for a time given by prefill and decode rates and
+returns tokens that depend only on (last token, position), so a request re-prefilled elsewhere
+(failover `resume`) continues with the same tokens. Fault switches let fleet tests make a replica
+hang, crash, slow down or fail. Many such replicas fit on two cores."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from batcher.core.outputs import RunnerOutput, SchedulerOutput
+
+FAULTS = ("none", "hang", "crash", "slow", "error")
+_FIRST_TOKEN = 300  # skip special and byte tokens so the text is plain
+
+
+@dataclass(slots=True)
+class FakeSpeed:
+    prefill_tokens_per_s: float = 20_000.0
+    decode_step_s: float = 0.02  # one step with any number of decodes (memory-bound)
+    per_seq_s: float = 0.0002  # extra per decoding sequence
+
+
+class FakeRunner:
+    """Implements the engine's Runner protocol without a model."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int,
+                 speed: FakeSpeed | None = None, fault: str = "none", fault_after_steps: int = 0):
+        if fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.speed = speed or FakeSpeed()
+        self.fault = fault
+        self.fault_after_steps = fault_after_steps
+        self.steps = 0
+        self._hang = threading.Event()
+
+    def next_token(self, last_token: int, position: int) -> int:
+        span = self.vocab_size - _FIRST_TOKEN - 1
+        return _FIRST_TOKEN + (last_token * 7919 + position * 104729) % span
+
+    def step_seconds(self, sched: SchedulerOutput) -> float:
+        sp = self.speed
+        prefill = sum(s.num_tokens for s in sched.seqs if s.num_tokens > 1)
+        decodes = sum(1 for s in sched.seqs if s.num_tokens == 1)
+        return sp.decode_step_s + decodes * sp.per_seq_s + prefill / sp.prefill_tokens_per_s
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.steps += 1
+        seconds = self.step_seconds(sched)
+        if self.fault != "none" and self.steps > self.fault_after_steps:
+            if self.fault == "hang":
+                self._hang.wait()  # never set: a wedged engine
+            elif self.fault == "crash":
+                os._exit(70)
+            elif self.fault == "slow":
+                seconds *= 20
+            elif self.fault == "error":
+                raise RuntimeError("injected model fault")
+        time.sleep(seconds)
+        out = RunnerOutput()
+        for s in sched.seqs:
+            if s.sample:
+                pos = s.start_pos + s.num_tokens - 1
+                out.request_ids.append(s.request_id)
+                out.token_ids.append(self.next_token(s.token_ids[-1], pos))
+                out.logprobs.append(None)
+        return out
+
+
+def build_fake_engine(args, sched, cache, metrics):
+    """The real AsyncEngine over a FakeRunner (for `batcher serve --model fake`)."""
+    from batcher.engine import AsyncEngine
+    from batcher.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    speed = FakeSpeed(prefill_tokens_per_s=args.fake_prefill_rate,
+                      decode_step_s=args.fake_decode_step_ms / 1000)
+    runner = FakeRunner(cache.num_blocks or 4096, cache.block_size, tok.vocab_size, speed,
+                        args.fake_fault, args.fake_fault_after_steps)
+    sched.max_model_len = args.max_model_len
+    return AsyncEngine(runner, tok, sched.validate(), cache.enable_prefix_caching,
+                       metrics=metrics, version=args.version)
+
+
