@@ -42,6 +42,9 @@ class AttentionMetadata:
     decode_max_blocks: int = 0
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Fused path (CUDA + Triton): a kernel reads blocks in place, no gather; set both or neither.
+    decode_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int32
     # Fold GQA into the query length for decode rows: one-token `enable_gqa` SDPA takes a much
     # slower kernel path on CPU in bf16; in fp32 `enable_gqa` is as fast or faster.
     fold_gqa: bool = True
@@ -70,6 +73,11 @@ def _decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tenso
     # q: [D, heads, head_dim] -> [D, heads * head_dim]
     k_cache, v_cache = kv_cache
     d_rows, heads, hd = q.shape
+    if meta.decode_tables is not None:
+        from batcher.runtime.triton_attention import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
+                                      meta.decode_lens).view(d_rows, heads * hd)
     kvh = k_cache.shape[2]
     table = meta.decode_block_table
     assert table is not None and meta.decode_mask is not None

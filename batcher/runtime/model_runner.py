@@ -17,26 +17,42 @@ class ModelRunner:
     multi-token prefill chunks; positions, slot mapping, block tables and masks are built once per
     step for all layers."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 attention_backend: str = "auto", cuda_graphs: bool = True,
+                 max_graph_batch: int = 256, max_model_len: int = 8192):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype,
-                                           loaded.device)
+        self.backend = resolve_backend(attention_backend, loaded.device)
+        use_graphs = cuda_graphs and self.backend == "triton"
+        # One scratch block past the pool takes the writes of padded graph rows.
+        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks + int(use_graphs),
+                                           block_size, loaded.dtype, loaded.device)
         self.sampler = Sampler()
         # NOTE: one-token SDPA with enable_gqa is several times slower on CPU in reduced
         # precision; in fp32 it is the faster choice.
         self.fold_gqa = loaded.dtype != torch.float32 or loaded.device.type != "cpu"
+        self.graphs = None
+        if use_graphs:
+            from batcher.runtime.cuda_graphs import DecodeGraphs, graph_sizes
+
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, block_size, num_blocks,
+                                       -(-max_model_len // block_size),
+                                       graph_sizes(max_graph_batch), self.device)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
         if sched.is_empty:
             return RunnerOutput()
-        ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched)
-        logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
+        if self.graphs is not None and self.graphs.can_run(sched):
+            logits = self.graphs.run(sched)  # decode-only: every row samples, in order
+            sample_seqs = sched.seqs
+        else:
+            ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched)
+            logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
         if not sample_seqs:
             return RunnerOutput()
         tokens, logprobs = self.sampler.sample(logits, sample_seqs)
@@ -87,14 +103,35 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         ctx_lens = [s.start_pos + 1 for s in decodes]
         max_blocks = -(-max(ctx_lens) // bs)
+        meta.num_decodes = len(decodes)
+        if self.backend == "triton":
+            rows = [s.block_ids[:-(-c // bs)] for s, c in zip(decodes, ctx_lens)]
+            rows = [r + [0] * (max_blocks - len(r)) for r in rows]
+            meta.decode_tables = torch.tensor(rows, dtype=torch.int32, device=dev)
+            meta.decode_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+            return
         flat: list[int] = []
         for s, ctx in zip(decodes, ctx_lens):
             used = s.block_ids[:-(-ctx // bs)]
             # Pad with the sequence's own first block; padded keys are masked out.
             flat.extend(used + [used[0]] * (max_blocks - len(used)))
-        meta.num_decodes = len(decodes)
         meta.decode_max_blocks = max_blocks
         meta.decode_block_table = torch.tensor(flat, dtype=torch.long, device=dev)
         lens = torch.tensor(ctx_lens, device=dev)
         keys = torch.arange(max_blocks * bs, device=dev)
         meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """`auto`: the fused Triton decode kernel on CUDA when Triton imports, else the torch path."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; use auto, torch or triton")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if name == "triton":
+            raise ValueError("attention backend 'triton' needs the triton package") from None
+        return "torch"
+    return "triton"
