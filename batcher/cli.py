@@ -7,7 +7,12 @@ import asyncio
 import logging
 import sys
 
-from batcher.config import CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS
+from batcher.config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    CUDA_MAX_NUM_BATCHED_TOKENS,
+    CUDA_MAX_NUM_SEQS,
+)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -27,10 +32,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
     a("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     a("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    a("--max-num-seqs", type=int, default=CPU_MAX_NUM_SEQS,
-      help="most sequences in one step (default: %(default)s)")
-    a("--max-num-batched-tokens", type=int, default=CPU_MAX_NUM_BATCHED_TOKENS,
-      help="token budget of one step (default: %(default)s)")
+    a("--max-num-seqs", type=int, default=None,
+      help=f"most sequences in one step (default: {CPU_MAX_NUM_SEQS} on CPU, "
+      f"{CUDA_MAX_NUM_SEQS} on CUDA)")
+    a("--max-num-batched-tokens", type=int, default=None,
+      help=f"token budget of one step (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, "
+      f"{CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
+    a("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+      help="decode attention: the fused Triton kernel on CUDA when available (default: "
+      "%(default)s)")
+    a("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    a("--torch-threads", type=int, default=None, help="intra-op threads for the model "
+      "(default: all cores)")
     a("--max-model-len", type=int, default=8192, help="context limit, prompt + output "
       "(default: %(default)s, capped by the model)")
     a("--default-max-tokens", type=int, default=1024, help="chat max_tokens when the client "

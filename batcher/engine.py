@@ -116,7 +116,8 @@ class AsyncEngine:
 
     @classmethod
     def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
-                    cache_config: CacheConfig, **kw: Any) -> AsyncEngine:
+                    cache_config: CacheConfig, attention_backend: str = "auto",
+                    cuda_graphs: bool = True, **kw: Any) -> AsyncEngine:
         """Build the real model runner for a loaded model, sizing the KV pool from the budget."""
         from batcher.runtime.kv_cache import default_kv_budget
         from batcher.runtime.model_runner import ModelRunner
@@ -124,7 +125,10 @@ class AsyncEngine:
         cache_config.validate()
         per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
         num_blocks = cache_config.resolve_num_blocks(per_token, default_kv_budget(loaded.device))
-        runner = ModelRunner(loaded, num_blocks, cache_config.block_size)
+        runner = ModelRunner(loaded, num_blocks, cache_config.block_size,
+                             attention_backend=attention_backend, cuda_graphs=cuda_graphs,
+                             max_graph_batch=sched_config.max_num_seqs,
+                             max_model_len=sched_config.max_model_len)
         return cls(runner, tokenizer, sched_config,
                    enable_prefix_caching=cache_config.enable_prefix_caching, **kw)
 

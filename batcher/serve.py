@@ -13,7 +13,15 @@ import time
 from aiohttp import web
 
 from batcher.admission import Admission
-from batcher.config import CacheConfig, SchedulerConfig, parse_bytes
+from batcher.config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    CUDA_MAX_NUM_BATCHED_TOKENS,
+    CUDA_MAX_NUM_SEQS,
+    CacheConfig,
+    SchedulerConfig,
+    parse_bytes,
+)
 from batcher.engine import AsyncEngine
 from batcher.metrics import Metrics
 from batcher.server.admin import create_admin_app
@@ -29,8 +37,13 @@ def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
     """The engine for `--model` (blocking: loads weights)."""
     from batcher.tokenizer import load_tokenizer
 
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs or CPU_MAX_NUM_SEQS,
+                            max_num_batched_tokens=args.max_num_batched_tokens
+                            or CPU_MAX_NUM_BATCHED_TOKENS)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory=parse_bytes(args.kv_cache_memory)
                         if args.kv_cache_memory else None,
@@ -43,13 +56,16 @@ def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
 
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     sched.max_model_len = min(args.max_model_len, lm.config.max_position_embeddings)
-    if lm.device.type == "cuda" and args.max_num_batched_tokens is None:
-        sched.max_num_batched_tokens = 8192
+    if lm.device.type == "cuda":  # a GPU step takes far more work than a CPU one
+        sched.max_num_seqs = args.max_num_seqs or CUDA_MAX_NUM_SEQS
+        sched.max_num_batched_tokens = args.max_num_batched_tokens or CUDA_MAX_NUM_BATCHED_TOKENS
     tok = load_tokenizer(lm.tokenizer_source)
     log.info("model %s loaded in %.1fs (%s on %s)", lm.name, lm.load_seconds, lm.dtype,
              lm.device)
     return AsyncEngine.from_loaded(lm, tok, sched.validate(), cache, metrics=metrics,
-                                   version=args.version)
+                                   version=args.version,
+                                   attention_backend=args.attention_backend,
+                                   cuda_graphs=not args.no_cuda_graphs)
 
 
 def build_embedder(args: argparse.Namespace):
