@@ -1,0 +1,312 @@
+"""Tokenizer, chat template, and the incremental detokenizer.
+
+`load_tokenizer` reads the tokenizer of the bundled GGUF model (converted once, then cached on disk)
+or of a local Hugging Face folder. `IncrementalDetokenizer` turns sampled token ids into text deltas
+that are safe to stream: never half a UTF-8 character, never the start of a stop string that may
+still complete, and nothing after a stop string.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+# End-of-turn markers of common chat formats; a chat model stops at whichever its vocabulary has.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A thin wrapper over a Hugging Face fast tokenizer with the few calls the server needs.
+
+    Decoding never applies clean-up of tokenization spaces, so decoding a window of tokens and
+    decoding the whole sequence agree (the incremental detokenizer depends on that)."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        ids: list[int] = []
+        if hf_tokenizer.eos_token_id is not None:
+            ids.append(int(hf_tokenizer.eos_token_id))
+        ids.extend(int(i) for i in eos_token_ids)
+        if getattr(hf_tokenizer, "chat_template", None):
+            vocab = hf_tokenizer.get_vocab()
+            ids.extend(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        self._eos_token_ids = tuple(dict.fromkeys(ids))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end generation: the tokenizer's EOS plus, for chat models, the
+        end-of-turn token (e.g. `<|im_end|>`) and any EOS ids from `generation_config.json`."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (base vocabulary plus added tokens)."""
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds BOS/EOS where the tokenizer does so."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. An incomplete UTF-8 sequence at the end decodes as U+FFFD."""
+        return self.hf.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def apply_chat_template(self, messages: Any) -> list[int]:
+        """Prompt token ids for a chat, ending with the assistant's turn header.
+
+        `messages` is a list of `{"role": system|user|assistant|tool, "content": str | [{"type":
+        "text", "text": str}, ...]}`; text parts are joined with newlines. Raises ValueError on
+        any other shape, or when the model has no chat template or its template rejects the chat."""
+        chat = validate_messages(messages)
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use the completions endpoint")
+        try:
+            text = self.hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja2 TemplateError from the template's raise_exception()
+            raise ValueError(f"messages rejected by the chat template: {exc}") from exc
+        # The template writes BOS itself where the model wants one.
+        return self.encode(text, add_special_tokens=False)
+
+
+def validate_messages(messages: Any) -> list[dict[str, str]]:
+    """Check a chat's shape; return it as `[{"role": ..., "content": str}]`. ValueError if bad."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    chat: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ValueError(f"{where} must be an object with 'role' and 'content'")  # noqa: TRY004
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}")
+        content = msg.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise ValueError(
+                        f"{where}.content[{j}] must be {{'type': 'text', 'text': <string>}}"
+                    )
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        elif not isinstance(content, str):
+            problem = f"{where}.content must be a string or a list of text parts"
+            raise ValueError(problem)  # noqa: TRY004
+        chat.append({"role": role, "content": content})
+    return chat
+
+
+def load_tokenizer(
+    source: str | os.PathLike[str] | None = None, *, cache_dir: Path | None = None
+) -> Tokenizer:
+    """Load a tokenizer without touching the network.
+
+    `source` is a `.gguf` file (default: the bundled SmolLM2 model) or a local Hugging Face folder.
+    Converting a GGUF vocabulary takes seconds, so the converted tokenizer is saved under
+    `cache_dir` (default `$XDG_CACHE_HOME/batcher/tokenizers` or `~/.cache/batcher/tokenizers`),
+    keyed by the file's name, size and mtime, and loaded from there next time (~0.25 s)."""
+    from transformers import AutoTokenizer
+
+    if source is None:
+        from batcher.models.bundled import smollm2_gguf_path
+
+        source = smollm2_gguf_path()
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return Tokenizer(_load_gguf(path, cache_dir or default_cache_dir()))
+    if not path.is_dir():
+        raise FileNotFoundError(f"no tokenizer at {path}: expected a .gguf file or a folder")
+    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return Tokenizer(hf, _generation_eos_ids(path))
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "batcher" / "tokenizers"
+
+
+def _load_gguf(path: Path, cache_root: Path) -> Any:
+    from transformers import AutoTokenizer, __version__
+
+    st = path.stat()
+    key = f"{path.name}|{st.st_size}|{st.st_mtime_ns}|transformers-{__version__}"
+    cached = cache_root / hashlib.sha256(key.encode()).hexdigest()[:20]
+    if cached.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 (a damaged cache entry: rebuild it)
+            logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    tmp: Path | None = None
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        # Write to a temporary folder and rename, so concurrent processes never read half a cache.
+        tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))
+        hf.save_pretrained(str(tmp))
+        tmp.rename(cached)  # fails if another process got there first: its copy is as good
+        tmp = None
+    except OSError as exc:
+        if not cached.is_dir():
+            logger.warning("could not cache the converted tokenizer in %s: %s", cache_root, exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return hf
+
+
+def _generation_eos_ids(folder: Path) -> list[int]:
+    """EOS ids a Hugging Face folder declares in generation_config.json (an int or a list)."""
+    cfg = folder / "generation_config.json"
+    if not cfg.is_file():
+        return []
+    eos = json.loads(cfg.read_text()).get("eos_token_id")
+    if isinstance(eos, int):
+        return [eos]
+    return [int(i) for i in eos] if isinstance(eos, list) else []
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated tokens, one `add` per step, in O(new tokens) per call.
+
+    Each call decodes only a short window: the tokens not yet shown plus the few shown last,
+    decoded before them as context; the new text is the difference between the two decodes (a
+    tokenizer may render a token differently at the start of a string, e.g. SentencePiece's
+    leading space, so a token is never decoded alone). A character whose bytes have not all
+    arrived decodes as a trailing U+FFFD: the text is cut at the last token boundary before it and
+    the rest waits for the next tokens. On the text side, the longest suffix that could still grow
+    into a stop string is held back; when a stop string appears, `stopped` becomes true,
+    `stop_reason` names it, the text before it is emitted, and nothing after it ever is. `flush()`
+    at the end releases whatever was held back. Concatenating every delta gives `text`."""
+
+    # Prompt tokens decoded as context for the first output tokens.
+    PROMPT_CONTEXT = 5
+    # The bytes of an incomplete character (at most 3) lie in at most this many trailing tokens.
+    MAX_PARTIAL_TOKENS = 3
+    # Unshown tokens after which the text before the last few is shown even if it ends in U+FFFD.
+    MAX_PENDING_TOKENS = 8
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.stopped = False
+        self.stop_reason: str | None = None
+        # The window: context tokens `[:_read]` (already shown, or prompt) then unshown tokens.
+        self._ids: list[int] = list(prompt_token_ids[-self.PROMPT_CONTEXT :])
+        self._read = len(self._ids)
+        self._context_text = self._decode(self._ids)
+        self._pending = ""  # decoded, not yet emitted: a possible start of a stop string
+        self._parts: list[str] = []
+        self._text: str | None = ""
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if self._text is None:
+            self._text = "".join(self._parts)
+            self._parts = [self._text]
+        return self._text
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append generated tokens; return the text that may be shown now ("" once stopped)."""
+        if self.stopped or not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        end = len(self._ids)
+        # Emit up to the latest token boundary that does not split a character.
+        for upto in range(end, max(self._read, end - self.MAX_PARTIAL_TOKENS - 1), -1):
+            window = self._decode(self._ids[:upto])
+            if not window.endswith(REPLACEMENT_CHAR):
+                return self._advance(window, upto)
+        if end - self._read >= self.MAX_PENDING_TOKENS:
+            # Invalid bytes, not a character in progress: show them (as U+FFFD, like a one-shot
+            # decode), keeping only the last tokens, which may still hold a character's start.
+            upto = end - self.MAX_PARTIAL_TOKENS
+            return self._advance(self._decode(self._ids[:upto]), upto)
+        return ""  # a character is still incomplete
+
+    def flush(self) -> str:
+        """Release held-back text at the end of generation (not needed after a stop)."""
+        if self.stopped:
+            return ""
+        delta = ""
+        if self._read < len(self._ids):
+            delta = self._advance(self._decode(self._ids), len(self._ids))
+        if not self.stopped and self._pending:
+            delta += self._emit(self._pending)
+            self._pending = ""
+        return delta
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, window: str, upto: int) -> str:
+        """`window` = decode of `_ids[:upto]`. Take its new text, make `_ids[_read:upto]` the next
+        context, and pass the text on to the stop-string check."""
+        new_text = window[len(self._context_text) :]
+        del self._ids[: self._read]  # the old context is no longer needed
+        self._read = upto - self._read
+        self._context_text = self._decode(self._ids[: self._read])
+        return self._check_stop(self._pending + new_text)
+
+    def _check_stop(self, text: str) -> str:
+        """`text` = held-back text + new text. Emit what is safe; keep a possible stop prefix."""
+        # A stop string cannot start in already-emitted text (its start would have been held back),
+        # so searching `text` alone is enough. The earliest occurrence wins.
+        hit, reason = -1, None
+        for s in self.stop:
+            pos = text.find(s)
+            if pos != -1 and (hit == -1 or pos < hit):
+                hit, reason = pos, s
+        if reason is not None:
+            self.stopped, self.stop_reason = True, reason
+            self._pending = ""
+            return self._emit(text[:hit])
+        keep = self._stop_prefix_len(text)
+        self._pending = text[len(text) - keep :] if keep else ""
+        return self._emit(text[: len(text) - keep])
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._parts.append(delta)
+            self._text = None
+        return delta
