@@ -1,0 +1,136 @@
+"""Sentence embeddings with the bundled all-MiniLM-L6-v2, ready to sit behind a `Batcher`.
+
+`EmbeddingModel.embed` is a plain synchronous batch function (texts in, one vector per text out, in
+order), so `Batcher` runs it in its worker thread; `make_embedding_batcher` wires the two together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoTokenizer
+
+from batcher.flusher import Batcher, FlusherMetrics
+from batcher.models.bundled import minilm_dir
+
+MAX_INPUT_TOKENS = 256  # the length all-MiniLM-L6-v2 was trained at; longer inputs are truncated
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _model_folder(path: Path) -> Path:
+    """The folder holding the transformer weights: `path` or, for a sentence-transformers module
+    folder (e.g. its pooling config, which also carries a config.json), the nearest parent that has
+    them."""
+    for folder in (path, *path.parents[:2]):
+        if (folder / "tokenizer_config.json").is_file() and any(folder.glob("*.safetensors")):
+            return folder
+    return path
+
+
+def _check_texts(texts: Sequence[str]) -> None:
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("texts must be a list of strings")
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"unsupported dtype {dtype}; use float32 or bfloat16")
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32 or bfloat16") from None
+
+
+class EmbeddingModel:
+    """all-MiniLM-L6-v2: mean pooling over the attention mask, L2-normalised, 384 dimensions.
+
+    Loaded from a local folder only (never the network). The encoder runs in `dtype`; pooling and
+    normalisation run in float32. Thread-compatible: one `embed` call at a time (the `Batcher` worker
+    thread); inference does not mutate the module.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        max_length: int = MAX_INPUT_TOKENS,
+    ) -> None:
+        if max_length < 2:
+            raise ValueError("max_length must be >= 2 (room for the special tokens)")
+        folder = _model_folder(Path(path) if path is not None else minilm_dir())
+        self.dtype = _resolve_dtype(dtype)
+        self.device = torch.device(device)
+        self.max_length = max_length
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model: Any = AutoModel.from_pretrained(folder, local_files_only=True, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        self.dim: int = int(self.model.config.hidden_size)
+        self.name = "all-MiniLM-L6-v2"
+
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One unit-length vector per text, in input order; `[]` for no texts.
+
+        Inputs over `max_length` tokens are truncated. Padding does not change a text's vector beyond
+        float round-off, so batched and one-at-a-time results agree (to ~1e-6 in float32).
+        """
+        if len(texts) == 0:
+            return []
+        _check_texts(texts)
+        enc = self.tokenizer(
+            list(texts),
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        )
+        enc = {k: v.to(self.device) for k, v in enc.items()}
+        hidden = self.model(**enc).last_hidden_state.float()  # [B, T, H]
+        mask = enc["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, T, 1]
+        summed = (hidden * mask).sum(dim=1)  # [B, H]
+        mean = summed / mask.sum(dim=1).clamp(min=1e-9)
+        return F.normalize(mean, p=2, dim=1).cpu().tolist()
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens per text as the model sees them: special tokens included, after truncation."""
+        if len(texts) == 0:
+            return []
+        _check_texts(texts)
+        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
+        return [len(ids) for ids in enc["input_ids"]]
+
+
+def make_embedding_batcher(
+    model: EmbeddingModel,
+    max_batch_size: int = 32,
+    max_wait_ms: float = 5,
+    *,
+    max_queue: int | None = None,
+    timeout_s: float | None = None,
+    metrics: FlusherMetrics | None = None,
+) -> Batcher:
+    """A `Batcher` whose items are single texts and whose results are their vectors.
+
+    A request with a list input submits one item per text and gathers the results in order.
+    """
+    return Batcher(
+        model.embed,
+        max_batch_size=max_batch_size,
+        max_wait_ms=max_wait_ms,
+        max_queue=max_queue,
+        timeout_s=timeout_s,
+        metrics=metrics,
+    )
