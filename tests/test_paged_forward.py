@@ -18,7 +18,8 @@ BLOCK = 16
 
 def _all_logits(runner: ModelRunner, sched: SchedulerOutput) -> torch.Tensor:
     ids, positions, meta, _, _ = runner.prepare(sched)
-    # Rows in runner order: single-token rows first, then chunks in scheduled order.
+    # Rows in runner order: single-token rows first (longest context first), then chunks in
+    # scheduled order.
     return runner.model(ids, positions, meta, runner.kv_caches, torch.arange(len(ids)))
 
 
@@ -58,10 +59,36 @@ def test_tiny_mixed_batch_matches_hf(tiny_fp32, fold_gqa):
     with torch.no_grad():
         ref = {k: hf(torch.tensor([toks[k]])).logits[0] for k in toks}
     expect1 = torch.cat([ref["a"][:37], ref["b"][:12], ref["c"][:50]])
-    expect2 = torch.cat([ref["a"][37:38], ref["c"][50:51], ref["b"][12:41]])
-    expect3 = torch.cat([ref["a"][38:39], ref["b"][41:42], ref["c"][51:52]])
+    expect2 = torch.cat([ref["c"][50:51], ref["a"][37:38], ref["b"][12:41]])
+    expect3 = torch.cat([ref["c"][51:52], ref["b"][41:42], ref["a"][38:39]])
     for got, want in ((out1, expect1), (out2, expect2), (out3, expect3)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_groups_of_different_lengths_match_hf(tiny_fp32, monkeypatch):
+    """Short and long contexts in one decode step, split into separately padded groups."""
+    import batcher.runtime.model_runner as mr
+
+    monkeypatch.setattr(mr, "MIN_SAVED_BLOCKS", 1)
+    cfg = tiny_config()
+    hf = hf_model_from_state(cfg, _tiny_state(cfg, seed=0))
+    runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=BLOCK)
+    rng = random.Random(2)
+    lens = [150, 140, 20, 18, 5]
+    toks = [[rng.randrange(cfg.vocab_size) for _ in range(n + 1)] for n in lens]
+    free = list(range(64))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(n + 1) // BLOCK))] for n in lens]
+    _all_logits(runner, SchedulerOutput([_seq(i, t, 0, b, n) for i, (t, b, n)
+                                         in enumerate(zip(toks, tables, lens))]))
+    sched = SchedulerOutput([_seq(i, t, n, b, 1) for i, (t, b, n)
+                             in enumerate(zip(toks, tables, lens))])
+    _, _, meta, _, _ = runner.prepare(sched)
+    assert len(meta.decode_groups) >= 2
+    got = _all_logits(runner, sched)
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([t])).logits[0, -1] for t in toks])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_logits_only_for_requested_rows(tiny_fp32):

@@ -32,15 +32,26 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Consecutive decode rows padded to one context length: `table` holds each row's first
+    `max_blocks` block ids (flattened), `mask` hides the padding."""
+
+    rows: int
+    max_blocks: int
+    table: torch.Tensor  # [rows * max_blocks] long
+    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step attention inputs shared by every layer."""
 
     block_size: int
     slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) per new token
     num_decodes: int = 0  # rows [0, num_decodes) are single-token queries, one per sequence
-    decode_block_table: torch.Tensor | None = None  # [num_decodes * max_blocks] long, flattened
-    decode_max_blocks: int = 0
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # Decode rows sorted by context, longest first, in groups of similar length, so short
+    # contexts are not padded to the longest one.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Fused path (CUDA + Triton): a kernel reads blocks in place, no gather; set both or neither.
     decode_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
@@ -78,24 +89,40 @@ def _decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tenso
 
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
                                       meta.decode_lens).view(d_rows, heads * hd)
+    groups = meta.decode_groups
+    if len(groups) == 1:
+        return _decode_group(q, kv_cache, meta, groups[0], 0)
+    out = q.new_empty(d_rows, heads * hd)
+    row = 0
+    for i, g in enumerate(groups):
+        out[row:row + g.rows] = _decode_group(q[row:row + g.rows], kv_cache, meta, g, i)
+        row += g.rows
+    return out
+
+
+def _decode_group(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                  meta: AttentionMetadata, g: DecodeGroup, idx: int) -> torch.Tensor:
+    # q: [rows, heads, head_dim] -> [rows, heads * head_dim]
+    k_cache, v_cache = kv_cache
+    rows, heads, hd = q.shape
     kvh = k_cache.shape[2]
-    table = meta.decode_block_table
-    assert table is not None and meta.decode_mask is not None
-    ctx = meta.decode_max_blocks * meta.block_size
-    shape = (table.shape[0], meta.block_size, kvh, hd)
+    ctx = g.max_blocks * meta.block_size
+    shape = (g.table.shape[0], meta.block_size, kvh, hd)
     # One index_select per K and V into a reused buffer: 3x faster than cache[table].
-    kb = torch.index_select(k_cache, 0, table, out=meta.gather_buffer("k", shape, k_cache))
-    vb = torch.index_select(v_cache, 0, table, out=meta.gather_buffer("v", shape, v_cache))
-    k = kb.view(d_rows, ctx, kvh, hd).transpose(1, 2)  # [D, kv_heads, ctx, head_dim]
-    v = vb.view(d_rows, ctx, kvh, hd).transpose(1, 2)
+    kb = torch.index_select(k_cache, 0, g.table, out=meta.gather_buffer(f"k{idx}", shape,
+                                                                          k_cache))
+    vb = torch.index_select(v_cache, 0, g.table, out=meta.gather_buffer(f"v{idx}", shape,
+                                                                          v_cache))
+    k = kb.view(rows, ctx, kvh, hd).transpose(1, 2)  # [rows, kv_heads, ctx, head_dim]
+    v = vb.view(rows, ctx, kvh, hd).transpose(1, 2)
     if meta.fold_gqa:
-        qg = q.view(d_rows, kvh, heads // kvh, hd)  # [D, kv_heads, group, head_dim]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
+        qg = q.view(rows, kvh, heads // kvh, hd)  # [rows, kv_heads, group, head_dim]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask)
     else:
-        qh = q.unsqueeze(2)  # [D, heads, 1, head_dim]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=meta.decode_mask,
+        qh = q.unsqueeze(2)  # [rows, heads, 1, head_dim]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=g.mask,
                                              enable_gqa=heads != kvh)
-    return out.reshape(d_rows, heads * hd)
+    return out.reshape(rows, heads * hd)
 
 
 def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

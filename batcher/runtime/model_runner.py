@@ -7,7 +7,7 @@ import torch
 
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from batcher.models.loader import LoadedModel
-from batcher.runtime.attention import AttentionMetadata, PrefillChunk
+from batcher.runtime.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from batcher.runtime.kv_cache import allocate_kv_cache
 from batcher.runtime.sampler import Sampler
 
@@ -60,7 +60,9 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput):
         bs, dev = self.block_size, self.device
-        decodes = [s for s in sched.seqs if len(s.token_ids) == 1]
+        # Longest context first: decode rows are grouped by similar context length.
+        decodes = sorted((s for s in sched.seqs if len(s.token_ids) == 1),
+                         key=lambda s: -s.start_pos)
         prefills = [s for s in sched.seqs if len(s.token_ids) > 1]
         ids: list[int] = []
         positions: list[int] = []
@@ -110,17 +112,37 @@ class ModelRunner:
             meta.decode_tables = torch.tensor(rows, dtype=torch.int32, device=dev)
             meta.decode_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
             return
-        flat: list[int] = []
-        for s, ctx in zip(decodes, ctx_lens):
-            used = s.block_ids[:-(-ctx // bs)]
-            # Pad with the sequence's own first block; padded keys are masked out.
-            flat.extend(used + [used[0]] * (max_blocks - len(used)))
-        meta.decode_max_blocks = max_blocks
-        meta.decode_block_table = torch.tensor(flat, dtype=torch.long, device=dev)
-        lens = torch.tensor(ctx_lens, device=dev)
-        keys = torch.arange(max_blocks * bs, device=dev)
-        meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        start = 0
+        for end, blocks in split_decode_groups([-(-c // bs) for c in ctx_lens]):
+            flat: list[int] = []
+            for s in decodes[start:end]:
+                used = s.block_ids[:-(-(s.start_pos + 1) // bs)]
+                # Pad with the row's own first block; padded keys are masked out.
+                flat.extend(used + [used[0]] * (blocks - len(used)))
+            lens = torch.tensor(ctx_lens[start:end], device=dev)
+            keys = torch.arange(blocks * bs, device=dev)
+            mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(end - start, 1, 1, -1)
+            meta.decode_groups.append(DecodeGroup(
+                end - start, blocks, torch.tensor(flat, dtype=torch.long, device=dev), mask))
+            start = end
 
+
+# A new group pays a gather and an SDPA call per layer; start one only when it saves this many
+# padded blocks (each row of the rest drops at least a quarter of the current padding).
+MIN_SAVED_BLOCKS = 48
+
+
+def split_decode_groups(blocks: list[int]) -> list[tuple[int, int]]:
+    """`blocks`: context length in blocks per decode row, longest first. Returns (end row,
+    padded blocks) per group, so rows [previous end, end) are padded to that many blocks."""
+    groups: list[tuple[int, int]] = []
+    head = blocks[0]
+    for i, b in enumerate(blocks):
+        if b * 4 <= head * 3 and (head - b) * (len(blocks) - i) >= MIN_SAVED_BLOCKS:
+            groups.append((i, head))
+            head = b
+    groups.append((len(blocks), head))
+    return groups
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """`auto`: the fused Triton decode kernel on CUDA when Triton imports, else the torch path."""
