@@ -29,9 +29,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
     a("--kv-cache-memory", default=None, help="KV cache budget, e.g. 1GiB (default: 2GiB on "
       "CPU, at most a quarter of RAM; free GPU memory x 0.9 on CUDA)")
-    a("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    a("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory; "
+      "default: sized from --kv-cache-memory)")
     a("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    a("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    a("--no-prefix-caching", action="store_true", help="disable prefix caching (default: "
+      "prefix caching on)")
     a("--max-num-seqs", type=int, default=None,
       help=f"most sequences in one step (default: {CPU_MAX_NUM_SEQS} on CPU, "
       f"{CUDA_MAX_NUM_SEQS} on CUDA)")
@@ -48,7 +50,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "(default: %(default)s, capped by the model)")
     a("--default-max-tokens", type=int, default=1024, help="chat max_tokens when the client "
       "sends none (default: %(default)s)")
-    a("--tenants", default=None, help="tenants TOML file (keys, token budgets); none = auth off")
+    a("--tenants", default=None, help="tenants TOML file (keys, token budgets) (default: none, "
+      "auth off)")
     a("--max-waiting", type=int, default=256, help="queue bound before 503 "
       "(default: %(default)s)")
     a("--max-body-bytes", type=int, default=4 * 2**20, help="request body limit "
@@ -56,18 +59,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--admin-port", type=int, default=None, help="admin listener port (drain/undrain); off "
       "unless given")
     a("--admin-host", default="127.0.0.1", help="admin listener address (default: %(default)s)")
-    a("--admin-key", default=None, help="admin key (or env BATCHER_ADMIN_KEY)")
-    a("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput and admission")
-    a("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
+    a("--admin-key", default=None, help="admin key (default: env BATCHER_ADMIN_KEY)")
+    a("--slo-ttft-ms", type=float, default=None, help="time-to-first-token SLO in ms, for "
+      "goodput and queue admission (default: none)")
+    a("--slo-tpot-ms", type=float, default=None, help="time-per-output-token SLO in ms, for "
+      "goodput (default: none)")
     a("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
       "finish on SIGTERM (default: %(default)s)")
     a("--embedding-model", default="minilm", choices=["minilm", "none"],
       help="serve /v1/embeddings with the bundled all-MiniLM-L6-v2 (default: %(default)s)")
-    a("--embedding-batch-size", type=int, default=32, help="(default: %(default)s)")
-    a("--embedding-max-wait-ms", type=float, default=5.0, help="(default: %(default)s)")
+    a("--embedding-batch-size", type=int, default=32, help="most embedding inputs in one "
+      "model call (default: %(default)s)")
+    a("--embedding-max-wait-ms", type=float, default=5.0, help="longest an embedding input "
+      "waits for its batch to fill (default: %(default)s)")
     a("--version", default="v1", help="version label reported in /v1/state "
       "(default: %(default)s)")
-    a("--log-level", default="info", help="(default: %(default)s)")
+    a("--log-level", default="info", help="debug, info, warning or error "
+      "(default: %(default)s)")
     a("--router", action="append", default=[], help="router URL to heartbeat /v1/state to "
       "about once a second (repeatable; joins that router's fleet)")
     a("--advertise-url", default=None, help="URL routers should use for this replica "

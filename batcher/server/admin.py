@@ -6,6 +6,7 @@ import hmac
 
 from aiohttp import web
 
+from batcher.futures import new_request_id
 from batcher.server.errors import ApiError
 
 
@@ -16,13 +17,24 @@ def create_admin_app(public: web.Application, admin_key: str) -> web.Application
 
     @web.middleware
     async def check_key(request: web.Request, handler):
-        got = request.headers.get("Authorization", "").encode()
+        rid = new_request_id()
+        # surrogateescape: header bytes that are not UTF-8 arrive as lone surrogates; they must
+        # compare unequal, not raise (a 500).
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(got, expected):
-            return ApiError(401, "invalid admin key", code="invalid_api_key").response()
+            return ApiError(401, "invalid admin key", code="invalid_api_key").response(rid)
         try:
-            return await handler(request)
+            resp = await handler(request)
         except ApiError as err:
-            return err.response()
+            return err.response(rid)
+        except web.HTTPException as exc:  # unknown admin route or method: OpenAI shape too
+            if exc.status < 400:
+                raise
+            return ApiError(exc.status, exc.reason or "error",
+                            code=(exc.reason or "error").lower().replace(" ", "_")
+                            ).response(rid)
+        resp.headers["X-Request-Id"] = rid
+        return resp
 
     async def drain(request: web.Request) -> web.Response:
         gw = public[GATEWAY]

@@ -36,10 +36,14 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
     """Request ID on every response, auth, body limit before reading, errors in OpenAI shape."""
     gw = request.app[GATEWAY]
     rid = new_request_id()
+
+    def state_header() -> str:
+        return orjson.dumps(gw.state()).decode()
+
     try:
         rid = valid_request_id(request.headers.get("X-Request-Id")) or rid
         request["request_id"] = rid
-        request["state_header"] = lambda: orjson.dumps(gw.state()).decode()
+        request["state_header"] = state_header
         length = request.content_length
         if length is not None and length > gw.cfg.max_body_bytes:
             raise ApiError(413, f"the request body is {length} bytes; the limit is "
@@ -52,16 +56,24 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
                 raise ApiError(401, str(exc), code="invalid_api_key") from None
         resp = await handler(request)
     except ApiError as err:
-        return err.response(rid)
+        resp = err.response(rid)
     except web.HTTPRequestEntityTooLarge:
-        return ApiError(413, "the request body is too large", code="body_too_large"
+        resp = ApiError(413, "the request body is too large", code="body_too_large"
                         ).response(rid)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return ApiError(exc.status, exc.reason or "error", code=exc.reason).response(rid)
+        # Keep Allow on a 405: clients (and RFC 9110) rely on it.
+        extra = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        code = (exc.reason or "error").lower().replace(" ", "_")
+        resp = ApiError(exc.status, exc.reason or "error", code=code, headers=extra
+                        ).response(rid)
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
+        # DESIGN: the replica's state rides on every response, errors included, so a router's
+        # view is refreshed by all traffic.
+        if "X-Replica-State" not in resp.headers:
+            resp.headers["X-Replica-State"] = state_header()
     return resp
 
 

@@ -37,8 +37,11 @@ class ApiError(Exception):
             headers["Retry-After"] = str(max(1, int(-(-self.retry_after // 1))))
         if request_id:
             headers["X-Request-Id"] = request_id
-        return web.Response(status=self.status, body=orjson.dumps(self.body()),
+        resp = web.Response(status=self.status, body=orjson.dumps(self.body()),
                             content_type="application/json", headers=headers)
+        if headers.get("Connection", "").lower() == "close":
+            resp.force_close()  # the header alone would not end the server's keep-alive
+        return resp
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:

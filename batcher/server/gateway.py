@@ -22,6 +22,8 @@ from batcher.server.protocol import GenerationSpec
 
 log = logging.getLogger(__name__)
 
+# prompts x n of one request: each is an engine request, and the queue bound counts requests.
+MAX_CHOICES = 64
 # Tokenize text this long in a worker thread so the event loop keeps answering.
 TOKENIZE_OFFLOAD_CHARS = 20_000
 
@@ -121,17 +123,25 @@ class Gateway:
     def admit(self, tenant: TenantConfig, spec: GenerationSpec, prompts: list[list[int]],
               client_id: str) -> Job:
         key = (tenant.name, client_id)
-        if key in self.jobs:
-            raise ApiError(409, f"request id '{client_id}' is already in flight",
-                           param="X-Request-Id", code="duplicate_request_id")
         copies = spec.n
+        if len(prompts) * copies > MAX_CHOICES:
+            raise invalid(f"one request may ask for at most {MAX_CHOICES} completions "
+                          f"(prompts x n); this one asks for {len(prompts) * copies}", "n")
+        engine_ids = [f"{tenant.name}:{client_id}:{i}" for i in range(len(prompts) * copies)]
+        # NOTE: a cancelled or disconnected request leaves `jobs` at once but stays in the engine
+        # until its abort is applied at the next step; reusing its ID in that window must be a
+        # 409 too, not a scheduler error.
+        if key in self.jobs or any(self.engine.owns(r) for r in engine_ids):
+            raise ApiError(409, f"request id '{client_id}' is already in flight",
+                           param="X-Request-Id", code="duplicate_request_id", retry_after=1)
         prompt_tokens = sum(len(p) for p in prompts) * copies
         max_tokens = spec.sampling.max_tokens * len(prompts) * copies
         st = self.engine.scheduler
         waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in st.waiting)
         try:
             ticket = self.admission.admit(tenant, spec.priority, prompt_tokens, max_tokens,
-                                          st.num_waiting, waiting_tokens)
+                                          st.num_waiting + len(prompts) * copies - 1,
+                                          waiting_tokens)
         except Rejected as rej:
             self.metrics.observe_rejected(rej.reason)
             raise ApiError(rej.status, rej.message, code=rej.reason,
@@ -146,8 +156,8 @@ class Gateway:
             sp.stop = list(sp.stop)
             if sp.seed is not None:
                 sp.seed += i  # n choices with one seed must still differ
-            job.requests.append(Request(f"{tenant.name}:{client_id}:{i}", ids, sp,
-                                        tenant=tenant.name, priority=prio))
+            job.requests.append(Request(engine_ids[i], ids, sp, tenant=tenant.name,
+                                        priority=prio))
         self.jobs[key] = job
         return job
 

@@ -23,6 +23,17 @@ async def read_json(request: web.Request) -> Any:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise ApiError(413, "the request body is too large", code="body_too_large") from exc
+    except web.RequestPayloadError as exc:
+        # A body that cannot be read as sent (bad gzip/deflate data, broken chunked framing) is
+        # the client's error, not a 500.
+        why = getattr(exc.__cause__, "message", None) or "bad framing or encoding"
+        # Mark the body consumed, or aiohttp re-reads it after the response, logs the error as
+        # unhandled and resets the connection, and the client may never see this 400. The
+        # connection itself cannot be trusted for another request: close it.
+        request.content.feed_eof()
+        err = invalid(f"the request body could not be read: {why}", None, "invalid_body")
+        err.headers["Connection"] = "close"
+        raise err from None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -96,7 +107,9 @@ class GenerationHandler:
         except (ValueError, EngineError) as exc:
             raise engine_refusal(exc) from None
         for c in choices:
-            if c.final is not None and c.final.finish_reason in ("error", "abort"):
+            # NOTE: "abort" (cancelled by its owner) is answered with the partial output and
+            # finish_reason "abort": a 5xx would make clients retry a request nobody wants.
+            if c.final is not None and c.final.finish_reason == "error":
                 reason = c.final.error or "the request was cancelled"
                 raise ApiError(503, reason, code="engine_error", retry_after=1)
         return choices
@@ -184,6 +197,10 @@ class GenerationHandler:
                            code="deadline_exceeded")
             with contextlib.suppress(ConnectionError):
                 await resp.write(sse_event(err.body()))
+        except ConnectionError:
+            # The client went away mid-stream: a normal end, not a server error. aclose() below
+            # aborts every choice still running, which frees their KV blocks at the next step.
+            pass
         finally:
             await events.aclose()
         with contextlib.suppress(ConnectionError):
