@@ -97,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batcher", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP"))
+    from batcher.bench.cli import add_bench_args
+    from batcher.fleet.cli import add_fleet_args, add_router_args
+    from batcher.sim.cli import add_plan_args, add_sim_args
+
+    add_bench_args(sub.add_parser("bench", help="load-test an OpenAI-compatible server"))
+    add_fleet_args(sub.add_parser("fleet", help="N local replicas behind a router"))
+    add_router_args(sub.add_parser("router", help="route over replicas anywhere"))
+    add_plan_args(sub.add_parser("plan", help="capacity arithmetic: how many replicas"))
+    add_sim_args(sub.add_parser("sim", help="simulate a fleet on a simulated clock"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -104,6 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         from batcher.serve import run_server
 
         return _run(run_server(args))
+    if args.command == "bench":
+        from batcher.bench.cli import run_bench
+
+        return run_bench(args)
+    if args.command in ("fleet", "router"):
+        from batcher.fleet.cli import run_fleet, run_router
+
+        return _run(run_fleet(args) if args.command == "fleet" else run_router(args))
+    if args.command == "plan":
+        from batcher.sim.cli import run_plan
+
+        return run_plan(args)
+    if args.command == "sim":
+        from batcher.sim.cli import run_sim
+
+        return run_sim(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
