@@ -1,0 +1,192 @@
+"""`batcher router` and `batcher fleet`: argument builders and the coroutines that run them.
+
+Hooks for `batcher/cli.py`: `add_router_args(parser)` / `add_fleet_args(parser)` fill a
+subparser; `await run_router(args)` / `await run_fleet(args)` run until SIGTERM or SIGINT and
+return an exit code. `python -m batcher.fleet.cli router|fleet ...` runs them standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import sys
+
+from batcher.fleet.context import RouterConfig, RouterContext
+from batcher.fleet.health import HealthConfig
+from batcher.fleet.router import PolicyConfig
+
+# `batcher serve` flags the fleet launcher sets itself for each replica.
+_OWN_FLAGS = frozenset({"host", "port", "admin_port", "admin_host", "admin_key", "router",
+                        "advertise_url", "replica_id", "version", "log_level", "help"})
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing, retries and health")
+    a = g.add_argument
+    a("--affinity-chars", type=int, default=256, help="leading prompt characters hashed for "
+      "prefix affinity; 0 turns it off (default: %(default)s)")
+    a("--hot-headroom", type=float, default=0.1, help="the affine replica is skipped below "
+      "this share of free KV or with a queue (default: %(default)s)")
+    a("--max-attempts", type=int, default=3, help="attempts per request (default: %(default)s)")
+    a("--retry-ratio", type=float, default=0.1, help="retries allowed per request in the "
+      "window (default: %(default)s)")
+    a("--retry-floor", type=int, default=3, help="retries always allowed in the window "
+      "(default: %(default)s)")
+    a("--retry-window", type=float, default=10.0, help="retry budget window, seconds "
+      "(default: %(default)s)")
+    a("--health-interval", type=float, default=0.5, help="seconds between health rounds "
+      "(default: %(default)s)")
+    a("--liveness-timeout", type=float, default=0.5, help="(default: %(default)s)")
+    a("--probe-interval", type=float, default=5.0, help="seconds between deep probes "
+      "(default: %(default)s)")
+    a("--probe-deadline", type=float, default=2.0, help="(default: %(default)s)")
+    a("--evict-after", type=int, default=3, help="consecutive failures that evict "
+      "(default: %(default)s)")
+    a("--readmit-after", type=int, default=2, help="consecutive passing probes that re-admit "
+      "(default: %(default)s)")
+    a("--stream-idle-timeout", type=float, default=60.0, help="seconds without an upstream "
+      "byte that end a stream attempt (default: %(default)s)")
+    a("--fleet-key", default=None, help="key replicas must send with heartbeats (or env "
+      "BATCHER_FLEET_KEY)")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--replica", action="append", default=[], metavar="URL[,ADMIN_URL]",
+      help="a replica to route to (repeatable); replicas may also join by heartbeating")
+    a("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    a("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    a("--admin-port", type=int, default=None, help="admin listener port (drain, canary); "
+      "off unless given")
+    a("--admin-host", default="127.0.0.1", help="(default: %(default)s)")
+    a("--admin-key", default=None, help="router admin key (or env BATCHER_ADMIN_KEY)")
+    a("--replica-admin-key", default=None, help="key of the replicas' admin listeners (or env "
+      "BATCHER_REPLICA_ADMIN_KEY)")
+    a("--shutdown-timeout", type=float, default=10.0, help="(default: %(default)s)")
+    a("--log-level", default="info", help="(default: %(default)s)")
+    _policy_args(p)
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
+    """`batcher serve`'s flags (passed on to every replica; --host/--port/--admin-* are the
+    router's) plus the fleet's own."""
+    from batcher.cli import add_serve_args
+
+    add_serve_args(p)
+    g = p.add_argument_group("fleet")
+    g.add_argument("--replicas", type=int, default=2, help="replica processes "
+                   "(default: %(default)s)")
+    g.add_argument("--restart", action="store_true", help="restart replicas that exit")
+    g.add_argument("--versions", default=None, help="comma-separated version labels given to "
+                   "the replicas in turn (default: --version for all)")
+    _policy_args(p)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        policy=PolicyConfig(affinity_chars=args.affinity_chars, hot_headroom=args.hot_headroom),
+        health=HealthConfig(interval=args.health_interval,
+                            liveness_timeout=args.liveness_timeout,
+                            probe_interval=args.probe_interval,
+                            probe_deadline=args.probe_deadline, evict_after=args.evict_after,
+                            readmit_after=args.readmit_after),
+        max_attempts=args.max_attempts, retry_ratio=args.retry_ratio,
+        retry_floor=args.retry_floor, retry_window=args.retry_window,
+        stream_idle_timeout=args.stream_idle_timeout,
+        max_body_bytes=getattr(args, "max_body_bytes", 4 * 2**20),
+        fleet_key=args.fleet_key or os.environ.get("BATCHER_FLEET_KEY"),
+        replica_admin_key=getattr(args, "replica_admin_key", None)
+        or os.environ.get("BATCHER_REPLICA_ADMIN_KEY"))
+
+
+async def run_router(args: argparse.Namespace) -> int:
+    from batcher.fleet.launcher import serve_router, wait_for_signal
+
+    ctx = RouterContext(router_config(args))
+    for spec in args.replica:
+        url, _, admin = spec.partition(",")
+        ctx.registry.add_static(url, admin_url=admin or None)
+    close = await serve_router(ctx, args.host, args.port, args.admin_port, args.admin_host,
+                               args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"),
+                               args.shutdown_timeout)
+    print(f"batcher: routing on http://{args.host}:{args.port} over {len(args.replica)} "
+          "configured replicas", flush=True)
+    await wait_for_signal()
+    await close()
+    return 0
+
+
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    """The `batcher serve` flags of `args` that differ from their defaults, as argv."""
+    from batcher.cli import add_serve_args
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_serve_args(p)
+    out: list[str] = []
+    for action in p._actions:
+        dest = action.dest
+        if not action.option_strings or dest in _OWN_FLAGS:
+            continue
+        value = getattr(args, dest, action.default)
+        if value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+async def run_fleet(args: argparse.Namespace) -> int:
+    from batcher.fleet.launcher import Supervisor, replica_specs, serve_router, wait_for_signal
+
+    cfg = router_config(args)
+    cfg.replica_admin_key = secrets.token_hex(16)
+    fleet_key = cfg.fleet_key or secrets.token_hex(16)
+    cfg.fleet_key = fleet_key
+    ctx = RouterContext(cfg)
+    near = "127.0.0.1" if args.host in ("0.0.0.0", "::", "127.0.0.1", "localhost") else args.host
+    routers = [f"http://{near}:{args.port}", *args.router]
+    versions = args.versions.split(",") if args.versions else [args.version]
+    specs = replica_specs(args.replicas, [*serve_flags(args), "--log-level", args.log_level],
+                          routers, versions)
+    for s in specs:
+        ctx.registry.add_static(s.url, s.replica_id, s.admin_url)
+    close = await serve_router(ctx, args.host, args.port, args.admin_port, args.admin_host,
+                               args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"))
+    sup = Supervisor(specs, {"BATCHER_ADMIN_KEY": cfg.replica_admin_key,
+                             "BATCHER_FLEET_KEY": fleet_key}, restart=args.restart)
+    ctx.processes = sup.status
+    await sup.start()
+    print(f"batcher: fleet of {args.replicas} replicas behind http://{args.host}:{args.port}",
+          flush=True)
+    try:
+        await wait_for_signal()
+    finally:
+        await sup.stop(args.shutdown_timeout)
+        await close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batcher.fleet.cli", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_router_args(sub.add_parser("router", help="route over replicas"))
+    add_fleet_args(sub.add_parser("fleet", help="start replicas and a router"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    coro = run_router(args) if args.command == "router" else run_fleet(args)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The router's shared state: configuration, registry, policy, rollout weights, retry budget,
+metrics, and the upstream attempts in flight (so an eviction can end them at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from batcher.fleet.health import HealthChecker, HealthConfig
+from batcher.fleet.metrics import RouterMetrics
+from batcher.fleet.registry import Registry, Replica
+from batcher.fleet.rollout import Rollout
+from batcher.fleet.router import Candidate, PolicyConfig, RetryBudget, blocks_for, choose
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Every router knob, validated once at start."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    max_attempts: int = 3
+    retry_ratio: float = 0.1
+    retry_floor: int = 3
+    retry_window: float = 10.0
+    backoff_base: float = 0.025
+    backoff_cap: float = 0.5
+    beat_interval: float = 1.0
+    suspect_beats: float = 3.0
+    connect_timeout: float = 2.0
+    upstream_timeout: float = 600.0  # a whole (non-streamed) answer
+    stream_idle_timeout: float = 60.0  # no upstream byte for this long ends an attempt
+    max_body_bytes: int = 4 * 2**20
+    fleet_key: str | None = None  # required on /internal/heartbeat when set
+    replica_admin_key: str | None = None  # for the replicas' /admin/drain
+
+    def validate(self) -> RouterConfig:
+        self.policy.validate()
+        self.health.validate()
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if min(self.beat_interval, self.suspect_beats, self.connect_timeout,
+               self.upstream_timeout, self.stream_idle_timeout) <= 0:
+            raise ValueError("intervals and timeouts must be > 0")
+        if self.backoff_base < 0 or self.backoff_cap < 0:
+            raise ValueError("backoff must be >= 0")
+        return self
+
+
+class Attempt:
+    """One upstream request in flight. `kill()` ends it from another task: its timeout fires at
+    once and `killed` says why."""
+
+    __slots__ = ("_timeout", "killed", "last_byte", "replica", "stream", "token")
+
+    def __init__(self, replica: Replica, token: int, now: float, stream: bool = False):
+        self.replica = replica
+        self.token = token
+        self.stream = stream  # its bytes show the replica's token progress
+        self.last_byte = now
+        self.killed: str | None = None
+        self._timeout: asyncio.Timeout | None = None
+
+    def arm(self, timeout: asyncio.Timeout, seconds: float) -> None:
+        self._timeout = timeout
+        self.extend(seconds)
+
+    def extend(self, seconds: float) -> None:
+        """Push the deadline `seconds` ahead (never past a kill)."""
+        if self._timeout is not None and self.killed is None:
+            with contextlib.suppress(RuntimeError):  # already expired or left
+                self._timeout.reschedule(asyncio.get_running_loop().time() + seconds)
+
+    def kill(self, reason: str) -> None:
+        if self.killed is None:
+            self.killed = reason
+            if self._timeout is not None:
+                with contextlib.suppress(RuntimeError):
+                    self._timeout.reschedule(asyncio.get_running_loop().time())
+
+
+class RouterContext:
+    """Lives on the event loop; no locks."""
+
+    def __init__(self, cfg: RouterConfig, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None):
+        self.cfg = cfg.validate()
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.registry = Registry(cfg.beat_interval, cfg.suspect_beats)
+        self.rollout = Rollout()
+        self.budget = RetryBudget(cfg.retry_ratio, cfg.retry_floor, cfg.retry_window)
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        self.attempts: dict[str, set[Attempt]] = {}
+        self.owners: dict[str, str] = {}  # client request id -> replica id now serving it
+        self.cancelled: set[str] = set()  # ids the client cancelled: their errors are final
+        self.inflight = 0
+        self.processes: Callable[[], list[dict[str, Any]]] | None = None  # set by the launcher
+
+    # routing -------------------------------------------------------------------------------
+    def candidates(self, now: float) -> list[Candidate]:
+        reg = self.registry
+        out = []
+        for rep in reg:
+            st = rep.state
+            if st is None or not reg.routable(rep):
+                continue
+            out.append(Candidate(rep.replica_id, reg.effective_free(rep), st.total_blocks,
+                                 st.block_size, reg.effective_waiting(rep), st.version,
+                                 fresh=not reg.suspect(rep, now)))
+        return out
+
+    def pick(self, tokens: int, key: str | None, exclude: set[str]) -> Replica | None:
+        started = time.perf_counter()
+        cands = self.candidates(self.clock())
+        c = choose(cands, tokens, key, self.cfg.policy, self.rng,
+                   self.rollout.weights or None, exclude)
+        self.metrics.routing.observe(time.perf_counter() - started)
+        return None if c is None else self.registry.get(c.replica_id)
+
+    # attempts ------------------------------------------------------------------------------
+    def begin(self, rep: Replica, tokens: int, stream: bool = False) -> Attempt:
+        st = rep.state
+        blocks = blocks_for(tokens, st.block_size if st is not None else 16)
+        now = self.clock()
+        att = Attempt(rep, self.registry.reserve(rep, blocks, now), now, stream)
+        self.attempts.setdefault(rep.replica_id, set()).add(att)
+        return att
+
+    def end(self, att: Attempt) -> None:
+        self.registry.release(att.replica, att.token)
+        live = self.attempts.get(att.replica.replica_id)
+        if live is not None:
+            live.discard(att)
+
+    def on_evict(self, rep: Replica, reason: str) -> None:
+        self.metrics.evictions.labels(rep.replica_id).inc()
+        for att in list(self.attempts.get(rep.replica_id, ())):
+            att.kill(f"replica {rep.replica_id} evicted: {reason}")
+
+    def on_readmit(self, rep: Replica) -> None:
+        self.metrics.readmissions.labels(rep.replica_id).inc()
+
+    def stalled(self, replica_id: str, now: float) -> bool:
+        """Token progress stopped: streams to the replica got no byte for `stall_after`
+        seconds, or its last state shows running work and no engine step for that long."""
+        limit = self.cfg.health.stall_after
+        streams = [a.last_byte for a in self.attempts.get(replica_id, ()) if a.stream]
+        if streams and now - max(streams) > limit:
+            return True
+        rep = self.registry.get(replica_id)
+        st = rep.state if rep is not None else None
+        return bool(st is not None and st.running > 0 and st.last_step_age is not None
+                    and st.last_step_age > limit)
+
+    def report_failure(self, rep: Replica, reason: str, conclusive: bool = False) -> None:
+        if self.health is not None:
+            self.health.report_failure(rep, reason, conclusive)

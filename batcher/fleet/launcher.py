@@ -1,0 +1,178 @@
+"""Processes: serve a router (public app + admin app) and supervise local replica processes.
+
+Contract:
+- `serve_router(ctx, ...)` listens and returns an async closer; in-flight requests get
+  `shutdown_timeout` seconds on close.
+- `Supervisor` starts `batcher serve` replicas as child processes on loopback ports, reports
+  every exit, restarts them with `restart=True` (1 s delay, doubling to 30 s while a replica
+  keeps dying within 10 s of its start), and on `stop()` sends SIGTERM (the replicas drain),
+  then SIGKILL after the timeout. It never signals anything it did not start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from batcher.fleet.context import RouterContext
+from batcher.fleet.proxy import create_router_app
+from batcher.fleet.rollout import create_admin_app
+
+log = logging.getLogger("batcher.fleet")
+
+
+async def serve_router(ctx: RouterContext, host: str, port: int, admin_port: int | None = None,
+                       admin_host: str = "127.0.0.1", admin_key: str | None = None,
+                       shutdown_timeout: float = 10.0) -> Callable[[], Awaitable[None]]:
+    runner = web.AppRunner(create_router_app(ctx), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    admin_runner: web.AppRunner | None = None
+    if admin_port:
+        if not admin_key:
+            await runner.cleanup()
+            raise SystemExit("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
+        admin_runner = web.AppRunner(create_admin_app(ctx, admin_key), access_log=None)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True).start()
+
+    async def close() -> None:
+        if admin_runner is not None:
+            await admin_runner.cleanup()
+        await runner.cleanup()
+
+    return close
+
+
+async def wait_for_signal() -> None:
+    """Until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (another process may still take it before we bind; rare on loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class ReplicaSpec:
+    replica_id: str
+    url: str
+    admin_url: str | None
+    argv: list[str]
+
+
+@dataclass(slots=True)
+class ReplicaProcess:
+    spec: ReplicaSpec
+    proc: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops replica processes."""
+
+    def __init__(self, specs: list[ReplicaSpec], env: dict[str, str] | None = None,
+                 restart: bool = False, restart_delay: float = 1.0):
+        self.replicas = [ReplicaProcess(s) for s in specs]
+        self.env = {**os.environ, **(env or {})}
+        self.restart = restart
+        self.restart_delay = restart_delay
+        self._stopping = False
+        self._watchers: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        for rp in self.replicas:
+            await self._spawn(rp)
+            self._watchers.append(asyncio.get_running_loop().create_task(self._watch(rp)))
+
+    async def _spawn(self, rp: ReplicaProcess) -> None:
+        rp.proc = await asyncio.create_subprocess_exec(
+            *rp.spec.argv, env=self.env, stdin=asyncio.subprocess.DEVNULL)
+        rp.started_at = time.monotonic()
+        log.info("replica %s started (pid %d) on %s", rp.spec.replica_id, rp.proc.pid,
+                 rp.spec.url)
+
+    async def _watch(self, rp: ReplicaProcess) -> None:
+        delay = self.restart_delay
+        while rp.proc is not None:
+            code = await rp.proc.wait()
+            rp.exit_codes.append(code)
+            if self._stopping:
+                return
+            print(f"batcher: replica {rp.spec.replica_id} (pid {rp.proc.pid}) exited with "
+                  f"code {code}{'; restarting' if self.restart else ''}", flush=True)
+            if not self.restart:
+                return
+            quick = time.monotonic() - rp.started_at < 10.0
+            delay = min(30.0, delay * 2) if quick else self.restart_delay
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            rp.restarts += 1
+            await self._spawn(rp)
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"replica_id": rp.spec.replica_id, "url": rp.spec.url,
+                 "pid": rp.proc.pid if rp.proc else None,
+                 "alive": rp.proc is not None and rp.proc.returncode is None,
+                 "restarts": rp.restarts, "exit_codes": rp.exit_codes}
+                for rp in self.replicas]
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        live = [rp.proc for rp in self.replicas
+                if rp.proc is not None and rp.proc.returncode is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(p.wait() for p in live))
+        except TimeoutError:
+            for p in live:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            await asyncio.gather(*(p.wait() for p in live))
+        for t in self._watchers:
+            t.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+
+
+def replica_specs(n: int, serve_flags: list[str], router_urls: list[str],
+                  versions: list[str] | None = None, host: str = "127.0.0.1",
+                  python: str = sys.executable) -> list[ReplicaSpec]:
+    """N `batcher serve` command lines on free loopback ports, each with an admin port."""
+    specs = []
+    for i in range(n):
+        port, admin = free_port(host), free_port(host)
+        rid = f"r{i}"
+        argv = [python, "-m", "batcher.cli", "serve", *serve_flags, "--host", host,
+                "--port", str(port), "--admin-port", str(admin), "--replica-id", rid]
+        if versions:
+            argv += ["--version", versions[i % len(versions)]]
+        for r in router_urls:
+            argv += ["--router", r]
+        specs.append(ReplicaSpec(rid, f"http://{host}:{port}", f"http://{host}:{admin}", argv))
+    return specs

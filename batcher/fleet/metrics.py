@@ -1,0 +1,45 @@
+"""The router's own Prometheus registry (never the replicas' numbers; scrape those directly)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+OUTCOMES = ("ok", "rejected", "error", "client_error", "cancelled", "resumed", "stream_error",
+            "budget_exhausted", "no_replica")
+
+
+class RouterMetrics:
+    """Names carry the `batcher_router_` prefix; requests are labelled by replica, version and
+    outcome so a canary's error rate can be compared with the stable version's."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.requests = Counter("batcher_router_requests", "Upstream attempts by replica, "
+                                "version and outcome", ["replica", "version", "outcome"],
+                                registry=r)
+        self.client_requests = Counter("batcher_router_client_requests", "Client requests by "
+                                       "final outcome", ["outcome"], registry=r)
+        self.retries = Counter("batcher_router_retries", "Retries before the first byte by "
+                               "reason", ["reason"], registry=r)
+        self.budget_exhausted = Counter("batcher_router_retry_budget_exhausted",
+                                        "Retries refused by the fleet retry budget", registry=r)
+        self.evictions = Counter("batcher_router_evictions", "Replicas evicted by health",
+                                 ["replica"], registry=r)
+        self.readmissions = Counter("batcher_router_readmissions", "Evicted replicas "
+                                    "re-admitted", ["replica"], registry=r)
+        self.failovers = Counter("batcher_router_failovers", "Failovers by kind: retry (before "
+                                 "the first byte), resume, error (stream ended with an error)",
+                                 ["kind"], registry=r)
+        self.routing = Histogram("batcher_router_routing_seconds", "Time to pick a replica",
+                                 buckets=ROUTING_BUCKETS, registry=r)
+        self.inflight = Gauge("batcher_router_inflight", "Client requests in flight",
+                              registry=r)
+        self.replicas = Gauge("batcher_router_replicas", "Replicas by router view",
+                              ["view"], registry=r)
+
+    def attempt(self, replica: str, version: str | None, outcome: str) -> None:
+        self.requests.labels(replica, version or "unknown", outcome).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,247 @@
+"""Soft state per replica, fed by heartbeats, piggybacked `X-Replica-State` headers and polls.
+
+Contract (no I/O; every method takes `now`, the router's own monotonic clock):
+- `beat(payload, now)` keeps the newest `(epoch, seq)` per replica and ignores older or replayed
+  beats. Integer epochs (boot time) are ordered; any other epoch is a new start when it was not
+  seen before for that replica.
+- A replica is *suspect* when its last beat is older than `suspect_beats * beat_interval`. A
+  replica that never heartbeats (added with `--replica URL`) is kept fresh by the health
+  checker's `/v1/state` polls instead (`poll=True`).
+- `observe(...)` (piggyback) refreshes the capacity numbers but never the beat clock.
+- The router's own reservations made after the last state snapshot are subtracted from the
+  replica's free blocks (`effective_free`) and added to its queue (`effective_waiting`), so
+  stale data cannot make one replica look emptier than it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+_RETIRED_EPOCHS = 8  # string epochs remembered per replica, so a replayed old start is refused
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """The `/v1/state` fields the router depends on."""
+
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    running: int
+    waiting: int
+    version: str
+    draining: bool
+    healthy: bool
+    last_step_age: float | None = None  # seconds since the engine's last step, when reported
+
+    @classmethod
+    def parse(cls, d: Mapping[str, Any]) -> ReplicaState:
+        """From `/v1/state` JSON; ValueError when a field is missing or mistyped."""
+        try:
+            age = d.get("last_step_age")
+            st = cls(int(d["free_blocks"]), int(d["total_blocks"]), max(1, int(d["block_size"])),
+                     int(d["running"]), int(d["waiting"]), str(d["version"]),
+                     bool(d["draining"]), bool(d["healthy"]),
+                     float(age) if isinstance(age, (int, float)) else None)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad replica state: {exc!r}") from None
+        return st
+
+
+@dataclass(slots=True)
+class Reservation:
+    blocks: int
+    at: float
+
+
+@dataclass(slots=True)
+class Replica:
+    """One replica as the router sees it. `ready` and `evicted` are set by the health checker,
+    `router_draining` by the rollout API."""
+
+    replica_id: str
+    url: str
+    admin_url: str | None = None
+    state: ReplicaState | None = None
+    state_at: float = float("-inf")
+    beat_at: float | None = None
+    epoch: int | str | None = None
+    seq: int = -1
+    beats: bool = False  # has sent at least one heartbeat
+    static: bool = False  # configured, never forgotten
+    ready: bool = True
+    evicted: bool = False
+    router_draining: bool = False
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    retired_epochs: list[str] = field(default_factory=list)
+
+    @property
+    def version(self) -> str | None:
+        return self.state.version if self.state is not None else None
+
+    @property
+    def inflight(self) -> int:
+        return len(self.reservations)
+
+    def unreflected(self) -> list[Reservation]:
+        """Reservations the last state snapshot cannot include yet."""
+        return [r for r in self.reservations.values() if r.at >= self.state_at]
+
+
+def replica_id_for(url: str) -> str:
+    """The default id of a replica at `url`: `host:port`, the same as `batcher serve` uses."""
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+class Registry:
+    """All replicas known to one router."""
+
+    def __init__(self, beat_interval: float = 1.0, suspect_beats: float = 3.0,
+                 forget_after: float = 60.0):
+        self.beat_interval = beat_interval
+        self.suspect_after = beat_interval * suspect_beats
+        self.forget_after = forget_after
+        self.replicas: dict[str, Replica] = {}
+        self._tokens = itertools.count(1)
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(list(self.replicas.values()))
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self.replicas.get(replica_id)
+
+    # membership ------------------------------------------------------------------------------
+    def add_static(self, url: str, replica_id: str | None = None,
+                   admin_url: str | None = None) -> Replica:
+        rid = replica_id or replica_id_for(url)
+        rep = self.replicas.get(rid)
+        if rep is None:
+            rep = self.replicas[rid] = Replica(rid, url.rstrip("/"))
+        rep.static = True
+        rep.admin_url = admin_url.rstrip("/") if admin_url else rep.admin_url
+        return rep
+
+    def forget_stale(self, now: float) -> list[str]:
+        """Drop dynamic replicas that stopped beating long ago and are evicted."""
+        gone = [r.replica_id for r in self.replicas.values()
+                if not r.static and r.evicted and r.beat_at is not None
+                and now - r.beat_at > self.forget_after and not r.reservations]
+        for rid in gone:
+            del self.replicas[rid]
+        return gone
+
+    # state updates ---------------------------------------------------------------------------
+    def beat(self, payload: Mapping[str, Any], now: float) -> bool:
+        """Apply a heartbeat. Returns False when it is older than one already applied (or
+        replayed). ValueError when the payload is malformed."""
+        rid, url = payload.get("replica_id"), payload.get("url")
+        epoch, seq = payload.get("epoch"), payload.get("seq")
+        if not isinstance(rid, str) or not rid or not isinstance(url, str) or not url:
+            raise ValueError("a heartbeat needs 'replica_id' and 'url' strings")
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, str)) or (
+                isinstance(seq, bool) or not isinstance(seq, int)):
+            raise ValueError(  # noqa: TRY004 (the caller answers 400 to any ValueError)
+                "a heartbeat needs an 'epoch' (int or str) and an int 'seq'")
+        state = ReplicaState.parse(payload)
+        rep = self.replicas.get(rid)
+        if rep is None:
+            rep = self.replicas[rid] = Replica(rid, url.rstrip("/"))
+        if not self._newer(rep, epoch, seq):
+            return False
+        if rep.epoch is not None and rep.epoch != epoch and isinstance(rep.epoch, str):
+            rep.retired_epochs = [*rep.retired_epochs, rep.epoch][-_RETIRED_EPOCHS:]
+        rep.epoch, rep.seq, rep.beats = epoch, seq, True
+        rep.url = url.rstrip("/")
+        admin_url = payload.get("admin_url")
+        if isinstance(admin_url, str) and admin_url:
+            rep.admin_url = admin_url.rstrip("/")
+        rep.beat_at = now
+        rep.state, rep.state_at = state, now
+        return True
+
+    @staticmethod
+    def _newer(rep: Replica, epoch: int | str, seq: int) -> bool:
+        if rep.epoch is None:
+            return True
+        if epoch == rep.epoch:
+            return seq > rep.seq
+        if isinstance(epoch, int) and isinstance(rep.epoch, int):
+            return epoch > rep.epoch
+        return isinstance(epoch, str) and epoch not in rep.retired_epochs
+
+    def observe(self, replica_id: str, state: Mapping[str, Any] | ReplicaState, now: float,
+                poll: bool = False) -> bool:
+        """A state seen on a response (piggyback) or fetched by a poll. A poll counts as a
+        beat only for replicas that never heartbeat. Returns False when unusable."""
+        rep = self.replicas.get(replica_id)
+        if rep is None:
+            return False
+        try:
+            st = state if isinstance(state, ReplicaState) else ReplicaState.parse(state)
+        except ValueError:
+            return False
+        if now < rep.state_at:
+            return False
+        rep.state, rep.state_at = st, now
+        if poll and not rep.beats:
+            rep.beat_at = now
+        return True
+
+    # judgements ------------------------------------------------------------------------------
+    def suspect(self, rep: Replica, now: float) -> bool:
+        """No beat (or poll, for non-beating replicas) within `suspect_after`."""
+        return rep.beat_at is None or now - rep.beat_at > self.suspect_after
+
+    @staticmethod
+    def routable(rep: Replica) -> bool:
+        """Healthy, ready and not draining, by every source the router has."""
+        st = rep.state
+        return (st is not None and st.healthy and not st.draining and rep.ready
+                and not rep.evicted and not rep.router_draining)
+
+    @staticmethod
+    def effective_free(rep: Replica) -> int:
+        st = rep.state
+        if st is None:
+            return 0
+        return st.free_blocks - sum(r.blocks for r in rep.unreflected())
+
+    @staticmethod
+    def effective_waiting(rep: Replica) -> int:
+        st = rep.state
+        return (st.waiting if st is not None else 0) + len(rep.unreflected())
+
+    # the router's own in-flight work ----------------------------------------------------------
+    def reserve(self, rep: Replica, blocks: int, now: float) -> int:
+        token = next(self._tokens)
+        rep.reservations[token] = Reservation(blocks, now)
+        return token
+
+    def release(self, rep: Replica, token: int) -> None:
+        rep.reservations.pop(token, None)
+
+    def snapshot(self, now: float) -> list[dict[str, Any]]:
+        """JSON-ready view for /v1/state and the admin status."""
+        out = []
+        for r in self.replicas.values():
+            st = r.state
+            out.append({
+                "replica_id": r.replica_id, "url": r.url, "version": r.version,
+                "routable": self.routable(r), "suspect": self.suspect(r, now),
+                "evicted": r.evicted, "ready": r.ready, "router_draining": r.router_draining,
+                "draining": st.draining if st else None, "healthy": st.healthy if st else None,
+                "free_blocks": st.free_blocks if st else None,
+                "total_blocks": st.total_blocks if st else None,
+                "running": st.running if st else None, "waiting": st.waiting if st else None,
+                "router_inflight": r.inflight, "epoch": r.epoch, "seq": r.seq,
+                "beat_age": None if r.beat_at is None else round(now - r.beat_at, 3),
+                "state_age": None if st is None else round(now - r.state_at, 3)})
+        return out

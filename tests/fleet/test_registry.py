@@ -1,0 +1,117 @@
+"""Registry: newest (epoch, seq) wins, replays are ignored, staleness on the router's clock,
+piggybacked state, reservations on top of stale data."""
+
+from __future__ import annotations
+
+import pytest
+
+from batcher.fleet.registry import Registry, ReplicaState, replica_id_for
+
+
+def beat(rid: str = "a", epoch: int | str = 1, seq: int = 1, **state) -> dict:
+    base = {"free_blocks": 100, "total_blocks": 100, "block_size": 16, "running": 0,
+            "waiting": 0, "version": "v1", "draining": False, "healthy": True}
+    return {**base, **state, "replica_id": rid, "url": f"http://{rid}:1", "epoch": epoch,
+            "seq": seq}
+
+
+def test_newest_beat_wins_and_replays_are_ignored():
+    reg = Registry()
+    assert reg.beat(beat(seq=1, free_blocks=90), now=0.0)
+    assert reg.beat(beat(seq=3, free_blocks=70), now=1.0)
+    assert not reg.beat(beat(seq=3, free_blocks=10), now=2.0)  # replay
+    assert not reg.beat(beat(seq=2, free_blocks=10), now=2.0)  # older
+    rep = reg.get("a")
+    assert rep is not None and rep.state is not None
+    assert rep.state.free_blocks == 70 and rep.seq == 3 and rep.beat_at == 1.0
+
+
+def test_integer_epochs_are_ordered_and_string_epochs_retire():
+    reg = Registry()
+    assert reg.beat(beat(epoch=5, seq=40), 0.0)
+    assert not reg.beat(beat(epoch=4, seq=99), 0.1)  # a beat from before the restart
+    assert reg.beat(beat(epoch=6, seq=1), 0.2)  # the restart: seq starts again
+    assert reg.get("a").seq == 1
+    assert reg.beat(beat("b", epoch="x", seq=9), 0.0)
+    assert reg.beat(beat("b", epoch="y", seq=1), 0.1)
+    assert not reg.beat(beat("b", epoch="x", seq=10), 0.2)  # the old start, replayed
+
+
+def test_malformed_beats_raise():
+    reg = Registry()
+    with pytest.raises(ValueError):
+        reg.beat({"replica_id": "a", "url": "u", "epoch": 1, "seq": 1}, 0.0)  # no state
+    with pytest.raises(ValueError):
+        reg.beat(beat(seq="1"), 0.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        reg.beat(beat(epoch=True), 0.0)
+
+
+def test_suspect_after_three_missed_beats_on_the_router_clock():
+    reg = Registry(beat_interval=1.0, suspect_beats=3)
+    reg.beat(beat(), now=100.0)
+    rep = reg.get("a")
+    assert not reg.suspect(rep, 102.9)
+    assert reg.suspect(rep, 103.1)
+    # Piggybacked state refreshes capacity, never the beat clock.
+    assert reg.observe("a", {**beat(), "free_blocks": 5}, now=103.0)
+    assert rep.state.free_blocks == 5 and reg.suspect(rep, 103.2)
+
+
+def test_static_replicas_are_kept_fresh_by_polls_until_they_beat():
+    reg = Registry(beat_interval=1.0, suspect_beats=3)
+    rep = reg.add_static("http://127.0.0.1:9000/")
+    assert rep.replica_id == "127.0.0.1:9000" == replica_id_for(rep.url)
+    assert reg.suspect(rep, 0.0) and not reg.routable(rep)  # no state yet
+    assert reg.observe(rep.replica_id, beat(), now=10.0, poll=True)
+    assert not reg.suspect(rep, 12.0) and reg.routable(rep)
+    reg.beat(beat(rep.replica_id), now=11.0)  # it starts beating: polls stop counting
+    reg.observe(rep.replica_id, beat(), now=20.0, poll=True)
+    assert rep.beat_at == 11.0 and reg.suspect(rep, 20.0)
+
+
+def test_routable_needs_every_source_to_agree():
+    reg = Registry()
+    reg.beat(beat(), 0.0)
+    rep = reg.get("a")
+    assert reg.routable(rep)
+    for attr in ("evicted", "router_draining"):
+        setattr(rep, attr, True)
+        assert not reg.routable(rep)
+        setattr(rep, attr, False)
+    rep.ready = False
+    assert not reg.routable(rep)
+    rep.ready = True
+    reg.beat(beat(seq=2, draining=True), 1.0)
+    assert not reg.routable(rep)
+    reg.beat(beat(seq=3, healthy=False), 2.0)
+    assert not reg.routable(rep)
+
+
+def test_reservations_count_only_until_a_newer_state_arrives():
+    reg = Registry()
+    reg.beat(beat(free_blocks=100, waiting=1), now=0.0)
+    rep = reg.get("a")
+    t1 = reg.reserve(rep, 10, now=0.5)
+    reg.reserve(rep, 5, now=0.6)
+    assert reg.effective_free(rep) == 85 and reg.effective_waiting(rep) == 3
+    reg.beat(beat(seq=2, free_blocks=85), now=1.0)  # the replica now counts both itself
+    assert reg.effective_free(rep) == 85 and reg.effective_waiting(rep) == 0
+    reg.release(rep, t1)
+    assert rep.inflight == 1
+
+
+def test_forget_only_evicted_silent_dynamic_replicas():
+    reg = Registry(forget_after=60.0)
+    reg.beat(beat("dyn"), 0.0)
+    reg.add_static("http://s:1")
+    reg.get("s:1").evicted = True
+    reg.get("dyn").evicted = True
+    assert reg.forget_stale(30.0) == []
+    assert reg.forget_stale(61.0) == ["dyn"]
+    assert reg.get("s:1") is not None
+
+
+def test_state_parse_rejects_missing_fields():
+    with pytest.raises(ValueError):
+        ReplicaState.parse({"free_blocks": 1})
