@@ -101,6 +101,23 @@ class Relay:
         self.broke = False  # the stream ended with the explicit error event
         self.budget_refused = False
         self.n = choices_count(body, chat)
+        # Token ids make a resume exact (the prompt's ids + the ids streamed so far, instead of
+        # re-tokenized text). Ask the replica for them; strip them unless the client asked too.
+        self.prompt_ids: list[int] | None = None
+        self.ids: dict[int, list[int]] = {}
+        self.strip_ids = False
+        self.resume_offset = 0  # tokens generated before the current attempt's prompt ids
+        if (body.get("failover") == "resume" and body.get("stream") and not chat
+                and not body.get("return_token_ids")):
+            self.strip_ids = True
+            self.payload = orjson.dumps(dict(body, return_token_ids=True))
+
+    @property
+    def generated(self) -> int:
+        """Tokens streamed so far: exact when the replica sent ids, else content chunks."""
+        if self.ids or self.resume_offset:
+            return self.resume_offset + sum(len(v) for v in self.ids.values())
+        return self.sent
 
     def outcome(self, resp: web.StreamResponse) -> str:
         """The client-facing outcome label of the finished relay."""

@@ -67,10 +67,23 @@ def _track(relay: Relay, obj: Any) -> bool:
         return False
     choices = obj.get("choices") or ()
     final = False
+    changed = False
+    prompt_ids = obj.get("prompt_token_ids")
+    if isinstance(prompt_ids, list) and relay.prompt_ids is None:
+        relay.prompt_ids = prompt_ids
+    if relay.strip_ids and "prompt_token_ids" in obj:
+        del obj["prompt_token_ids"]
+        changed = True
     for ch in choices:
         if not isinstance(ch, dict):
             continue
         i = ch.get("index", 0)
+        ids = ch.get("token_ids")
+        if isinstance(ids, list):
+            relay.ids.setdefault(i, []).extend(ids)
+            if relay.strip_ids:
+                del ch["token_ids"]
+                changed = True
         if relay.chat:
             delta = ch.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else None
@@ -83,7 +96,7 @@ def _track(relay: Relay, obj: Any) -> bool:
             relay.finished.add(i)
             final = True
     if not relay.resumed:
-        return False
+        return changed
     usage = obj.get("usage")
     if isinstance(usage, dict) and not choices:
         before = relay.sent_before_resume
@@ -94,19 +107,20 @@ def _track(relay: Relay, obj: Any) -> bool:
         final = True
     if final:
         obj["resumed"] = True
-        obj["resumed_at"] = relay.sent_before_resume  # content chunks streamed before it
-    return final
+        obj["resumed_at"] = relay.sent_before_resume  # tokens streamed before it
+    return final or changed
 
 
 def resumable(relay: Relay) -> bool:
-    """Only a completion with one text prompt and one choice can continue elsewhere: the router
-    has no chat template, and token-id prompts cannot take the streamed text."""
+    """Only a completion with one prompt and one choice can continue elsewhere (the router has
+    no chat template). With the prompt's token ids from the replica it continues token-exactly;
+    else a text prompt continues with the streamed text appended."""
     b = relay.body
     prompt = b.get("prompt")
     one_text = isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
                                            and isinstance(prompt[0], str))
-    return (b.get("failover") == "resume" and not relay.chat and one_text and relay.n == 1
-            and not b.get("echo"))
+    return (b.get("failover") == "resume" and not relay.chat and relay.n == 1
+            and (one_text or relay.prompt_ids is not None) and not b.get("echo"))
 
 
 async def prepare_resume(relay: Relay) -> bool:
@@ -118,11 +132,13 @@ async def prepare_resume(relay: Relay) -> bool:
         await end_with_error(relay, reason)
         return False
     body = dict(relay.body)
-    prompt = body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][0]
+    if relay.strip_ids:
+        body["return_token_ids"] = True
     max_tokens = body.get("max_tokens") or relay.ctx.cfg.policy.default_max_tokens
-    left = int(max_tokens) - relay.sent
+    done = relay.generated
+    left = int(max_tokens) - done
     relay.resumed = True
-    relay.sent_before_resume = relay.sent
+    relay.sent_before_resume = done
     relay.ctx.metrics.failovers.labels("resume").inc()
     if left <= 0:  # every token was streamed; only the final chunk was lost
         final = {"id": f"cmpl-{relay.rid}", "object": "text_completion",
@@ -131,10 +147,18 @@ async def prepare_resume(relay: Relay) -> bool:
                               "finish_reason": "length"}]}
         await relay.write(sse(final) + DONE, eof=True)
         return False
-    body["prompt"] = prompt + "".join(relay.texts.get(0, ()))
+    if relay.prompt_ids is not None:
+        # Exact: the new replica computes the very sequence the old one held.
+        body["prompt"] = relay.prompt_ids + relay.ids.get(0, [])
+        relay.prompt_ids = None  # the next replica reports the extended prompt
+        relay.ids = {}
+        relay.resume_offset = done
+    else:
+        prompt = body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][0]
+        body["prompt"] = prompt + "".join(relay.texts.get(0, ()))
     body["max_tokens"] = left
     if isinstance(body.get("min_tokens"), int):
-        body["min_tokens"] = max(0, body["min_tokens"] - relay.sent)
+        body["min_tokens"] = max(0, body["min_tokens"] - done)
     relay.payload = orjson.dumps(body)
     return True
 
@@ -143,9 +167,10 @@ async def end_with_error(relay: Relay, reason: str) -> None:
     """The explicit end of a broken stream: an error event with what was sent, then [DONE]."""
     count = max([relay.n - 1, *relay.texts.keys()]) + 1
     err = {"error": {
-        "message": f"the stream broke after {relay.sent} tokens and cannot continue: {reason}",
+        "message": f"the stream broke after {relay.generated} tokens and cannot continue: "
+                   f"{reason}",
         "type": "service_unavailable", "param": None, "code": "upstream_failed",
-        "tokens_sent": relay.sent,
+        "tokens_sent": relay.generated,
         "partial_output": ["".join(relay.texts.get(i, ())) for i in range(count)]}}
     relay.ctx.metrics.failovers.labels("error").inc()
     relay.broke = True

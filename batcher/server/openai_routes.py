@@ -131,6 +131,8 @@ class GenerationHandler:
                 item["text"] = text
             if fin.stop_reason is not None:
                 item["stop_reason"] = fin.stop_reason
+            if spec.return_token_ids:
+                item["token_ids"] = c.tokens
             out.append(item)
             completion += fin.num_output_tokens
             p = i // spec.n
@@ -166,6 +168,7 @@ class GenerationHandler:
                         await resp.write(sse_event(self._chunk(base, i, role=True)))
                 totals = [0, 0, 0]
                 prompts_seen: set[int] = set()
+                prompts_sent: set[int] = set()
                 item: tuple[int, EngineEvent] | None = first
                 while item is not None:
                     i, ev = item
@@ -173,10 +176,15 @@ class GenerationHandler:
                         await resp.write(sse_event(self._error(ev)))
                         break
                     lp = self._logprobs(spec, ev.token_ids, ev.logprobs, ev.text)
-                    if ev.text or ev.finished or lp:
-                        await resp.write(sse_event(self._chunk(
-                            base, i, text=ev.text, logprobs=lp,
-                            finish=ev.finish_reason, stop_reason=ev.stop_reason)))
+                    ids = ev.token_ids if spec.return_token_ids else None
+                    if ev.text or ev.finished or lp or ids:
+                        chunk = self._chunk(base, i, text=ev.text, logprobs=lp,
+                                            finish=ev.finish_reason,
+                                            stop_reason=ev.stop_reason, token_ids=ids)
+                        if ids is not None and i not in prompts_sent:
+                            prompts_sent.add(i)  # once per choice: what a resume re-sends
+                            chunk["prompt_token_ids"] = job.requests[i].prompt_token_ids
+                        await resp.write(sse_event(chunk))
                     if ev.finished:
                         totals[1] += ev.num_output_tokens
                         if i // spec.n not in prompts_seen:
@@ -210,7 +218,8 @@ class GenerationHandler:
 
     def _chunk(self, base: dict[str, Any], index: int, text: str = "", role: bool = False,
                logprobs: Any = None, finish: str | None = None,
-               stop_reason: str | None = None) -> dict[str, Any]:
+               stop_reason: str | None = None, token_ids: list[int] | None = None
+               ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
                 {"content": text} if text else {})
@@ -221,6 +230,8 @@ class GenerationHandler:
                       "finish_reason": finish}
         if stop_reason is not None:
             choice["stop_reason"] = stop_reason
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return dict(base, choices=[choice])
 
     @staticmethod

@@ -38,6 +38,9 @@ class GenerationSpec:
     user: str | None = None
     failover: str = "error"
     echo: bool = False
+    # Extension: each choice carries its token ids (and the first stream chunk the prompt's),
+    # so a router can resume a broken stream elsewhere token-exactly.
+    return_token_ids: bool = False
 
 
 def _num(body: dict, key: str, default: float | None, lo: float, hi: float) -> float | None:
@@ -151,6 +154,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
     spec.max_tokens_given = max_tokens is not None
     spec.n = _int(body, "n", 1, 1, MAX_N) or 1
     spec.stream = _bool(body, "stream", False)
+    spec.return_token_ids = _bool(body, "return_token_ids", False)
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
