@@ -31,6 +31,12 @@ from batcher.server.gateway import Gateway, GatewayConfig
 
 log = logging.getLogger("batcher.serve")
 EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
+# aiohttp (3.14) closes a connection that has not sent a complete request within
+# `keepalive_timeout` of connecting or of its previous response. Partial data does not reset that
+# timer, so it is both the idle timeout and the header timeout that cuts off slow-loris clients
+# (headers trickled byte by byte); aiohttp's default is an hour. Clients that pool connections
+# should drop idle ones sooner than this. BATCHER_KEEPALIVE_TIMEOUT (seconds) overrides it.
+KEEPALIVE_TIMEOUT_S = 20.0
 
 
 def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
@@ -109,6 +115,19 @@ def engine_model_name(source: str) -> str:
     return os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
 
 
+def keepalive_timeout() -> float:
+    raw = os.environ.get("BATCHER_KEEPALIVE_TIMEOUT")
+    if raw is None:
+        return KEEPALIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise SystemExit(f"BATCHER_KEEPALIVE_TIMEOUT must be seconds > 0, got {raw!r}")
+    return value
+
+
 def _prefill_observer(admission: Admission):
     def observe(sched, seconds: float) -> None:
         # NOTE: a mixed step's time includes its decodes, so this rate errs low: the queue's
@@ -122,8 +141,9 @@ def _prefill_observer(admission: Admission):
 
 async def run_server(args: argparse.Namespace) -> int:
     app = create_app(gateway_factory(args), args.max_body_bytes)
+    keepalive = keepalive_timeout()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=args.shutdown_timeout)
+                           shutdown_timeout=args.shutdown_timeout, keepalive_timeout=keepalive)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
     await site.start()
@@ -132,7 +152,8 @@ async def run_server(args: argparse.Namespace) -> int:
         key = args.admin_key or os.environ.get("BATCHER_ADMIN_KEY")
         if not key:
             raise SystemExit("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
-        admin_runner = web.AppRunner(create_admin_app(app, key), access_log=None)
+        admin_runner = web.AppRunner(create_admin_app(app, key), access_log=None,
+                                     keepalive_timeout=keepalive)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, args.admin_host, args.admin_port).start()
     gw = app[GATEWAY]
@@ -141,8 +162,13 @@ async def run_server(args: argparse.Namespace) -> int:
         from batcher.fleet.heartbeat import heartbeat_loop
 
         url = args.advertise_url or f"http://{args.host}:{args.port}"
+        admin_url = None
+        if args.admin_port:
+            host = url.split("://", 1)[-1].rsplit(":", 1)[0]
+            admin_url = f"http://{host}:{args.admin_port}"
         beats = asyncio.get_running_loop().create_task(heartbeat_loop(
-            gw.state, args.router, args.replica_id or f"{args.host}:{args.port}", url))
+            gw.state, args.router, args.replica_id or f"{args.host}:{args.port}", url,
+            admin_url=admin_url))
     log.info("serving %s on http://%s:%d", gw.cfg.model_name, args.host, args.port)
     print(f"batcher: serving {gw.cfg.model_name} on http://{args.host}:{args.port}", flush=True)
     stop = asyncio.Event()

@@ -35,7 +35,8 @@ def beat_payload(state: dict[str, Any], replica_id: str, url: str, epoch: int, s
 
 async def heartbeat_loop(state_fn: Callable[[], dict[str, Any]], routers: Sequence[str],
                          replica_id: str, url: str, interval: float = 1.0,
-                         timeout: float = 0.5, key: str | None = None) -> None:
+                         timeout: float = 0.5, key: str | None = None,
+                         admin_url: str | None = None) -> None:
     """Beat until cancelled. Failures are logged once per router until it answers again."""
     epoch, seq = new_epoch(), 0
     key = key or os.environ.get("BATCHER_FLEET_KEY")
@@ -65,7 +66,10 @@ async def heartbeat_loop(state_fn: Callable[[], dict[str, Any]], routers: Sequen
         next_at = loop.time()
         while True:
             seq += 1
-            body = orjson.dumps(beat_payload(state_fn(), replica_id, url, epoch, seq))
+            payload = beat_payload(state_fn(), replica_id, url, epoch, seq)
+            if admin_url:
+                payload["admin_url"] = admin_url  # lets the router drain a replica that joined
+            body = orjson.dumps(payload)
             await asyncio.gather(*(send(session, t, body) for t in targets))
             # +-10% jitter keeps a fleet's beats from arriving in lockstep.
             next_at = max(next_at + interval * random.uniform(0.9, 1.1), loop.time())
