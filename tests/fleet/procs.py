@@ -145,8 +145,13 @@ async def replica_view(session: aiohttp.ClientSession, r: Proc, replica_id: str
 async def wait_routable(session: aiohttp.ClientSession, r: Proc, n: int,
                         timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
+    st: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        st = await admin(session, r, "/admin/status")
+        try:
+            st = await admin(session, r, "/admin/status")
+        except aiohttp.ClientConnectionError:  # the admin listener may start a moment later
+            await asyncio.sleep(0.1)
+            continue
         if sum(x["routable"] for x in st["replicas"]) >= n:
             return
         await asyncio.sleep(0.1)
