@@ -183,3 +183,19 @@ async def test_probe_runs_ahead_of_queue(tiny_fp32, tokenizer):
     latency = await engine.probe(timeout=10)
     assert latency > 0
     await engine.stop()
+
+
+async def test_min_tokens_suppresses_stop_tokens(tiny_fp32, tokenizer):
+    engine = make_engine(tiny_fp32, tokenizer)
+    await engine.start()
+    prompt = prompts_of(1)[0]
+    first: list[int] = []
+    async for ev in engine.generate(Request("a", prompt, greedy(5))):
+        first += ev.token_ids
+    # Make the greedy third token a stop token: below min_tokens it must not be chosen.
+    sp = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first[2]], min_tokens=4)
+    got: list[int] = []
+    async for ev in engine.generate(Request("b", prompt, sp)):
+        got += ev.token_ids
+    assert got[:2] == first[:2] and got[2] != first[2]
+    await engine.stop()

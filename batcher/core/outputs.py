@@ -23,6 +23,8 @@ class ScheduledSeq:
     # Index of the token being sampled within the output (for seeded sampling that does not depend
     # on batch composition or preemption): len(output) at sampling time.
     output_index: int = 0
+    # Token ids the sampler must not choose (stop tokens while under `min_tokens`).
+    suppress: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -305,7 +305,16 @@ class Scheduler:
             sample=start + num_new == req.num_tokens,
             sampling=req.sampling,
             output_index=req.num_output_tokens,
+            suppress=self._suppressed(req),
         )
+
+    @staticmethod
+    def _suppressed(req: Request) -> tuple[int, ...]:
+        sp = req.sampling
+        if req.num_output_tokens >= sp.min_tokens:
+            return ()
+        eos = () if sp.ignore_eos else req.eos_token_ids
+        return tuple(eos) + tuple(sp.stop_token_ids)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """FINISHED_STOPPED on EOS (unless ignore_eos) or a stop token id, once more than

@@ -87,6 +87,12 @@ class Sampler:
         n = logits.shape[0]
         if n != len(rows):
             raise ValueError(f"{n} logit rows for {len(rows)} sampling sequences")
+        if any(s.suppress for s in rows):
+            # Below min_tokens a request may not stop: its stop tokens cannot be chosen.
+            logits = logits.clone()
+            for i, s in enumerate(rows):
+                if s.suppress:
+                    logits[i, list(s.suppress)] = float("-inf")
         if n == 0:
             return [], []
         params = [s.sampling for s in rows]
