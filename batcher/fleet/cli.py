@@ -15,6 +15,7 @@ import secrets
 import sys
 
 from batcher.fleet.context import RouterConfig, RouterContext
+from batcher.fleet.discovery import Discovery, HttpProber, Source, parse_source
 from batcher.fleet.health import HealthConfig
 from batcher.fleet.router import PolicyConfig
 
@@ -57,6 +58,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--replica", action="append", default=[], metavar="URL[,ADMIN_URL]",
       help="a replica to route to (repeatable); replicas may also join by heartbeating")
+    a("--discover", action="append", default=[], type=_source, metavar="SPEC",
+      help="where to find replicas (repeatable): static:URL,URL | file:PATH (one URL per "
+      "line, re-read when it changes) | dns:NAME:PORT (every A/AAAA record, re-resolved; a "
+      "headless Service). New addresses join after a first good probe; gone ones drain")
+    a("--discover-interval", type=float, default=None, help="seconds between polls of every "
+      "--discover source (default: 5 for dns, 1 for file)")
+    a("--discover-drain-timeout", type=float, default=600.0, help="longest a vanished "
+      "address keeps the router's in-flight work before it is forgotten "
+      "(default: %(default)s)")
     a("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     a("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     a("--admin-port", type=int, default=None, help="admin listener port (drain, canary); "
@@ -68,6 +78,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     a("--shutdown-timeout", type=float, default=10.0, help="(default: %(default)s)")
     a("--log-level", default="info", help="(default: %(default)s)")
     _policy_args(p)
+
+
+def _source(spec: str) -> Source:
+    try:
+        return parse_source(spec)
+    except ValueError as exc:  # argparse shows this message, not a bare "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
@@ -112,10 +129,27 @@ async def run_router(args: argparse.Namespace) -> int:
     close = await serve_router(ctx, args.host, args.port, args.admin_port, args.admin_host,
                                args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"),
                                args.shutdown_timeout)
-    print(f"batcher: routing on http://{args.host}:{args.port} over {len(args.replica)} "
-          "configured replicas", flush=True)
-    await wait_for_signal()
-    await close()
+    sources: list[Source] = args.discover
+    try:
+        if sources:
+            for src in sources:
+                if args.discover_interval is not None:
+                    src.interval = args.discover_interval
+            hc = ctx.cfg.health
+            # A failed first probe is retried every other health round.
+            ctx.discovery = Discovery(ctx.registry, sources,
+                                      HttpProber(hc.liveness_timeout, hc.probe_deadline),
+                                      ctx.forget, retry=hc.interval * 2,
+                                      drain_timeout=args.discover_drain_timeout)
+            await ctx.discovery.start()
+        found = "".join(f", discovering {s.label}" for s in sources)
+        print(f"batcher: routing on http://{args.host}:{args.port} over {len(args.replica)} "
+              f"configured replicas{found}", flush=True)
+        await wait_for_signal()
+    finally:
+        if ctx.discovery is not None:
+            await ctx.discovery.close()
+        await close()
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 
+from batcher.fleet.discovery import Discovery
 from batcher.fleet.health import HealthChecker, HealthConfig
 from batcher.fleet.metrics import RouterMetrics
 from batcher.fleet.registry import Registry, Replica
@@ -105,6 +106,7 @@ class RouterContext:
         self.cancelled: set[str] = set()  # ids the client cancelled: their errors are final
         self.inflight = 0
         self.processes: Callable[[], list[dict[str, Any]]] | None = None  # set by the launcher
+        self.discovery: Discovery | None = None  # set by `batcher router --discover`
 
     # routing -------------------------------------------------------------------------------
     def candidates(self, now: float) -> list[Candidate]:
@@ -161,6 +163,15 @@ class RouterContext:
         st = rep.state if rep is not None else None
         return bool(st is not None and st.running > 0 and st.last_step_age is not None
                     and st.last_step_age > limit)
+
+    def forget(self, replica_id: str) -> None:
+        """Remove a replica and its health record (discovery saw its address go and its work
+        finish). Attempts still running keep their own reference and end normally."""
+        self.registry.remove(replica_id)
+        if self.health is not None:
+            self.health.forget(replica_id)
+        if not self.attempts.get(replica_id, True):
+            del self.attempts[replica_id]
 
     def report_failure(self, rep: Replica, reason: str, conclusive: bool = False) -> None:
         if self.health is not None:

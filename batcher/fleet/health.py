@@ -158,12 +158,16 @@ class HealthChecker:
                     self._tasks[rep.replica_id] = asyncio.get_running_loop().create_task(
                         self._loop(rep.replica_id))
             for rid in self.registry.forget_stale(self.clock()):
-                for tasks in (self._tasks, self._probing):
-                    task = tasks.pop(rid, None)
-                    if task is not None:
-                        task.cancel()
-                self.records.pop(rid, None)
+                self.forget(rid)
             await asyncio.sleep(self.cfg.interval)
+
+    def forget(self, replica_id: str) -> None:
+        """Drop a replica's checks and record, so one that comes back starts clean."""
+        for tasks in (self._tasks, self._probing):
+            task = tasks.pop(replica_id, None)
+            if task is not None:
+                task.cancel()
+        self.records.pop(replica_id, None)
 
     async def _loop(self, replica_id: str) -> None:
         while (rep := self.registry.get(replica_id)) is not None:

@@ -129,6 +129,10 @@ class Registry:
         rep.admin_url = admin_url.rstrip("/") if admin_url else rep.admin_url
         return rep
 
+    def remove(self, replica_id: str) -> Replica | None:
+        """Forget one replica now (discovery, once its address is gone and its work is done)."""
+        return self.replicas.pop(replica_id, None)
+
     def forget_stale(self, now: float) -> list[str]:
         """Drop dynamic replicas that stopped beating long ago and are evicted."""
         gone = [r.replica_id for r in self.replicas.values()

@@ -161,7 +161,8 @@ def create_admin_app(ctx: RouterContext, admin_key: str) -> web.Application:
             "replicas": reps, "weights": ctx.rollout.weights, "inflight": ctx.inflight,
             "retry_budget": {"allowed": ctx.budget.allowed(now, ctx.inflight),
                              "retries_in_window": ctx.budget.retries_in_window},
-            "processes": ctx.processes() if ctx.processes is not None else None})
+            "processes": ctx.processes() if ctx.processes is not None else None,
+            "discovery": ctx.discovery.status() if ctx.discovery is not None else None})
 
     async def drain(request: web.Request) -> web.Response:
         data = await body(request)

