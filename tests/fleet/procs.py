@@ -132,8 +132,16 @@ async def admin(session: aiohttp.ClientSession, r: Proc, path: str,
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     method = session.post if body is not None else session.get
     kw: dict[str, Any] = {"data": orjson.dumps(body)} if body is not None else {}
-    async with method(f"{r.admin_url}{path}", headers=headers, **kw) as resp:
-        return orjson.loads(await resp.read())
+    # The admin listener may come up a moment after the public one; retry connects briefly.
+    for attempt in range(50):
+        try:
+            async with method(f"{r.admin_url}{path}", headers=headers, **kw) as resp:
+                return orjson.loads(await resp.read())
+        except aiohttp.ClientConnectorError:
+            if attempt == 49:
+                raise
+            await asyncio.sleep(0.1)
+    raise AssertionError("unreachable")
 
 
 async def replica_view(session: aiohttp.ClientSession, r: Proc, replica_id: str
