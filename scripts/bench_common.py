@@ -1,73 +1,19 @@
-"""Shared helpers of the bench scripts: workloads, percentiles, machine line, BENCHMARKS.md rows."""
+"""Shared helpers of the bench scripts; they live in `batcher.bench.common` so `batcher bench`
+can use them from an installed package too."""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import shlex
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ROOT / "BENCHMARKS.md"
-DEFAULT_WORKLOAD = ROOT / "workloads" / "chat64.json"
-
-
-def load_workload(path: str | os.PathLike[str] | None = None, limit: int | None = None
-                  ) -> list[dict]:
-    """Requests of a workload file: prompt_ids (list of int), max_new_tokens (int), id."""
-    data = json.loads(Path(path or DEFAULT_WORKLOAD).read_text())
-    reqs = data["requests"] if isinstance(data, dict) else data
-    out = []
-    for r in reqs[:limit]:
-        ids = r["prompt_ids"]
-        ids = json.loads(ids) if isinstance(ids, str) else ids
-        out.append({"id": str(r.get("id", len(out))), "prompt_ids": [int(x) for x in ids],
-                    "prompt_text": r.get("prompt_text"),
-                    "max_new_tokens": int(r["max_new_tokens"])})
-    return out
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
-    return s[k]
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
-
-
-def command_line() -> str:
-    script = os.path.relpath(sys.argv[0], ROOT) if os.path.isabs(sys.argv[0]) else sys.argv[0]
-    return " ".join(["python", script, *map(shlex.quote, sys.argv[1:])])
-
-
-def append_rows(title: str, header: list[str], rows: list[list[str]], notes: str = "") -> str:
-    """Append a dated table to BENCHMARKS.md and return it as text."""
-    lines = [f"\n### {title} — {time.strftime('%Y-%m-%d %H:%M')}\n",
-             f"`{command_line()}` on {machine()}\n",
-             "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    if notes:
-        lines += ["", notes]
-    text = "\n".join(lines) + "\n"
-    if not BENCHMARKS.exists():
-        BENCHMARKS.write_text("# Benchmarks\n\nEvery row is written by a bench script; ratios are "
-                              "measured side by side in the same run.\n")
-    with BENCHMARKS.open("a") as f:
-        f.write(text)
-    return text
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from batcher.bench.common import (  # noqa: F401
+    BENCHMARKS,
+    DEFAULT_WORKLOAD,
+    ROOT,
+    append_rows,
+    command_line,
+    load_workload,
+    machine,
+    pct,
+)

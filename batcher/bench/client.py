@@ -1,0 +1,213 @@
+"""A streaming client for OpenAI-compatible /v1/completions and /v1/chat/completions.
+
+Timings come from when SSE chunks arrive at the client, so they include the network, the server's
+HTTP layer and its detokenizer, as a user would see them. A chunk may carry several tokens (a
+detokenizer holding back half a UTF-8 character, say), so inter-token latencies are between chunks
+that carry text, and the token count comes from the server's `usage` when it reports one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from batcher.bench.workload import BenchRequest
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass(slots=True)
+class ClientConfig:
+    base_url: str
+    model: str
+    endpoint: str = "completions"
+    api_key: str | None = None
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    priority: str | None = None
+    # "ids": send token ids (exact prompt lengths, no tokenizer differences); "text": send text.
+    prompt_mode: str = "ids"
+    request_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}")
+        if self.prompt_mode not in ("ids", "text"):
+            raise ValueError("prompt mode must be 'ids' or 'text'")
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + ENDPOINTS[self.endpoint]
+
+    def headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def body(self, req: BenchRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens,
+                                "temperature": self.temperature, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.priority:
+            body["priority"] = self.priority
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": req.prompt_text or ""}]
+        elif self.prompt_mode == "ids" and req.prompt_ids is not None:
+            body["prompt"] = req.prompt_ids
+        else:
+            body["prompt"] = req.prompt_text or ""
+        return body
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """One request's outcome; times in seconds, `start` from the run's start, others from send."""
+
+    id: str
+    prompt_len: int
+    max_tokens: int
+    start: float = 0.0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    output_tokens: int = 0
+    tokens_from: str = "chunks"
+    chunks: int = 0
+    status: int = 0
+    error: str | None = None
+    retry_after: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def kind(self) -> str:
+        """'ok', the HTTP status ('429', '503', ...), 'stream_error', 'timeout' or 'connection'."""
+        if self.ok:
+            return "ok"
+        if self.status == 200:
+            return "stream_error"
+        if self.status:
+            return str(self.status)
+        return "timeout" if self.error == "timeout" else "connection"
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two tokens)."""
+        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def length_ok(self) -> bool:
+        return self.ok and self.output_tokens == self.max_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(ok=self.ok, kind=self.kind, tpot=self.tpot, length_ok=self.length_ok)
+        return d
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    parts = []
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        parts.append((delta.get("content") if delta else choice.get("text")) or "")
+    return "".join(parts)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, sent: float) -> None:
+    last: float | None = None
+    finished = False
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue  # blank separators and ": keep-alive" comments
+        data = line[5:].strip()
+        now = time.perf_counter()
+        if data == b"[DONE]":
+            break
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            err = chunk["error"]
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            res.error = f"stream error after {res.chunks} chunks: {msg}"
+            break
+        usage = chunk.get("usage")
+        if usage and usage.get("completion_tokens") is not None:
+            res.output_tokens = int(usage["completion_tokens"])
+            res.tokens_from = "usage"
+        if any(c.get("finish_reason") for c in chunk.get("choices") or ()):
+            finished = True
+        if _chunk_text(chunk):
+            res.chunks += 1
+            if last is None:
+                res.ttft = now - sent
+            else:
+                res.itl.append(now - last)
+            last = now
+        elif finished and res.ttft is None:
+            # Only empty text came back (tokens that decode to nothing): the finish is the first
+            # sign of output a user gets.
+            res.ttft = now - sent
+    res.e2e = time.perf_counter() - sent
+    if res.tokens_from != "usage":
+        res.output_tokens = res.chunks
+    if res.error is None and not finished:
+        res.error = "the stream ended without a finish reason"
+
+
+async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: BenchRequest,
+                       t0: float) -> RequestResult:
+    """Send one streaming request; never raises for a server's or the network's failure."""
+    res = RequestResult(req.id, req.prompt_len, req.max_tokens)
+    payload = orjson.dumps(cfg.body(req))
+    sent = time.perf_counter()
+    res.start = sent - t0
+    try:
+        async with asyncio.timeout(cfg.request_timeout):
+            async with session.post(cfg.url, data=payload, headers=cfg.headers()) as resp:
+                res.status = resp.status
+                if resp.status != 200:
+                    res.retry_after = resp.headers.get("Retry-After")
+                    text = await resp.text()
+                    res.error = _error_message(text)
+                    res.e2e = time.perf_counter() - sent
+                    return res
+                await _read_stream(resp, res, sent)
+    except TimeoutError:
+        res.status, res.error = 0, "timeout"
+    except (aiohttp.ClientError, ConnectionError, orjson.JSONDecodeError) as exc:
+        res.status, res.error = 0, f"{type(exc).__name__}: {exc}"
+    if res.e2e is None:
+        res.e2e = time.perf_counter() - sent
+    return res
+
+
+def _error_message(text: str) -> str:
+    try:
+        err = orjson.loads(text).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return text[:200]
+    if isinstance(err, dict):
+        return str(err.get("message", err))[:200]
+    return str(err)[:200]
+
+
+async def first_model(session: aiohttp.ClientSession, base_url: str,
+                      api_key: str | None = None) -> str:
+    """The first model a server lists, for when the caller names none."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with session.get(base_url.rstrip("/") + "/v1/models", headers=headers) as resp:
+        resp.raise_for_status()
+        data = await resp.json(content_type=None)
+    return str(data["data"][0]["id"])

@@ -1,0 +1,236 @@
+"""What a run measured: client-side latencies and goodput, server-side metrics scraped during it.
+
+Goodput follows DistServe: a request counts only if it finished and met both the TTFT and the TPOT
+SLO; its share is over every request sent, so refused requests count as misses, not as absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from batcher.bench.client import RequestResult
+from batcher.bench.common import pct
+
+# Series kept from each scrape (histograms keep their _sum, _count and _bucket samples).
+SCRAPED = ("batcher_kv_blocks_used", "batcher_kv_blocks_total", "batcher_running",
+           "batcher_waiting", "batcher_preemptions", "batcher_prefix_cache_hit_tokens",
+           "batcher_prompt_tokens", "batcher_prefill_tokens_computed",
+           "batcher_generated_tokens", "batcher_queue_wait_seconds", "batcher_service_seconds")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name' or 'name{le=...}': value} for the series in SCRAPED."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name not in SCRAPED:
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            key = f"{s.name}{{le={s.labels['le']}}}" if "le" in s.labels else s.name
+            out[key] = float(s.value)
+    return out
+
+
+class MetricsScraper:
+    """Polls /metrics every `interval` seconds while a run goes on; silent if there is none."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, interval: float = 0.5,
+                 t0: float | None = None, headers: dict[str, str] | None = None):
+        self.session = session
+        self.headers = headers or {}
+        self.url = base_url.rstrip("/") + "/metrics"
+        self.interval = interval
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.available = True
+        self._task: asyncio.Task[None] | None = None
+
+    async def scrape(self) -> None:
+        if not self.available:
+            return
+        try:
+            async with self.session.get(self.url, headers=self.headers) as resp:
+                if resp.status != 200:
+                    self.available = False
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, ConnectionError, TimeoutError):
+            return  # one lost scrape is a gap in a curve, not a failed run
+        values = parse_metrics(text)
+        if not values:
+            self.available = False  # a /metrics with none of ours (another server)
+            return
+        self.samples.append((time.perf_counter() - self.t0, values))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.scrape()
+
+    async def start(self) -> None:
+        await self.scrape()  # the baseline every delta is taken against
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.scrape()
+
+    def summary(self) -> dict[str, Any] | None:
+        """Deltas over the run and the KV-use curve, or None when nothing was scraped."""
+        if len(self.samples) < 2:
+            return None
+        first, last = self.samples[0][1], self.samples[-1][1]
+
+        def delta(name: str) -> float:
+            return last.get(name, 0.0) - first.get(name, 0.0)
+
+        used = [v.get("batcher_kv_blocks_used", 0.0) for _, v in self.samples]
+        prompt = delta("batcher_prompt_tokens_total")
+        return {
+            "queue_wait": _hist_delta(first, last, "batcher_queue_wait_seconds"),
+            "service": _hist_delta(first, last, "batcher_service_seconds"),
+            "kv_blocks_total": last.get("batcher_kv_blocks_total"),
+            "kv_blocks_used_max": max(used),
+            "kv_blocks_used_mean": sum(used) / len(used),
+            "preemptions": delta("batcher_preemptions_total"),
+            "prefix_cache_hit_tokens": delta("batcher_prefix_cache_hit_tokens_total"),
+            "prompt_tokens": prompt,
+            "prefix_cache_hit_rate": (delta("batcher_prefix_cache_hit_tokens_total") / prompt
+                                      if prompt > 0 else None),
+            "prefill_tokens_computed": delta("batcher_prefill_tokens_computed_total"),
+            "series": [{"t": t, "kv_used": v.get("batcher_kv_blocks_used"),
+                        "running": v.get("batcher_running"), "waiting": v.get("batcher_waiting")}
+                       for t, v in self.samples],
+        }
+
+
+def _hist_delta(first: dict[str, float], last: dict[str, float], name: str
+                ) -> dict[str, float | None]:
+    """Mean and quantiles of the observations a histogram gained between two scrapes."""
+    count = last.get(f"{name}_count", 0.0) - first.get(f"{name}_count", 0.0)
+    total = last.get(f"{name}_sum", 0.0) - first.get(f"{name}_sum", 0.0)
+    buckets = sorted(((float(k.split("le=")[1][:-1]), v - first.get(k, 0.0))
+                      for k, v in last.items() if k.startswith(f"{name}_bucket{{")))
+    out: dict[str, float | None] = {"count": count, "mean": total / count if count else None}
+    for q in (50, 90, 99):
+        out[f"p{q}"] = _bucket_quantile(buckets, count, q / 100) if count else None
+    return out
+
+
+def _bucket_quantile(buckets: list[tuple[float, float]], count: float, q: float) -> float:
+    """Linear interpolation inside the bucket holding the q-quantile (as PromQL does)."""
+    rank, lo, below = q * count, 0.0, 0.0
+    for upper, cum in buckets:
+        if cum >= rank:
+            if math.isinf(upper):
+                return lo  # beyond the last finite bound: its lower edge is all that is known
+            inside = cum - below
+            return lo + (upper - lo) * ((rank - below) / inside if inside else 0.0)
+        lo, below = upper, cum
+    return lo
+
+
+def _stats(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {"mean": sum(values) / len(values) * scale, "p50": pct(values, 50) * scale,
+            "p90": pct(values, 90) * scale, "p99": pct(values, 99) * scale}
+
+
+def met_slo(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    if not r.ok or r.ttft is None:
+        return False
+    if slo_ttft_ms is not None and r.ttft * 1000 > slo_ttft_ms:
+        return False
+    tpot = r.tpot  # a one-token answer has no TPOT and cannot miss that SLO
+    return not (slo_tpot_ms is not None and tpot is not None and tpot * 1000 > slo_tpot_ms)
+
+
+def summarize(results: list[RequestResult], slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> dict[str, Any]:
+    """Counts, throughput, latency percentiles (ms; E2E in s), goodput, errors, mismatches."""
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.kind] = errors.get(r.kind, 0) + 1
+    ends = [r.start + (r.e2e or 0.0) for r in results]
+    duration = max(ends) - min(r.start for r in results) if results else 0.0
+    out_tokens = sum(r.output_tokens for r in ok)
+    good = sum(met_slo(r, slo_ttft_ms, slo_tpot_ms) for r in results)
+    per_s = 1.0 / duration if duration > 0 else 0.0
+    mismatches = [{"id": r.id, "asked": r.max_tokens, "got": r.output_tokens}
+                  for r in ok if not r.length_ok]
+    return {
+        "sent": len(results), "ok": len(ok), "errors": sum(errors.values()),
+        "errors_by_kind": dict(sorted(errors.items())), "duration_s": duration,
+        "request_throughput": len(ok) * per_s, "output_tokens": out_tokens,
+        "output_tok_s": out_tokens * per_s,
+        "input_tok_s": sum(r.prompt_len for r in ok) * per_s,
+        "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None], 1000),
+        "tpot_ms": _stats([t for r in ok if (t := r.tpot) is not None], 1000),
+        "itl_ms": _stats([x for r in ok for x in r.itl], 1000),
+        "e2e_s": _stats([r.e2e for r in ok if r.e2e is not None]),
+        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+        "goodput_requests": good, "goodput_rps": good * per_s,
+        "goodput_share": good / len(results) if results else 0.0,
+        "length_mismatches": len(mismatches), "mismatched": mismatches[:20],
+        "tokens_from_usage": sum(r.tokens_from == "usage" for r in ok),
+    }
+
+
+TABLE_HEADER = ["run", "sent", "ok", "errors", "time s", "req/s", "output tok/s",
+                "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p50 / p99 ms", "E2E p50 / p99 s",
+                "goodput /s (share)", "length ok"]
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
+
+
+def table_row(label: str, s: dict[str, Any]) -> list[str]:
+    errs = ", ".join(f"{k}: {v}" for k, v in s["errors_by_kind"].items()) or "0"
+
+    def pair(key: str, digits: int = 0) -> str:
+        return f"{_f(s[key]['p50'], digits)} / {_f(s[key]['p99'], digits)}"
+
+    return [label, str(s["sent"]), str(s["ok"]), errs, _f(s["duration_s"], 1),
+            _f(s["request_throughput"], 2), _f(s["output_tok_s"], 1), pair("ttft_ms"),
+            pair("tpot_ms", 1), pair("itl_ms", 1), pair("e2e_s", 1),
+            # Without an SLO every finished request is "good": say so rather than repeat req/s.
+            "— (no SLO)" if s["slo_ttft_ms"] is None and s["slo_tpot_ms"] is None else
+            f"{_f(s['goodput_rps'], 2)} ({s['goodput_share']:.0%})",
+            f"{s['ok'] - s['length_mismatches']}/{s['ok']}"]
+
+
+def markdown_table(rows: list[list[str]], header: list[str] = TABLE_HEADER) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def server_lines(server: dict[str, Any] | None) -> list[str]:
+    """The scraped server view as a few readable lines."""
+    if server is None:
+        return ["server metrics: none (no batcher /metrics at this address)"]
+    qw, sv = server["queue_wait"], server["service"]
+    hit = server["prefix_cache_hit_rate"]
+    return [(f"queue wait mean {_f(qw['mean'], 3)} s (p50 ~{_f(qw['p50'], 3)}, p99 "
+             f"~{_f(qw['p99'], 3)}) vs service mean {_f(sv['mean'], 3)} s "
+             f"(p50 ~{_f(sv['p50'], 3)}, p99 ~{_f(sv['p99'], 3)}) over {int(qw['count'])} "
+             "requests"),
+            (f"KV blocks used: max {_f(server['kv_blocks_used_max'], 0)} / "
+             f"{_f(server['kv_blocks_total'], 0)}, mean {_f(server['kv_blocks_used_mean'], 0)}; "
+             f"preemptions {int(server['preemptions'])}; prefix-cache hit rate "
+             f"{'—' if hit is None else f'{hit:.1%}'}")]

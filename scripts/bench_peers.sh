@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# chat64 (all requests at t=0) against llama.cpp's llama-server and `batcher serve` on the SAME
+# bundled GGUF file, alternating, in one run; prints both rows and the ratio and appends them to
+# BENCHMARKS.md.
+#
+#   scripts/bench_peers.sh [--build-only] [--rounds N] [--workload FILE]
+#
+# llama-server is built from the llama.cpp tree vendored in the llama-cpp-python sdist (about
+# 4 minutes on 2 cores) and cached under .cache/peers/. Environment: PYTHON (default .venv/bin/python),
+# PEER_PORT (18290), BATCHER_PORT (18291), BATCHER_ARGS (extra `batcher serve` flags), QUIET
+# (seconds each run may wait for an idle machine first, default 300). Each row records the CPU
+# other processes used during it; contended rounds are left out of the ratio when clean ones exist.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+CACHE="$ROOT/.cache/peers"
+BIN="$CACHE/llama-server"
+PEER_PORT="${PEER_PORT:-18290}"
+BATCHER_PORT="${BATCHER_PORT:-18291}"
+QUIET="${QUIET:-300}"
+ARGS="$*"
+ROUNDS=1
+BUILD_ONLY=0
+WORKLOAD="$ROOT/workloads/chat64.json"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build-only) BUILD_ONLY=1 ;;
+    --rounds) ROUNDS="$2"; shift ;;
+    --workload) WORKLOAD="$2"; shift ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+build_llama_server() {
+  if [ -x "$BIN" ]; then return; fi
+  mkdir -p "$CACHE/src"
+  local sdist
+  sdist="$(ls "$CACHE"/src/llama_cpp_python-*.tar.gz 2>/dev/null | tail -n 1 || true)"
+  if [ -z "$sdist" ]; then
+    "$PY" -m pip download --no-deps --no-binary :all: llama-cpp-python -d "$CACHE/src"
+    sdist="$(ls "$CACHE"/src/llama_cpp_python-*.tar.gz | tail -n 1)"
+  fi
+  local tree="$CACHE/src/$(basename "$sdist" .tar.gz)"
+  [ -d "$tree" ] || tar xzf "$sdist" -C "$CACHE/src"
+  # The prebuilt-UI default downloads a web UI at configure time, which fails offline; OpenSSL
+  # and curl are only for fetching models over HTTPS, which this comparison never does.
+  cmake -S "$tree/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >"$CACHE/cmake.log" 2>&1 \
+    || { tail -n 30 "$CACHE/cmake.log"; exit 1; }
+  cmake --build "$CACHE/build" --target llama-server -j "$(nproc)" >"$CACHE/build.log" 2>&1 \
+    || { tail -n 30 "$CACHE/build.log"; exit 1; }
+  cp "$CACHE/build/bin/llama-server" "$BIN"
+}
+
+echo "== llama-server binary"
+build_llama_server
+"$BIN" --version 2>&1 | head -n 2 || true
+[ "$BUILD_ONLY" = 1 ] && exit 0
+
+GGUF="$("$PY" -c "from batcher.models.bundled import smollm2_gguf_path; print(smollm2_gguf_path())")"
+OUT="$ROOT/bench_out/peers"
+mkdir -p "$OUT"
+PIDS=()
+stop_all() {
+  for pid in "${PIDS[@]}"; do
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  PIDS=()
+}
+trap stop_all EXIT
+trap "exit 130" INT TERM  # so the EXIT trap stops the servers on ^C or kill too
+
+wait_ready() {  # URL, pid, seconds
+  local deadline=$((SECONDS + $3))
+  while [ $SECONDS -lt $deadline ]; do
+    if ! kill -0 "$2" 2>/dev/null; then echo "server exited early" >&2; return 1; fi
+    if curl -sf "$1" >/dev/null 2>&1; then return 0; fi
+    sleep 0.5
+  done
+  echo "server not ready after $3 s: $1" >&2
+  return 1
+}
+
+# One server at a time: both would fight over the same 2 cores otherwise.
+run_llama() {  # round
+  "$BIN" -m "$GGUF" --host 127.0.0.1 --port "$PEER_PORT" -np 16 -cb -c 16384 -t 2 -tb 2 \
+    --no-cache-prompt >"$OUT/llama-server.log" 2>&1 &
+  PIDS+=($!)
+  wait_ready "http://127.0.0.1:$PEER_PORT/health" "${PIDS[-1]}" 120
+  "$PY" -m batcher.bench.cli --base-url "http://127.0.0.1:$PEER_PORT" \
+    --workload "$WORKLOAD" --warmup 1 --no-metrics --label "llama-server -np 16 (round $1)" \
+    --server-pid "${PIDS[-1]}" --wait-quiet "$QUIET" --out "$OUT/llama-$1"
+  stop_all
+}
+
+run_batcher() {  # round
+  # shellcheck disable=SC2086
+  "$PY" -m batcher.cli serve --host 127.0.0.1 --port "$BATCHER_PORT" --embedding-model none \
+    --log-level warning ${BATCHER_ARGS:-} >"$OUT/batcher.log" 2>&1 &
+  PIDS+=($!)
+  wait_ready "http://127.0.0.1:$BATCHER_PORT/ready" "${PIDS[-1]}" 300
+  "$PY" -m batcher.bench.cli --base-url "http://127.0.0.1:$BATCHER_PORT" \
+    --workload "$WORKLOAD" --warmup 1 --label "batcher serve (round $1)" \
+    --server-pid "${PIDS[-1]}" --wait-quiet "$QUIET" --out "$OUT/batcher-$1"
+  stop_all
+}
+
+for round in $(seq 1 "$ROUNDS"); do
+  echo "== round $round: llama-server"
+  run_llama "$round"
+  echo "== round $round: batcher"
+  run_batcher "$round"
+done
+
+"$PY" -m batcher.bench.peers "$OUT" --rounds "$ROUNDS" --command "scripts/bench_peers.sh $ARGS"
