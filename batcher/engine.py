@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,6 +34,9 @@ log = logging.getLogger(__name__)
 # Work is pending but no step finished for this long: the engine is wedged.
 STALL_SECONDS = 30.0
 PROBE_PRIORITY = -1  # ahead of every client class
+# On stop, a step still running after this long is abandoned (a wedged model must not keep the
+# process from exiting); its requests get an error event like every other in-flight one.
+STOP_GRACE_SECONDS = 5.0
 
 
 class Runner(Protocol):
@@ -40,6 +46,52 @@ class Runner(Protocol):
     block_size: int
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
+
+
+class _ModelThread(Executor):
+    """One daemon worker thread for model steps.
+
+    Not a ThreadPoolExecutor: its workers are joined at interpreter exit, so a model call that
+    never returns (a wedged device or driver) would keep a stopped server alive forever. A daemon
+    thread is abandoned at exit instead.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+                                      | None] = queue.SimpleQueue()
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._closed:
+            raise RuntimeError("the model thread is shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+            self._thread.start()
+        fut: Future[Any] = Future()
+        self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 (handed to the awaiting step loop)
+                fut.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        if cancel_futures:
+            with contextlib.suppress(queue.Empty):
+                while (job := self._jobs.get_nowait()) is not None:
+                    job[0].cancel()
+        self._jobs.put(None)
+        if wait and self._thread is not None:
+            self._thread.join()
 
 
 class EngineError(RuntimeError):
@@ -104,7 +156,7 @@ class AsyncEngine:
         self._streams = FutureRegistry()
         self._live: dict[str, _Live] = {}
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="batcher-model")
+        self._executor = _ModelThread("batcher-model")
         self._task: asyncio.Task[None] | None = None
         self._error: str | None = None
         self._stopping = False
@@ -142,6 +194,13 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         if self._task is not None:
+            # The loop exits after its current step; a step that does not return in time (a
+            # wedged model) is abandoned: the task is cancelled, its thread left behind.
+            done, _ = await asyncio.wait({self._task}, timeout=STOP_GRACE_SECONDS)
+            if not done:
+                log.error("a model step did not finish within %.0fs of stop; abandoning it",
+                          STOP_GRACE_SECONDS)
+                self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None

@@ -3,9 +3,17 @@ both latency SLOs. Each server owns its own registry (several can live in one pr
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
@@ -56,9 +64,17 @@ class Metrics:
         self.retries = Counter("batcher_retries", "Retried attempts", registry=r)
         self.failovers = Counter("batcher_failovers", "Failovers", ["kind"], registry=r)
         self.info = Gauge("batcher_info", "Server identity", ["version", "model"], registry=r)
+        # Leak watch (the soak test): tasks on the event loop, counted when scraped; and the
+        # standard process_* series (open fds, resident memory, CPU), where the OS offers them.
+        self.asyncio_tasks = Gauge("batcher_asyncio_tasks", "Tasks alive on the event loop",
+                                   registry=r)
+        self.asyncio_tasks.set_function(_count_tasks)
+        if registry is None:
+            ProcessCollector(registry=r)
         self._last: dict[str, int] = {}
 
     def exposition(self) -> bytes:
+        """The text format; call it on the event loop (the task gauge counts that loop)."""
         return generate_latest(self.registry)
 
     # engine hooks ----------------------------------------------------------------------------
@@ -109,3 +125,10 @@ class Metrics:
 
     def observe_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
+
+
+def _count_tasks() -> float:
+    try:
+        return float(len(asyncio.all_tasks()))
+    except RuntimeError:  # scraped outside a running loop
+        return 0.0

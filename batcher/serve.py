@@ -11,6 +11,7 @@ import signal
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from batcher.admission import Admission
 from batcher.config import (
@@ -27,6 +28,7 @@ from batcher.metrics import Metrics
 from batcher.server.admin import create_admin_app
 from batcher.server.app import GATEWAY, create_app
 from batcher.server.auth import Authenticator, load_tenants
+from batcher.server.embeddings_route import MAX_INPUTS
 from batcher.server.gateway import Gateway, GatewayConfig
 
 log = logging.getLogger("batcher.serve")
@@ -81,8 +83,11 @@ def build_embedder(args: argparse.Namespace):
 
     model = EmbeddingModel(dtype=args.dtype if args.dtype != "auto" else "bfloat16",
                            device="cpu" if args.device in ("auto", None) else args.device)
+    # The queue holds at least one request of the most inputs the route takes.
+    queue = max(2 * args.embedding_batch_size, MAX_INPUTS)
     return make_embedding_batcher(model, max_batch_size=args.embedding_batch_size,
-                                  max_wait_ms=args.embedding_max_wait_ms), model.count_tokens
+                                  max_wait_ms=args.embedding_max_wait_ms,
+                                  max_queue=queue), model.count_tokens
 
 
 def gateway_factory(args: argparse.Namespace):
@@ -115,6 +120,22 @@ def engine_model_name(source: str) -> str:
     return os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
 
 
+class _HttpServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger, except for what a client broke: a request that is not valid HTTP,
+    or a body that cannot be decoded (bad gzip, broken chunking) which aiohttp drains after the
+    answer was sent. aiohttp logs each at ERROR with a traceback, the first quoting the raw line it
+    could not parse (possibly the client's Authorization header: a key in the log), and any client
+    can repeat them to flood the log. Those get one line at DEBUG naming the error class; the
+    client still gets its answer (aiohttp's 400 for bad HTTP)."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True,
+                  **kw: object) -> None:
+        if isinstance(exc_info, HttpProcessingError | web.RequestPayloadError):
+            self.debug("malformed request from a client: %s", type(exc_info).__name__)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kw)  # type: ignore[arg-type]
+
+
 def keepalive_timeout() -> float:
     raw = os.environ.get("BATCHER_KEEPALIVE_TIMEOUT")
     if raw is None:
@@ -142,8 +163,10 @@ def _prefill_observer(admission: Admission):
 async def run_server(args: argparse.Namespace) -> int:
     app = create_app(gateway_factory(args), args.max_body_bytes)
     keepalive = keepalive_timeout()
+    server_log = _HttpServerLog(logging.getLogger("aiohttp.server"))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=args.shutdown_timeout, keepalive_timeout=keepalive)
+                           shutdown_timeout=args.shutdown_timeout, keepalive_timeout=keepalive,
+                           logger=server_log)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
     await site.start()
@@ -153,7 +176,7 @@ async def run_server(args: argparse.Namespace) -> int:
         if not key:
             raise SystemExit("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
         admin_runner = web.AppRunner(create_admin_app(app, key), access_log=None,
-                                     keepalive_timeout=keepalive)
+                                     keepalive_timeout=keepalive, logger=server_log)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, args.admin_host, args.admin_port).start()
     gw = app[GATEWAY]

@@ -11,7 +11,7 @@ from batcher.server.errors import ApiError
 
 
 def create_admin_app(public: web.Application, admin_key: str) -> web.Application:
-    from batcher.server.app import GATEWAY, json_response
+    from batcher.server.app import GATEWAY, add_fallback_route, expect_continue, json_response
 
     expected = f"Bearer {admin_key}".encode()
 
@@ -51,7 +51,9 @@ def create_admin_app(public: web.Application, admin_key: str) -> web.Application
         return json_response(dict(gw.state(), idle=not gw.jobs))
 
     app = web.Application(middlewares=[check_key])
-    app.router.add_post("/admin/drain", drain)
-    app.router.add_post("/admin/undrain", undrain)
-    app.router.add_get("/admin/status", status)
+    ex = {"expect_handler": expect_continue}
+    app.router.add_post("/admin/drain", drain, **ex)
+    app.router.add_post("/admin/undrain", undrain, **ex)
+    app.router.add_get("/admin/status", status, **ex)
+    add_fallback_route(app)
     return app

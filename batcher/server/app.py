@@ -4,10 +4,11 @@ listener, and the engine's lifetime in `cleanup_ctx`."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from batcher.futures import new_request_id
 from batcher.server import embeddings_route
@@ -103,9 +104,12 @@ async def probe(request: web.Request) -> web.Response:
     """One-token generation ahead of the queue, with a deadline (`?timeout=` seconds)."""
     gw = request.app[GATEWAY]
     try:
-        timeout = min(60.0, max(0.01, float(request.query.get("timeout", "5"))))
+        timeout = float(request.query.get("timeout", "5"))
     except ValueError:
-        raise ApiError(400, "timeout must be a number of seconds", param="timeout") from None
+        timeout = math.nan
+    if not math.isfinite(timeout):  # NaN would pass the clamp below as 0.01 s
+        raise ApiError(400, "timeout must be a number of seconds", param="timeout")
+    timeout = min(60.0, max(0.01, timeout))
     try:
         latency = await gw.engine.probe(timeout)
     except TimeoutError:
@@ -150,18 +154,49 @@ def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int
         await gw.engine.stop()
 
     app.cleanup_ctx.append(lifetime)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/v1/state", state)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/probe", probe)
-    app.router.add_get("/v1/models", models)
-    app.router.add_delete("/v1/requests/{id}", cancel)
+    ex = {"expect_handler": expect_continue}
+    app.router.add_get("/health", health, **ex)
+    app.router.add_get("/ready", ready, **ex)
+    app.router.add_get("/v1/state", state, **ex)
+    app.router.add_get("/metrics", metrics, **ex)
+    app.router.add_post("/v1/probe", probe, **ex)
+    app.router.add_get("/v1/models", models, **ex)
+    app.router.add_delete("/v1/requests/{id}", cancel, **ex)
 
     async def generation(request: web.Request) -> web.StreamResponse:
         return await request.app[HANDLERS][request.path](request)
 
-    app.router.add_post("/v1/completions", generation)
-    app.router.add_post("/v1/chat/completions", generation)
-    app.router.add_post("/v1/embeddings", embeddings_route.handle)
+    app.router.add_post("/v1/completions", generation, **ex)
+    app.router.add_post("/v1/chat/completions", generation, **ex)
+    app.router.add_post("/v1/embeddings", embeddings_route.handle, **ex)
+    add_fallback_route(app)
     return app
+
+
+async def expect_continue(request: web.Request) -> None:
+    """`Expect: 100-continue` is answered as aiohttp does; any other expectation is ignored (RFC
+    9110 lets a server do so). aiohttp's own handler would answer it 417 outside the middleware
+    (no request ID, not OpenAI's shape), and a 500 when the value is not UTF-8."""
+    if (request.version >= HttpVersion11
+            and request.headers.get("Expect", "").lower() == "100-continue"):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not started
+
+
+def add_fallback_route(app: web.Application) -> None:
+    """Route every unknown path or method through the middleware (404 / 405 with Allow, in
+    OpenAI's shape) with `expect_continue`, instead of aiohttp's built-in answers, whose
+    `Expect` handling runs before any middleware."""
+
+    async def no_route(request: web.Request) -> web.StreamResponse:
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource is not fallback:
+                allowed |= (await resource.resolve(request))[1]
+        if allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()
+
+    # [\s\S], not ".": a path may decode to a newline ("/%0A").
+    fallback = app.router.add_route("*", r"/{tail:[\s\S]*}", no_route,
+                                    expect_handler=expect_continue).resource

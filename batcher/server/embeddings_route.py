@@ -10,6 +10,7 @@ import struct
 from aiohttp import web
 
 from batcher.flusher import Closed, Overloaded
+from batcher.futures import DuplicateRequestId
 from batcher.server.errors import ApiError, invalid
 
 MAX_INPUTS = 2048
@@ -47,10 +48,23 @@ async def handle(request: web.Request) -> web.Response:
     if model != gw.embedder_name:
         raise invalid(f"model '{model}' is not served here; available: "
                       f"['{gw.embedder_name}']", "model", "model_not_found")
-    rid = request["request_id"]
+    batcher = gw.embedder
+    if len(items) > batcher.max_queue:  # could never fit: a 503 would be retried for ever
+        raise invalid(f"'input' takes at most {batcher.max_queue} strings on this server",
+                      "input")
+    if batcher.pending + len(items) > batcher.max_queue:  # the whole request or nothing
+        raise ApiError(503, "the embedding queue is full", code="overloaded",
+                       retry_after=batcher.retry_after())
+    # Scoped by tenant, like generation requests: another tenant's ID is never a conflict.
+    rid = f"{request['tenant'].name}:{request['request_id']}"
+    tasks = [asyncio.ensure_future(batcher.submit(x, request_id=f"{rid}:{i}"))
+             for i, x in enumerate(items)]
     try:
-        vectors = await asyncio.gather(*(gw.embedder.submit(x, request_id=f"{rid}:{i}")
-                                         for i, x in enumerate(items)))
+        vectors = await asyncio.gather(*tasks)
+    except DuplicateRequestId:
+        raise ApiError(409, f"request id '{request['request_id']}' is already in flight",
+                       param="X-Request-Id", code="duplicate_request_id",
+                       retry_after=1) from None
     except Overloaded as exc:
         raise ApiError(503, "the embedding queue is full", code="overloaded",
                        retry_after=exc.retry_after) from None
@@ -60,6 +74,9 @@ async def handle(request: web.Request) -> web.Response:
     except TimeoutError:
         raise ApiError(504, "the embedding request timed out", code="deadline_exceeded"
                        ) from None
+    finally:
+        for t in tasks:  # after a failure, the other inputs leave the queue unflushed
+            t.cancel()
     data = []
     for i, vec in enumerate(vectors):
         emb = (base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
