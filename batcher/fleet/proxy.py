@@ -205,7 +205,9 @@ def create_router_app(ctx: RouterContext) -> web.Application:
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         cfg = ctx.cfg
         ctx.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
+            # NOTE: below the replicas' 20 s idle cut-off, so a pooled connection is never
+            # reused just as the replica closes it.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10.0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout))
         ctx.health = HealthChecker(ctx.registry, cfg.health, ctx.session, ctx.on_evict,
                                    ctx.on_readmit, ctx.stalled, ctx.clock)
