@@ -1,0 +1,95 @@
+"""Load time and single-sequence decode speed, ours next to `transformers`, fp32 and bf16.
+
+    python scripts/bench_single.py [--new-tokens 128]
+
+A 100-token prompt then greedy decoding; ours runs through the engine (one request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+from bench_common import append_rows, load_workload  # noqa: E402
+
+from batcher.config import CacheConfig, SchedulerConfig  # noqa: E402
+from batcher.engine import AsyncEngine  # noqa: E402
+from batcher.models.loader import load_model  # noqa: E402
+from batcher.request import Request  # noqa: E402
+from batcher.sampling import SamplingParams  # noqa: E402
+from batcher.tokenizer import load_tokenizer  # noqa: E402
+
+
+async def ours(loaded, tok, prompt: list[int], new: int) -> float:
+    engine = AsyncEngine.from_loaded(loaded, tok, SchedulerConfig(), CacheConfig(num_blocks=64))
+    await engine.start()
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate(Request("warm", prompt[:8], SamplingParams(
+            max_tokens=4, temperature=0.0, ignore_eos=True))):
+        pass
+    times = []
+    async for ev in engine.generate(Request("one", prompt, sp)):
+        times = ev.token_times or times
+    await engine.stop()
+    return (len(times) - 1) / (times[-1] - times[0])  # decode tokens/s after the first
+
+
+def hf(loaded, prompt: list[int], new: int) -> float:
+    from transformers import LlamaForCausalLM
+
+    from batcher.models import gguf_weights
+    from tests.hf_reference import hf_config
+
+    _, state = gguf_weights.read_gguf(loaded.tokenizer_source)
+    model = LlamaForCausalLM(hf_config(loaded.config))
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    model = model.to(loaded.dtype).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        total = time.perf_counter() - t
+    return (new - 1) / (total - first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    prompt = next(r for r in load_workload() if len(r["prompt_ids"]) >= 100)["prompt_ids"][:100]
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["BATCHER_CACHE"] = cache
+        cold = load_model("smollm2-135m", dtype="bfloat16", device="cpu").load_seconds
+        warm = load_model("smollm2-135m", dtype="bfloat16", device="cpu").load_seconds
+    rows.append(["load (bf16): first start, dequantizing the GGUF", f"{cold:.1f} s", ""])
+    rows.append(["load (bf16): later starts, from the dense cache", f"{warm:.2f} s", ""])
+    del os.environ["BATCHER_CACHE"]
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model("smollm2-135m", dtype=dtype, device="cpu")
+        tok = load_tokenizer(loaded.tokenizer_source)
+        a = asyncio.run(ours(loaded, tok, prompt, args.new_tokens))
+        b = hf(loaded, prompt, args.new_tokens)
+        rows.append([f"single-stream decode, {dtype}, 100 in / {args.new_tokens} out",
+                     f"{a:.1f} tok/s (transformers {b:.1f})", f"{a / b:.2f}x"])
+        print(rows[-1], flush=True)
+    print(append_rows("Load time and single-stream decode, bundled model",
+                      ["what", "measured", "vs transformers"], rows))
+
+
+if __name__ == "__main__":
+    main()
