@@ -5,8 +5,9 @@ Events, in one heap ordered by (time, sequence): an arrival; a replica's step en
 sending a heartbeat and the router receiving it `heartbeat_delay` later; a retry after its
 backoff; a replica or zone failing and coming back; the router's staleness sweep; a metrics
 sample. Dispatch from router to replica is immediate (a millisecond of network changes nothing
-at these step times); a replica that is idle starts a step at once, a busy one takes the request
-at its next step boundary, as the engine does.
+at these step times); a replica that is idle starts a step at once (after every request of the
+same instant has reached it), a busy one takes the request at its next step boundary, as the
+engine does.
 
 The router's view of a replica is its last heartbeat, minus the KV blocks of requests sent to it
 since (`reservations`), optionally refreshed by every response (`piggyback`). A replica is a
@@ -42,7 +43,10 @@ from batcher.sim.workload import ArrivalSpec, RequestGen, ShapeSpec
 
 __all__ = ["Failure", "FleetConfig", "FleetSim", "Record", "RetryBudget", "View"]
 
-ARRIVE, STEP, BEAT, BEAT_RECV, RETRY, FAIL, RECOVER, SWEEP, SAMPLE = range(9)
+ARRIVE, STEP, KICK, BEAT, BEAT_RECV, RETRY, FAIL, RECOVER, SWEEP, SAMPLE = range(10)
+# NOTE: an idle replica starts its step a nanosecond after a request reaches it, so that
+# requests arriving at the same instant share the first step, as in the engine.
+KICK_DELAY = 1e-9
 
 
 class FleetSim:
@@ -64,6 +68,7 @@ class FleetSim:
         self.budget = RetryBudget(cfg.retry_ratio, cfg.retry_floor, cfg.retry_window)
         self.stats = Collector(cfg)
         self.epoch = [0] * cfg.replicas
+        self.kicked = [False] * cfg.replicas
         self.heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self.inflight = 0
@@ -105,6 +110,14 @@ class FleetSim:
                 end = rep.start_step(t)
                 if end is not None:
                     push(end, STEP, (idx, ep))
+            elif kind == KICK:
+                idx, ep = a  # type: ignore[misc]
+                self.kicked[idx] = False
+                rep = reps[idx]
+                if ep == self.epoch[idx] and rep.alive and not rep.busy:
+                    end = rep.start_step(t)
+                    if end is not None:
+                        push(end, STEP, (idx, ep))
             elif kind == ARRIVE:
                 self._new_request(t)
                 nxt = next(self.arrivals, None)
@@ -204,10 +217,9 @@ class FleetSim:
             return self._end(rec, t, "rejected")
         if self.cfg.reservations:
             self.views[idx].reserved += -(-req.tokens // rep.block_size)
-        if not rep.busy:
-            end = rep.start_step(t)
-            if end is not None:
-                self._push(end, STEP, (idx, self.epoch[idx]))
+        if not rep.busy and not self.kicked[idx]:
+            self.kicked[idx] = True
+            self._push(t + KICK_DELAY, KICK, (idx, self.epoch[idx]))
 
     def _retry(self, rec: Record, t: float, reason: str) -> None:
         cfg = self.cfg

@@ -105,12 +105,17 @@ def plot_bars(names: list[str], metrics: dict[str, list[float]], path: str | Pat
 
 
 def plot_xy(xs: list[float], lines: dict[str, list[float]], path: str | Path, title: str,
-            xlabel: str, ylabel: str, logy: bool = False) -> None:
+            xlabel: str, ylabel: str, logy: bool = False, logx: bool = False,
+            ylim: tuple[float, float] | None = (0.0, 1.05)) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name, ys in lines.items():
         ax.plot(xs, ys, marker="o", label=name)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if ylim is not None and not logy:
+        ax.set_ylim(*ylim)
     if logy:
         ax.set_yscale("log")
+    if logx:
+        ax.set_xscale("log", base=2)
     ax.legend(fontsize=8)
     _save(fig, path)

@@ -166,8 +166,8 @@ def run_study(name: str, step_model: str, out_dir: str, quick: bool = False) -> 
                                              0.85, label=f"cell of {k}") for k in sizes}
         plots.plot_xy(sizes, {"goodput": [r.summary["goodput"] for r in results.values()]},
                       out / "capacity_cells.png", "cells at 85% load, state ~0.5 s old",
-                      "replicas per cell", "goodput share")
-        _finish(name, results, out, cells_arithmetic(sizes))
+                      "replicas per cell", "goodput share", logx=True)
+        _finish(name, results, out, cells_arithmetic(sizes + [1024]))
     elif name == "speed":
         n, dur = (32, 60.0) if quick else (256, 600.0)
         res = run_fleet(replace(base, replicas=n, duration=dur, warmup=30.0), model, 0.85,
