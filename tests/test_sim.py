@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from batcher.fleet.router import Candidate
 from batcher.config import SchedulerConfig
 from batcher.core.scheduler import Scheduler
+from batcher.fleet.router import Candidate
 from batcher.request import Request
 from batcher.sampling import SamplingParams
 from batcher.sim.calibrate import Point, build_step
@@ -237,3 +237,17 @@ def test_validation_simulates_the_workload_file() -> None:
     assert len(a.ttft) == 8 and a.row()["tpot_p50"] == pytest.approx(0.01)
     err = compare(b, a)  # a is the "simulation" of a real run twice as slow
     assert err["tpot_p50"] == pytest.approx(-0.5)
+
+
+def test_the_fleet_routers_own_policy_runs_through_the_adapter() -> None:
+    from batcher.fleet import router
+
+    pol = FleetPolicyAdapter(router.choose, router.Candidate, router.PolicyConfig().validate(),
+                             seed=1)
+    cfg = FleetConfig(replicas=4, zones=2, duration=10.0, seed=1)
+    shape = ShapeSpec(input_median=96, output_median=8, prefix_groups=2, prefix_tokens=64)
+    s = FleetSim(cfg, ConstantStepModel(0.02), shape, ArrivalSpec("poisson", rate=20),
+                 policy=pol).run().summary
+    assert s["policy"] == "fleet router policy"
+    assert s["ok"] == s["requests"] > 100
+    assert s["prefix_hit_tokens"] > 0  # affinity keeps each group's prefix warm somewhere

@@ -77,7 +77,8 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     a("--zones", type=int, default=3)
     a("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
     a("--warmup", type=float, default=10.0, help="arrivals before this are not measured")
-    a("--policy", default="p2c-kv", help="p2c-kv, round-robin, random, least-loaded")
+    a("--policy", default="p2c-kv", help="p2c-kv, round-robin, random, least-loaded, or fleet "
+      "(the fleet router's policy)")
     a("--arrivals", default="poisson", choices=["poisson", "burst", "diurnal", "all"])
     a("--rate", type=float, default=None, help="requests/s (default: from --load)")
     a("--load", type=float, default=0.85, help="offered load as a share of the fleet's "

@@ -12,8 +12,8 @@ and returns the position of its choice in the views (None: no candidate). A poli
 - `PowerOfTwoFreeKV`: sample two, keep the one with more free KV after reserving this request,
   fewer waiting breaking ties.
 - `FleetPolicyAdapter`: wraps a fleet-style `choose(cands, tokens, key, cfg, rng, weights,
-  exclude) -> candidate | None` with a candidate constructor, so `batcher.fleet.router` can be
-  compared here without this module importing it.
+  exclude) -> candidate | None` with a candidate constructor, so `batcher.fleet.router`'s
+  policy runs here (`make_policy("fleet")` imports it only when asked).
 """
 
 from __future__ import annotations
@@ -207,9 +207,15 @@ POLICIES: dict[str, type] = {"round-robin": RoundRobin, "random": RandomChoice,
 
 
 def make_policy(name: str, seed: int = 0) -> RoutingPolicy:
-    """A policy by its CLI name (see POLICIES). `fleet` would wrap the fleet router's policy
-    through `FleetPolicyAdapter` once that module is settled."""
+    """A policy by its CLI name: one of POLICIES, or `fleet` (the fleet router's own policy
+    with its default configuration, through `FleetPolicyAdapter`)."""
+    if name == "fleet":
+        from batcher.fleet import router
+
+        return FleetPolicyAdapter(router.choose, router.Candidate,
+                                  router.PolicyConfig().validate(), seed)
     try:
         return POLICIES[name](seed)
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None
+        raise ValueError(f"unknown policy {name!r}; choose from {[*sorted(POLICIES), 'fleet']}"
+                         ) from None
