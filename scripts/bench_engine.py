@@ -68,16 +68,9 @@ async def run_engine(loaded, tok, work, args) -> dict:
 
 def run_hf_static(loaded, work, batch: int) -> dict:
     """Left-padded static batches in arrival order; each runs to its longest member."""
-    from transformers import LlamaForCausalLM
+    from tests.hf_reference import hf_model_from_gguf
 
-    from batcher.models import gguf_weights
-    from tests.hf_reference import hf_config
-
-    _, state = gguf_weights.read_gguf(loaded.tokenizer_source)
-    model = LlamaForCausalLM(hf_config(loaded.config))
-    model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    model = model.to(loaded.dtype).eval()
+    model = hf_model_from_gguf(loaded)
     lat = []
     t0 = time.perf_counter()
     for i in range(0, len(work), batch):

@@ -44,16 +44,9 @@ async def ours(loaded, tok, prompt: list[int], new: int) -> float:
 
 
 def hf(loaded, prompt: list[int], new: int) -> float:
-    from transformers import LlamaForCausalLM
+    from tests.hf_reference import hf_model_from_gguf
 
-    from batcher.models import gguf_weights
-    from tests.hf_reference import hf_config
-
-    _, state = gguf_weights.read_gguf(loaded.tokenizer_source)
-    model = LlamaForCausalLM(hf_config(loaded.config))
-    model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    model = model.to(loaded.dtype).eval()
+    model = hf_model_from_gguf(loaded)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)

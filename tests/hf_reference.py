@@ -28,3 +28,16 @@ def hf_model_from_state(cfg: LlamaConfig, hf_state: dict[str, torch.Tensor]):
     assert not unexpected, unexpected
     assert all("lm_head" in m for m in missing), missing
     return model
+
+
+def hf_model_from_gguf(loaded):
+    """transformers' Llama with the same dequantized weights as `loaded`, in its dtype."""
+    from transformers import LlamaForCausalLM
+
+    from batcher.models import gguf_weights
+
+    _, state = gguf_weights.read_gguf(loaded.tokenizer_source)
+    model = LlamaForCausalLM(hf_config(loaded.config))
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model.to(loaded.dtype).eval()
