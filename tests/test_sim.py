@@ -10,7 +10,7 @@ import pytest
 
 from batcher.config import SchedulerConfig
 from batcher.core.scheduler import Scheduler
-from batcher.fleet.router import Candidate
+from batcher.fleet.policy import Candidate
 from batcher.request import Request
 from batcher.sampling import SamplingParams
 from batcher.sim.calibrate import Point, build_step
@@ -240,7 +240,7 @@ def test_validation_simulates_the_workload_file() -> None:
 
 
 def test_the_fleet_routers_own_policy_runs_through_the_adapter() -> None:
-    from batcher.fleet import router
+    from batcher.fleet import policy as router
 
     pol = FleetPolicyAdapter(router.choose, router.Candidate, router.PolicyConfig().validate(),
                              seed=1)

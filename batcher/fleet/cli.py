@@ -17,7 +17,7 @@ import sys
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.discovery import Discovery, HttpProber, Source, parse_source
 from batcher.fleet.health import HealthConfig
-from batcher.fleet.router import PolicyConfig
+from batcher.fleet.policy import PolicyConfig
 
 # `batcher serve` flags the fleet launcher sets itself for each replica.
 _OWN_FLAGS = frozenset({"host", "port", "admin_port", "admin_host", "admin_key", "router",

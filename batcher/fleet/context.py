@@ -18,7 +18,7 @@ from batcher.fleet.health import HealthChecker, HealthConfig
 from batcher.fleet.metrics import RouterMetrics
 from batcher.fleet.registry import Registry, Replica
 from batcher.fleet.rollout import Rollout
-from batcher.fleet.router import Candidate, PolicyConfig, RetryBudget, blocks_for, choose
+from batcher.fleet.policy import Candidate, PolicyConfig, RetryBudget, blocks_for, choose
 
 
 @dataclass(slots=True)

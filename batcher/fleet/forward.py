@@ -33,7 +33,7 @@ from aiohttp import web
 
 from batcher.fleet.context import Attempt, RouterContext
 from batcher.fleet.registry import Replica
-from batcher.fleet.router import affinity_key, backoff, estimate_tokens
+from batcher.fleet.policy import affinity_key, backoff, estimate_tokens
 from batcher.fleet.sse import DONE, end_with_error, prepare_resume, relay_events
 
 RETRYABLE = frozenset({500, 502, 503})

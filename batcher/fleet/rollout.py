@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from batcher.fleet.router import OTHERS
+from batcher.fleet.policy import OTHERS
 
 if TYPE_CHECKING:
     from batcher.fleet.context import RouterContext

@@ -12,7 +12,7 @@ and returns the position of its choice in the views (None: no candidate). A poli
 - `PowerOfTwoFreeKV`: sample two, keep the one with more free KV after reserving this request,
   fewer waiting breaking ties.
 - `FleetPolicyAdapter`: wraps a fleet-style `choose(cands, tokens, key, cfg, rng, weights,
-  exclude) -> candidate | None` with a candidate constructor, so `batcher.fleet.router`'s
+  exclude) -> candidate | None` with a candidate constructor, so `batcher.fleet.policy`'s
   policy runs here (`make_policy("fleet")` imports it only when asked).
 """
 
@@ -210,7 +210,7 @@ def make_policy(name: str, seed: int = 0) -> RoutingPolicy:
     """A policy by its CLI name: one of POLICIES, or `fleet` (the fleet router's own policy
     with its default configuration, through `FleetPolicyAdapter`)."""
     if name == "fleet":
-        from batcher.fleet import router
+        from batcher.fleet import policy as router
 
         return FleetPolicyAdapter(router.choose, router.Candidate,
                                   router.PolicyConfig().validate(), seed)

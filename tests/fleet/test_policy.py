@@ -9,7 +9,7 @@ import pytest
 
 from batcher.fleet.health import HealthRecord
 from batcher.fleet.rollout import Rollout
-from batcher.fleet.router import (
+from batcher.fleet.policy import (
     Candidate,
     PolicyConfig,
     RetryBudget,

@@ -1,4 +1,4 @@
-"""Routing policy: pure functions and small classes, no I/O and no clock of their own, so the
+"""The fleet routing policy: pure functions and small classes, no I/O and no clock of their own, so the
 router and the simulator share them.
 
 - `estimate_tokens(body, chat)`: prompt characters / 4 (or the token count of a token-id prompt)
