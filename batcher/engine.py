@@ -24,6 +24,7 @@ from batcher.config import CacheConfig, SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from batcher.core.scheduler import RequestUpdate, Scheduler
+from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.futures import FutureRegistry, iter_stream
 from batcher.request import Request, RequestStatus
 from batcher.sampling import SamplingParams
@@ -144,10 +145,13 @@ class AsyncEngine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer,
                  sched_config: SchedulerConfig | None = None, enable_prefix_caching: bool = True,
                  metrics: Any = None, version: str = "v1",
-                 clock: Callable[[], float] = time.monotonic, debug_checks: bool = False):
+                 clock: Callable[[], float] = time.monotonic, debug_checks: bool = False,
+                 step_time_model: OnlineStepTimeModel | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        # Fed every step's measured model time; read by the scheduler's step budget and admission.
+        self.step_time_model = step_time_model or OnlineStepTimeModel()
         self.scheduler = Scheduler(sched_config or SchedulerConfig(), self.kv, clock=clock,
                                    debug_checks=debug_checks)
         self.metrics = metrics
@@ -307,7 +311,8 @@ class AsyncEngine:
                 self.busy_since = self.clock()
             started = self.clock()
             try:
-                out = await loop.run_in_executor(self._executor, self.runner.execute, sched)
+                out, model_seconds = await loop.run_in_executor(
+                    self._executor, self._timed_execute, sched)
             except Exception as exc:  # the model failed: fail everyone loudly, stop serving
                 log.exception("model step failed")
                 self._error = f"model step failed: {type(exc).__name__}: {exc}"
@@ -315,12 +320,20 @@ class AsyncEngine:
                 return
             self.steps += 1
             self.last_step_end = now = self.clock()
+            self.step_time_model.observe(StepShape.of(sched, self.kv.block_size), model_seconds)
             updates = self.scheduler.update(sched, out)
             self._emit(updates, now)
             if self.metrics is not None:
                 self.metrics.observe_step(self, sched, now)
             for listener in self.step_listeners:
                 listener(sched, now - started)
+
+    def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float]:
+        """Run a step on the model thread and time it there: the model's own time, without the
+        event loop's delay in noticing that it finished."""
+        started = self.clock()
+        out = self.runner.execute(sched)
+        return out, self.clock() - started
 
     def _note_freed(self, freed_ids: list[str]) -> None:
         """Requests whose blocks were just released; finish the aborted ones."""

@@ -1,19 +1,11 @@
 """Step-time models: how long one engine step takes, from the step's composition alone.
 
-A step's composition is read from a `SchedulerOutput` (pure Python, no torch):
-
-- `n_dec`: one-token rows (decodes); each samples, so each also pays an LM-head row;
-- `dec_kv`: decode rows x the longest decode context, in thousands of tokens (the runner gathers
-  every decode row's block table padded to the longest one);
-- `pre_tok`: tokens in multi-token prefill chunks;
-- `pre_attn`: sum over chunks of chunk length x context length, in millions (causal attention);
-- `n_pre`: prefill chunks (each runs its own attention call per layer);
-- `hinge`: max(0, all tokens - knot): the matmuls are weight-bound below the knot and compute-bound
-  above it, so their cost per token changes there.
-
-`LinearStepModel` is `intercept + sum(coef * feature)` with non-negative coefficients, fitted by
-`fit_linear` and stored as small JSON. `ConstantStepModel` (a fixed step time) is for tests, and
-`RateStepModel` turns a source's prefill and decode rates into a step time.
+The features of a step (decodes, their context, prefill tokens, chunk x context, chunks, and a
+hinge where the matmuls turn compute-bound) are defined once, in `core/step_time.py`, and shared
+with the engine's online model. `LinearStepModel` is `intercept + sum(coef * feature)` with
+non-negative coefficients, fitted by `fit_linear` and stored as small JSON; it seeds the online
+model (`prior()`). `ConstantStepModel` (a fixed step time) is for tests, and `RateStepModel` turns
+a source's prefill and decode rates into a step time.
 """
 
 from __future__ import annotations
@@ -26,9 +18,9 @@ from typing import Protocol
 import numpy as np
 
 from batcher.core.outputs import SchedulerOutput
+from batcher.core.step_time import DEFAULT_KNOT, FEATURES, StepShape, StepTimePrior
 
-FEATURES = ("n_dec", "dec_kv", "pre_tok", "pre_attn", "n_pre", "hinge")
-DEFAULT_KNOT = 64
+__all__ = ["DEFAULT_KNOT", "FEATURES", "StepShape"]
 
 
 class StepModel(Protocol):
@@ -39,26 +31,15 @@ class StepModel(Protocol):
 
 def composition(sched: SchedulerOutput, block_size: int = 16) -> tuple[int, int, int, int, int]:
     """(decodes, longest decode context, prefill tokens, sum of chunk x context, chunks)."""
-    n_dec = max_ctx = pre_tok = pre_attn = n_pre = 0
-    for s in sched.seqs:
-        n = len(s.token_ids)
-        if n == 1:
-            n_dec += 1
-            if s.start_pos >= max_ctx:
-                max_ctx = s.start_pos + 1
-        else:
-            pre_tok += n
-            pre_attn += n * (s.start_pos + n)
-            n_pre += 1
-    max_ctx = -(-max_ctx // block_size) * block_size
-    return n_dec, max_ctx, pre_tok, pre_attn, n_pre
+    sh = StepShape.of(sched, block_size)
+    return (sh.decode_rows, sh.decode_ctx, sh.prefill_tokens, sh.prefill_attn,
+            sh.prefill_chunks)
 
 
 def feature_row(n_dec: int, max_ctx: int, pre_tok: int, pre_attn: int, n_pre: int,
                 knot: int = DEFAULT_KNOT) -> list[float]:
     """The model's features (in FEATURES order) for one composition."""
-    return [float(n_dec), n_dec * max_ctx / 1e3, float(pre_tok), pre_attn / 1e6, float(n_pre),
-            float(max(0, n_dec + pre_tok - knot))]
+    return StepShape(n_dec, max_ctx, pre_tok, pre_attn, n_pre).features(knot)
 
 
 @dataclass(slots=True)
@@ -72,15 +53,17 @@ class LinearStepModel:
     meta: dict = field(default_factory=dict)
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
-        c = self.coef
-        n_dec, max_ctx, pre_tok, pre_attn, n_pre = composition(sched, self.block_size)
-        t = (self.intercept + c[0] * n_dec + c[1] * (n_dec * max_ctx / 1e3) + c[2] * pre_tok
-             + c[3] * (pre_attn / 1e6) + c[4] * n_pre)
-        over = n_dec + pre_tok - self.knot
-        return t + c[5] * over if over > 0 else t
+        return self.shape_seconds(StepShape.of(sched, self.block_size))
+
+    def shape_seconds(self, shape: StepShape) -> float:
+        return self.predict_row(shape.features(self.knot))
 
     def predict_row(self, row: list[float]) -> float:
         return self.intercept + sum(c * x for c, x in zip(self.coef, row, strict=True))
+
+    def prior(self) -> StepTimePrior:
+        """This fit as the starting point of an `OnlineStepTimeModel`."""
+        return StepTimePrior(self.intercept, tuple(self.coef), self.knot)
 
     def to_json(self) -> str:
         return json.dumps({"kind": "linear", "features": list(FEATURES), **asdict(self)},

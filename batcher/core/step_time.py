@@ -1,0 +1,214 @@
+"""How long one engine step takes, from the step's shape: one definition of a step's features, and
+an online model of step time fitted from the engine's own measured steps.
+
+A step's shape (`StepShape`, read from a `SchedulerOutput`) gives six features:
+
+- `n_dec`: one-token rows (decodes); each samples, so each also pays an LM-head row;
+- `dec_kv`: decode rows x the longest decode context, in thousands of tokens (the runner gathers
+  every decode row's block table padded to the longest one);
+- `pre_tok`: tokens in multi-token prefill chunks;
+- `pre_attn`: sum over chunks of chunk length x context length, in millions (attention);
+- `n_pre`: prefill chunks (each runs its own attention call per layer);
+- `hinge`: max(0, all tokens - knot): the matmuls are weight-bound below the knot and compute-bound
+  above it, so their cost per token changes there.
+
+Step seconds = intercept + coef . features. The simulator's calibrated model (`sim/stepmodel.py`)
+fits the coefficients offline; `OnlineStepTimeModel` starts from such a fit and keeps following the
+machine it runs on (a Kalman filter over the coefficients, see its docstring).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from batcher.core.outputs import SchedulerOutput
+
+FEATURES = ("n_dec", "dec_kv", "pre_tok", "pre_attn", "n_pre", "hinge")
+DEFAULT_KNOT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step's time depends on."""
+
+    decode_rows: int = 0  # one-token rows in the step
+    decode_ctx: int = 0  # longest decode context (tokens, rounded up to a block)
+    prefill_tokens: int = 0  # tokens in multi-token prefill chunks
+    prefill_attn: int = 0  # sum over chunks of chunk_len * (start_pos + chunk_len)
+    prefill_chunks: int = 0
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput, block_size: int = 16) -> StepShape:
+        shape = cls()
+        for s in sched.seqs:
+            shape = shape.plus(len(s.token_ids), s.start_pos, block_size)
+        return shape
+
+    def plus(self, num_tokens: int, start_pos: int, block_size: int = 16) -> StepShape:
+        """This step with one more sequence computing `num_tokens` from `start_pos`. A one-token
+        row is a decode row whatever its position: it is the same computation."""
+        if num_tokens <= 0:
+            return self
+        if num_tokens == 1:
+            ctx = -(-(start_pos + 1) // block_size) * block_size
+            return StepShape(self.decode_rows + 1, max(self.decode_ctx, ctx), self.prefill_tokens,
+                             self.prefill_attn, self.prefill_chunks)
+        return StepShape(self.decode_rows, self.decode_ctx, self.prefill_tokens + num_tokens,
+                         self.prefill_attn + num_tokens * (start_pos + num_tokens),
+                         self.prefill_chunks + 1)
+
+    @property
+    def decode_only(self) -> StepShape:
+        return StepShape(self.decode_rows, self.decode_ctx)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.decode_rows == 0 and self.prefill_tokens == 0
+
+    def features(self, knot: int = DEFAULT_KNOT) -> list[float]:
+        """The model's features, in FEATURES order."""
+        n_dec = self.decode_rows
+        return [float(n_dec), n_dec * self.decode_ctx / 1e3, float(self.prefill_tokens),
+                self.prefill_attn / 1e6, float(self.prefill_chunks),
+                float(max(0, n_dec + self.prefill_tokens - knot))]
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimePrior:
+    """A starting point for the online model: `intercept + coef . features` seconds."""
+
+    intercept: float
+    coef: tuple[float, ...]
+    knot: int = DEFAULT_KNOT
+
+    def __post_init__(self) -> None:
+        if len(self.coef) != len(FEATURES):
+            raise ValueError(f"a step-time prior needs {len(FEATURES)} coefficients")
+        if self.intercept < 0 or any(c < 0 or not math.isfinite(c) for c in self.coef):
+            raise ValueError("step-time coefficients must be finite and >= 0")
+
+
+# `batcher sim calibrate` on the bundled SmolLM2-135M, bf16, 2-core AVX-512 CPU, 2 threads
+# (workloads/step_time_cpu.json; a test keeps the two equal). Only a prior: the online model
+# leaves it within seconds of steps on any other machine, model or device.
+CPU_PRIOR = StepTimePrior(
+    intercept=0.023765183619757164,
+    coef=(0.0005259236047291508, 0.0031185666726693834, 0.0002690410319042769,
+          0.32802099350423586, 0.002081775365930267, 0.0002469232409644153),
+    knot=32,
+)
+
+# Feature values of an ordinary step, used to give a coefficient the prior fitted as zero a little
+# room: a typical contribution of PRIOR_FLOOR_S seconds.
+_TYPICAL = np.array([1.0, 32.0, 10.0, 256.0, 0.5, 1.0, 128.0])
+_PRIOR_FLOOR_S = 0.002
+
+
+class OnlineStepTimeModel:
+    """Step seconds from a step's shape, fitted online from measured steps.
+
+    The coefficients (intercept first) are the state of a Kalman filter: each measured step is an
+    observation `seconds = theta . [1, features]` with noise proportional to the step time (a
+    20 ms step counts as much as a 200 ms one). Between observations the state may drift:
+    a little per coefficient, and more along theta itself, a common scale, because what usually
+    changes (another machine, a slower device, a busy neighbour) scales every cost at once; that
+    common mode lets decode-only steps also rescale the prefill costs they cannot see. The
+    uncertainty is capped at the prior's, so a direction that went unobserved for a long time
+    (no prefill for an hour) does not make the first new observation swing the estimate wildly.
+    A measurement far off the prediction (a stall of the OS) is clipped to `clip_sigma` standard
+    deviations, so a single outlier moves the fit a little and a real change moves it step by
+    step. Coefficients stay >= 0, so predictions grow with every feature.
+
+    Not thread-safe: the engine observes and the scheduler predicts from the event loop only.
+    """
+
+    def __init__(self, prior: StepTimePrior = CPU_PRIOR, *, prior_rel_sd: float = 1.0,
+                 noise_rel_sd: float = 0.1, drift_common: float = 0.05,
+                 drift_each: float = 0.003, clip_sigma: float = 3.0) -> None:
+        self.prior = prior
+        self.knot = prior.knot
+        theta = np.array([prior.intercept, *prior.coef], dtype=float)
+        sd0 = theta * prior_rel_sd + _PRIOR_FLOOR_S / _TYPICAL
+        self._theta = theta
+        self._p0_diag = sd0**2
+        self._p = np.diag(self._p0_diag)
+        self._q_each = np.diag((drift_each * sd0) ** 2)
+        self._drift_common = drift_common
+        self._noise = noise_rel_sd
+        self._clip = clip_sigma
+        self._coef = self._theta.tolist()  # a plain-list copy: predict() is on the hot path
+        self._n = 0
+
+    @property
+    def num_observations(self) -> int:
+        return self._n
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """(intercept, *coef) in FEATURES order."""
+        return tuple(self._coef)
+
+    def predict(self, shape: StepShape) -> float:
+        """Predicted seconds of a step of this shape (0 for an empty step)."""
+        if shape.is_empty:
+            return 0.0
+        c = self._coef
+        t = c[0]
+        for ci, x in zip(c[1:], shape.features(self.knot), strict=True):
+            t += ci * x
+        return t
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """One measured step. Empty steps and non-finite or non-positive times are ignored."""
+        if shape.is_empty or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        theta, p = self._theta, self._p
+        # Drift, then cap the uncertainty at the prior's (a scalar shrink keeps P positive).
+        p = p + self._q_each + (self._drift_common**2) * np.outer(theta, theta)
+        ratio = float(np.max(np.diag(p) / self._p0_diag))
+        if ratio > 1.0:
+            p = p / ratio
+        x = np.array([1.0, *shape.features(self.knot)])
+        pred = float(theta @ x)
+        px = p @ x
+        r = (self._noise * max(seconds, pred, 1e-6)) ** 2
+        s = float(x @ px) + r
+        innovation = seconds - pred
+        limit = self._clip * math.sqrt(s)
+        innovation = max(-limit, min(limit, innovation))
+        gain = px / s
+        theta = np.maximum(theta + gain * innovation, 0.0)
+        p = p - np.outer(gain, px)
+        self._p = 0.5 * (p + p.T)
+        self._theta = theta
+        self._coef = theta.tolist()
+        self._n += 1
+
+    def max_chunk(self, target_s: float, shape: StepShape, start_pos: int, limit: int,
+                  block_size: int = 16) -> int:
+        """The largest chunk (0..limit tokens, computed from `start_pos`) that can join a step
+        already holding `shape` while keeping its predicted time <= `target_s`."""
+        if limit <= 1:
+            # NOTE: a one-token chunk is a decode row (see `plus`), priced as one.
+            fits = limit == 1 and self.predict(shape.plus(1, start_pos, block_size)) <= target_s
+            return int(fits)
+        if self.predict(shape.plus(2, start_pos, block_size)) > target_s:
+            return 0
+        lo, hi = 2, limit  # predict() grows with the chunk: coefficients are >= 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.predict(shape.plus(mid, start_pos, block_size)) <= target_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def max_prefill_tokens(self, target_s: float, decode_rows: int, decode_ctx: int,
+                           prefill_context: int, limit: int = 1 << 16) -> int:
+        """The largest prefill chunk from position `prefill_context`, in a step with these
+        decodes, whose predicted step time stays <= `target_s` (0 if none does)."""
+        return self.max_chunk(target_s, StepShape(decode_rows, decode_ctx), prefill_context,
+                              limit)
