@@ -11,6 +11,7 @@ CPU_MAX_NUM_BATCHED_TOKENS = 320
 CUDA_MAX_NUM_SEQS = 256
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_DEFAULT_BLOCKS = 65536
+PREFILL_BUDGETS = ("time", "fixed")
 
 
 @dataclass(slots=True)
@@ -22,6 +23,14 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Prompts longer than this are split into chunks across steps (<= max_num_batched_tokens).
     long_prefill_token_threshold: int = 0  # 0 = up to the remaining budget
+    # How a step's prefill share is chosen while streams decode: "time" sizes chunks with the
+    # measured step-time model so the step stays within the target below; "fixed" fills
+    # max_num_batched_tokens whatever the step then costs. Either way max_num_batched_tokens is
+    # the upper bound, and a step with no decodes gives prefill all of it.
+    prefill_budget: str = "time"
+    slo_tpot_s: float | None = None  # the target of a step carrying decodes, when set
+    max_step_slowdown: float = 1.5  # else: this times the step's decode-only time
+    min_prefill_chunk: int = 16  # the first prefill of every step gets at least this many tokens
 
     def validate(self) -> SchedulerConfig:
         if self.max_num_seqs < 1:
@@ -32,6 +41,14 @@ class SchedulerConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.prefill_budget not in PREFILL_BUDGETS:
+            raise ValueError(f"prefill_budget must be one of {PREFILL_BUDGETS}")
+        if self.slo_tpot_s is not None and not 0 < self.slo_tpot_s < float("inf"):
+            raise ValueError("slo_tpot_s must be a positive number of seconds")
+        if not 1.0 <= self.max_step_slowdown < float("inf"):
+            raise ValueError("max_step_slowdown must be >= 1")
+        if self.min_prefill_chunk < 1:
+            raise ValueError("min_prefill_chunk must be >= 1")
         return self
 
 

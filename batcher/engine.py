@@ -153,7 +153,7 @@ class AsyncEngine:
         # Fed every step's measured model time; read by the scheduler's step budget and admission.
         self.step_time_model = step_time_model or OnlineStepTimeModel()
         self.scheduler = Scheduler(sched_config or SchedulerConfig(), self.kv, clock=clock,
-                                   debug_checks=debug_checks)
+                                   debug_checks=debug_checks, step_time=self.step_time_model)
         self.metrics = metrics
         self.version = version
         self.clock = clock

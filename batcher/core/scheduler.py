@@ -2,9 +2,11 @@
 
 There is no prefill phase. Each request has `num_computed_tokens`; each step hands out up to
 `max_num_batched_tokens` tokens to at most `max_num_seqs` sequences: a decode is one token, a prompt
-(or a preempted request's recompute) is a chunk of whatever budget is left. When a running request
-cannot get a block, the lowest-priority, newest running request is preempted (recomputed later).
-Finish, abort and preemption all release resources through `_free`.
+(or a preempted request's recompute) is a chunk of whatever budget is left. While streams decode,
+a step-time model sizes the chunks so the step stays within their time-per-token target
+(`step_budget.py`). When a running request cannot get a block, the lowest-priority, newest running
+request is preempted (recomputed later). Finish, abort and preemption all release resources
+through `_free`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from batcher.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from batcher.core.step_budget import PrefillAllowance, step_target
+from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.request import Request, RequestStatus
 
 
@@ -67,6 +71,10 @@ class Scheduler:
     Per step: `schedule()` -> run the model -> `update(out, runner_out)`; `finish()` between
     steps. `abort()` may be called at any time: the request is freed at the next `schedule()`,
     because the runner may still be reading the current step's blocks.
+
+    `step_time`: the model of step time the caller feeds with measured steps; with it (and
+    `prefill_budget="time"`) prefill chunks are sized to the TPOT target. Without it every step
+    gets the fixed token budget.
     """
 
     def __init__(
@@ -75,9 +83,13 @@ class Scheduler:
         kv: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
         debug_checks: bool = False,
+        step_time: OnlineStepTimeModel | None = None,
     ) -> None:
         self.config = sched_config.validate()
         self.kv = kv
+        self.step_time = step_time if self.config.prefill_budget == "time" else None
+        # The last step's allowance (None when it had no time target): for tests and metrics.
+        self.last_allowance: PrefillAllowance | None = None
         self.clock = clock
         self.debug_checks = debug_checks
         self.stats = SchedulerStats()
@@ -162,6 +174,7 @@ class Scheduler:
         # NOTE: a prefill chunk leaves one token of budget for each decode behind it, so a long
         # prompt of a high-priority request never stalls the streams already decoding.
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        allowance = self.last_allowance = self._allowance()
         i = 0
         while i < len(self.running) and budget > 0 and len(seqs) < cfg.max_num_seqs:
             req = self.running[i]
@@ -170,6 +183,11 @@ class Scheduler:
                 num_new = 1
             elif budget > decodes_left:
                 num_new = self._chunk(req, req.num_computed_tokens, budget - decodes_left)
+                if allowance is not None:
+                    num_new = allowance.chunk(req.num_computed_tokens, num_new)
+                    if num_new == 0:
+                        i += 1
+                        continue
             else:
                 i += 1
                 continue
@@ -184,6 +202,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                if allowance is not None and req.num_tokens - req.num_computed_tokens > 1:
+                    allowance.take(num_new, req.num_computed_tokens)
                 seqs.append(self._seq(req, num_new))
                 budget -= num_new
                 i += 1
@@ -196,9 +216,17 @@ class Scheduler:
             req = self.waiting[0]
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = self._chunk(req, num_hit, budget)
+            if allowance is not None:
+                # NOTE: the time target is spent: the head waits for the next step, and the
+                # requests behind it with it (strict order, as below).
+                num_new = allowance.chunk(num_hit, num_new)
+                if num_new == 0:
+                    break
             if not self.kv.allocate_slots(req, num_new, computed):
                 # NOTE: strict order: a large request at the head is not overtaken forever.
                 break
+            if allowance is not None:
+                allowance.take(num_new, num_hit)
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
@@ -283,6 +311,22 @@ class Scheduler:
         assert self.waiting == sorted(self.waiting, key=_waiting_key)
         assert self.kv.holders() == {r.request_id for r in self.running}
         self.kv.check_integrity()
+
+    def _allowance(self) -> PrefillAllowance | None:
+        """This step's prefill allowance under the time target; None when there is no model or
+        no decode to protect (prefill then gets the whole token budget)."""
+        if self.step_time is None:
+            return None
+        bs = self.kv.block_size
+        decode = StepShape()
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                decode = decode.plus(1, r.num_computed_tokens, bs)
+        cfg = self.config
+        target = step_target(self.step_time, decode, cfg.slo_tpot_s, cfg.max_step_slowdown)
+        if target is None:
+            return None
+        return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)
 
     def _chunk(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute for `req` this step: the rest of it, capped by the budget and, for a

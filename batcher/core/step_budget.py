@@ -1,0 +1,59 @@
+"""How much prefill one step may carry: chunks sized by the step-time model so that a step with
+decodes in it stays within the running streams' time-per-token target.
+
+A fixed token budget cannot protect streams: a chunk's cost grows with its context (attention) and
+the balance between a prefill token and a decode row differs by model and device. So each step,
+the scheduler asks for the largest chunk whose predicted step time stays within the target:
+
+- the target is the TPOT SLO when one is set, else `max_slowdown` times the step's decode-only
+  time (running streams then slow by at most that factor while a prompt is read);
+- the first prefill of a step (the longest-waiting one the scheduler reaches) always gets at least
+  `min_chunk` tokens, so a long prompt progresses every step even when the target leaves no room;
+- with no decodes in the step there is no time target: prefill gets the whole token budget, and
+  TTFT is as short as the hardware allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batcher.core.step_time import OnlineStepTimeModel, StepShape
+
+
+def step_target(model: OnlineStepTimeModel, decode: StepShape, slo_tpot_s: float | None,
+                max_slowdown: float) -> float | None:
+    """Seconds a step carrying these decodes may take; None when it carries none."""
+    if decode.decode_rows == 0:
+        return None
+    if slo_tpot_s is not None:
+        return slo_tpot_s
+    return max_slowdown * model.predict(decode.decode_only)
+
+
+@dataclass(slots=True)
+class PrefillAllowance:
+    """One step's prefill allowance. `chunk()` sizes the next chunk, `take()` books it."""
+
+    model: OnlineStepTimeModel
+    target_s: float
+    shape: StepShape  # the step so far: all its decodes, then each chunk booked
+    min_chunk: int
+    block_size: int = 16
+    booked: int = 0  # chunks booked so far
+
+    def chunk(self, start_pos: int, limit: int) -> int:
+        """Tokens (0..limit) for a chunk computed from `start_pos`: the largest within the target,
+        and at least `min_chunk` for the step's first."""
+        n = self.model.max_chunk(self.target_s, self.shape, start_pos, limit, self.block_size)
+        if self.booked == 0:
+            n = max(n, min(self.min_chunk, limit))
+        return n
+
+    def take(self, num_tokens: int, start_pos: int) -> None:
+        self.shape = self.shape.plus(num_tokens, start_pos, self.block_size)
+        self.booked += 1
+
+    @property
+    def predicted_s(self) -> float:
+        """The step's predicted time with what was booked."""
+        return self.model.predict(self.shape)

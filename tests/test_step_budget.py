@@ -1,0 +1,211 @@
+"""The per-step prefill budget on a simulated clock: a fake runner whose step time follows a known
+formula, the scheduler sizing chunks with the online step-time model it feeds. The chosen budgets
+keep steps carrying decodes within the target, adapt when the step time changes, give the
+longest-waiting prefill its chunk every step, and give prefill the whole budget when nothing
+decodes."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from batcher.config import SchedulerConfig
+from batcher.core.kv_cache_manager import KVCacheManager
+from batcher.core.outputs import RunnerOutput, SchedulerOutput
+from batcher.core.scheduler import Scheduler
+from batcher.core.step_time import OnlineStepTimeModel, StepShape
+from batcher.request import Request
+from batcher.sampling import SamplingParams
+
+BS = 16
+
+
+def cpu_like(shape: StepShape) -> float:
+    """The bundled model on a 2-core CPU, roughly: a prefill token costs about a decode row, and
+    a chunk's attention grows with its context."""
+    return (0.02 + 6e-4 * shape.decode_rows + 3e-3 * shape.decode_rows * shape.decode_ctx / 1e3
+            + 2.5e-4 * shape.prefill_tokens + 0.3 * shape.prefill_attn / 1e6
+            + 2e-3 * shape.prefill_chunks)
+
+
+@dataclass
+class Sim:
+    """A scheduler, a KV pool and a fake runner on a simulated clock."""
+
+    config: SchedulerConfig
+    formula: object = cpu_like
+    scale: float = 1.0
+    model: OnlineStepTimeModel = field(default_factory=OnlineStepTimeModel)
+    now: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.kv = KVCacheManager(4096, BS, enable_prefix_caching=False)
+        self.sched = Scheduler(self.config, self.kv, clock=lambda: self.now, debug_checks=True,
+                               step_time=self.model)
+        self.token_times: dict[str, list[float]] = {}
+        self.steps: list[tuple[SchedulerOutput, float, float | None]] = []
+
+    def add(self, rid: str, prompt_len: int, max_tokens: int) -> None:
+        ids = [(i * 31 + len(rid)) % 4000 + 10 for i in range(prompt_len)]
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.sched.add_request(Request(rid, ids, sp, arrival_time=self.now))
+        self.token_times[rid] = []
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        allowance = self.sched.last_allowance
+        shape = StepShape.of(out, BS)
+        seconds = self.scale * self.formula(shape)  # type: ignore[operator]
+        self.now += seconds
+        self.model.observe(shape, seconds)
+        self.steps.append((out, seconds, allowance.target_s if allowance else None))
+        ids = [s.request_id for s in out.seqs if s.sample]
+        for u in self.sched.update(out, RunnerOutput(ids, [7] * len(ids), [])):
+            self.token_times[u.request_id].append(self.now)
+        return out
+
+    def run_until(self, done, limit: int = 5000) -> None:
+        for _ in range(limit):
+            if done():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def steady(self, rows: int, ctx: int) -> float:
+        return self.scale * self.formula(StepShape(rows, -(-ctx // BS) * BS))  # type: ignore
+
+
+def prefill_of(out: SchedulerOutput, rid: str) -> int:
+    return sum(len(s.token_ids) for s in out.seqs if s.request_id == rid)
+
+
+def streams_then_long_prompt(sim: Sim, long_len: int = 2000) -> int:
+    """8 streams decode, then a long prompt arrives; returns the step index it arrived at."""
+    for i in range(8):
+        sim.add(f"s{i}", 100, 400)
+    sim.run_until(lambda: all(len(sim.token_times[f"s{i}"]) >= 60 for i in range(8)))
+    sim.add("long", long_len, 2)
+    arrival = len(sim.steps)
+    sim.run_until(lambda: bool(sim.token_times["long"]))
+    return arrival
+
+
+def gaps_while(sim: Sim, start: float, end: float) -> list[float]:
+    gaps = []
+    for i in range(8):
+        t = sim.token_times[f"s{i}"]
+        gaps += [b - a for a, b in itertools.pairwise(t) if start < b <= end]
+    return gaps
+
+
+def test_default_target_keeps_streams_within_one_and_a_half_steady() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096))
+    arrival = streams_then_long_prompt(sim)
+    mixed = [(out, t, target) for out, t, target in sim.steps[arrival:]
+             if prefill_of(out, "long") > 0]
+    assert len(mixed) > 8  # the prompt was split into many small chunks
+    for out, seconds, target in mixed:
+        rows = sum(1 for s in out.seqs if s.is_decode)
+        assert rows == 8 and target is not None
+        steady = sim.steady(8, max(s.start_pos + 1 for s in out.seqs if s.is_decode))
+        # The model was learned from this formula: within 10% of the 1.5x target.
+        assert seconds <= 1.5 * steady * 1.1, (seconds, steady)
+    start = sum(t for _, t, _ in sim.steps[:arrival])
+    gaps = sorted(gaps_while(sim, start, sim.now))
+    assert len(gaps) == 8 * len(sim.steps[arrival:])
+    steady = sim.steady(8, 200)
+    assert gaps[int(0.99 * (len(gaps) - 1))] <= 1.5 * steady * 1.1
+    # Every step from its arrival to its first token carried a chunk of it.
+    assert len(mixed) == len(sim.steps[arrival:])
+
+
+def test_fixed_budget_is_the_old_behaviour_and_stalls_streams() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096, prefill_budget="fixed"))
+    streams_then_long_prompt(sim)
+    chunks = [prefill_of(out, "long") for out, _, _ in sim.steps if prefill_of(out, "long")]
+    assert chunks[:-1] == [320 - 8] * (len(chunks) - 1)
+    worst = max(t for out, t, _ in sim.steps if prefill_of(out, "long"))
+    assert worst > 3 * sim.steady(8, 200)  # what the time budget exists to prevent
+
+
+def test_slo_target_lets_chunks_grow_to_the_slo() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096, slo_tpot_s=0.1))
+    streams_then_long_prompt(sim)
+    mixed = [(out, t) for out, t, _ in sim.steps if prefill_of(out, "long")]
+    assert all(t <= 0.1 * 1.1 for _, t in mixed)
+    default = Sim(SchedulerConfig(64, 320, 4096))
+    streams_then_long_prompt(default)
+    # A looser target than 1.5x steady: fewer, larger chunks and a shorter TTFT.
+    assert sim.sched.stats.steps < default.sched.stats.steps
+
+
+def test_budget_adapts_when_the_machine_slows_down() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096, slo_tpot_s=0.12))
+    for i in range(8):
+        sim.add(f"s{i}", 100, 2000)
+    sim.run_until(lambda: sim.now > 3.0)
+    sim.add("long1", 1500, 2)
+    sim.run_until(lambda: bool(sim.token_times["long1"]))
+    before = [prefill_of(o, "long1") for o, _, _ in sim.steps if prefill_of(o, "long1")]
+    sim.scale = 1.6  # a neighbour takes the cores
+    t0 = sim.now
+    sim.run_until(lambda: sim.now > t0 + 2.0)
+    sim.add("long2", 1500, 2)
+    sim.run_until(lambda: bool(sim.token_times["long2"]))
+    after = [(o, t) for o, t, _ in sim.steps if prefill_of(o, "long2")]
+    assert all(t <= 0.12 * 1.1 for _, t in after)
+    assert max(prefill_of(o, "long2") for o, _ in after) < max(before)
+
+
+def test_nothing_decoding_gives_prefill_the_whole_budget() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096))
+    sim.add("long", 1000, 2)
+    first = sim.step()
+    assert prefill_of(first, "long") == 320 and sim.sched.last_allowance is None
+    sim.run_until(lambda: bool(sim.token_times["long"]))
+    assert [prefill_of(o, "long") for o, _, _ in sim.steps] == [320, 320, 320, 40]
+
+
+def test_longest_waiting_prefill_goes_first_and_none_starves() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096))
+    for i in range(8):
+        sim.add(f"s{i}", 100, 600)
+    sim.run_until(lambda: all(sim.token_times[f"s{i}"] for i in range(8)))
+    sim.add("old", 800, 2)
+    sim.now += 0.01
+    sim.add("new", 800, 2)
+    arrival = len(sim.steps)
+    sim.run_until(lambda: bool(sim.token_times["old"]))
+    chunks = [prefill_of(out, "old") for out, _, _ in sim.steps[arrival:]]
+    assert min(chunks[:-1]) >= 16 and sum(chunks) == 800  # progress every step, in order
+    sim.run_until(lambda: bool(sim.token_times["new"]))
+    assert sim.token_times["old"][0] < sim.token_times["new"][0]
+
+
+@pytest.mark.parametrize("bad", [{"prefill_budget": "auto"}, {"slo_tpot_s": 0.0},
+                                 {"max_step_slowdown": 0.9}, {"min_prefill_chunk": 0}])
+def test_bad_budget_settings_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SchedulerConfig(**bad).validate()
+
+
+async def test_engine_feeds_its_model_every_step_and_the_scheduler_reads_it(tiny_fp32) -> None:
+    from batcher.engine import AsyncEngine
+    from batcher.runtime.model_runner import ModelRunner
+    from batcher.tokenizer import load_tokenizer
+
+    runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=BS)
+    engine = AsyncEngine(runner, load_tokenizer(), SchedulerConfig(8, 64, 512),
+                         debug_checks=True)
+    assert engine.scheduler.step_time is engine.step_time_model
+    await engine.start()
+    try:
+        sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        async for _ in engine.generate(Request("a", list(range(100, 250)), sp)):
+            pass
+    finally:
+        await engine.stop()
+    assert engine.steps == 3 + 5  # 150 prompt tokens in chunks of 64, then 5 decodes
+    assert engine.step_time_model.num_observations == engine.steps
