@@ -1,0 +1,406 @@
+"""Files, batches and per-line results in SQLite, file bytes in a directory beside it.
+
+Every row carries its tenant and every lookup filters by it: a tenant never sees another's files
+or batches (an ID of another tenant is simply not found).
+
+Durability contract (what a restart relies on):
+- A line is `pending` until its result is recorded; `record_result` flips it to `done` and bumps the
+  batch's counts in one transaction, only if it was still pending. So a line is answered exactly
+  once, and a line that was running when the process died is still `pending` and runs again.
+- Output and error files are written to a temporary name, fsynced and renamed before the batch
+  row names them; their IDs derive from the batch ID, so a finalize cut short by a crash simply
+  runs again and overwrites the same files.
+- WAL journal with `synchronous=NORMAL`: a committed transaction survives the process being
+  killed (the WAL is in the OS's page cache); an OS crash may lose the last few, which then run
+  again.
+
+All calls are made from the event loop's thread; each is one short statement or transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from batcher.batch.jsonl import InputLine
+
+TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+# Batches the executor works on: lines to run, or a finalize still owed.
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    in_progress_at REAL, finalizing_at REAL, completed_at REAL, failed_at REAL,
+    expired_at REAL, cancelling_at REAL, cancelled_at REAL,
+    output_file_id TEXT, error_file_id TEXT,
+    total INTEGER NOT NULL DEFAULT 0,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    tokens INTEGER NOT NULL DEFAULT 0,
+    metadata TEXT,
+    errors TEXT
+);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    custom_id TEXT NOT NULL,
+    body BLOB NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending',
+    status_code INTEGER,
+    output BLOB,
+    PRIMARY KEY (batch_id, idx)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, idx);
+"""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+@dataclass(slots=True)
+class FileRecord:
+    id: str
+    tenant: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: int
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "file", "bytes": self.bytes,
+                "created_at": self.created_at, "filename": self.filename,
+                "purpose": self.purpose, "status": "processed", "status_details": None,
+                "expires_at": None}
+
+
+@dataclass(slots=True)
+class BatchRecord:
+    id: str
+    tenant: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    created_at: float
+    expires_at: float
+    in_progress_at: float | None
+    finalizing_at: float | None
+    completed_at: float | None
+    failed_at: float | None
+    expired_at: float | None
+    cancelling_at: float | None
+    cancelled_at: float | None
+    output_file_id: str | None
+    error_file_id: str | None
+    total: int
+    completed: int
+    failed: int
+    tokens: int
+    metadata: dict[str, str] | None
+    errors: list[dict[str, Any]] | None
+
+    @property
+    def finished_lines(self) -> int:
+        return self.completed + self.failed
+
+    def to_openai(self) -> dict[str, Any]:
+        def ts(x: float | None) -> int | None:
+            return None if x is None else int(x)
+
+        return {
+            "id": self.id, "object": "batch", "endpoint": self.endpoint,
+            "errors": None if not self.errors else {"object": "list", "data": self.errors},
+            "input_file_id": self.input_file_id, "completion_window": self.completion_window,
+            "status": self.status, "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id, "created_at": ts(self.created_at),
+            "in_progress_at": ts(self.in_progress_at), "expires_at": ts(self.expires_at),
+            "finalizing_at": ts(self.finalizing_at), "completed_at": ts(self.completed_at),
+            "failed_at": ts(self.failed_at), "expired_at": ts(self.expired_at),
+            "cancelling_at": ts(self.cancelling_at), "cancelled_at": ts(self.cancelled_at),
+            "request_counts": {"total": self.total, "completed": self.completed,
+                               "failed": self.failed},
+            "metadata": self.metadata,
+        }
+
+
+@dataclass(slots=True)
+class PendingLine:
+    batch_id: str
+    index: int
+    custom_id: str
+    body: dict[str, Any]
+
+
+_BATCH_COLS = ("id, tenant, endpoint, input_file_id, completion_window, status, created_at, "
+               "expires_at, in_progress_at, finalizing_at, completed_at, failed_at, expired_at, "
+               "cancelling_at, cancelled_at, output_file_id, error_file_id, total, completed, "
+               "failed, tokens, metadata, errors")
+
+
+def _batch(row: tuple[Any, ...]) -> BatchRecord:
+    *head, metadata, errors = row
+    return BatchRecord(*head, metadata=orjson.loads(metadata) if metadata else None,
+                       errors=orjson.loads(errors) if errors else None)
+
+
+class BatchStore:
+    """The batch tier's state: `root/batches.sqlite3` (or `db_path`) and `root/files/`."""
+
+    def __init__(self, root: str | Path, db_path: str | Path | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.root = Path(root)
+        self.files_dir = self.root / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.db_path = Path(db_path) if db_path else self.root / "batches.sqlite3"
+        self.clock = clock
+        # isolation_level=None: statements autocommit; transactions are explicit (`_tx`).
+        self.db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA busy_timeout=5000")
+        self.db.executescript(_SCHEMA)
+        self._clean_uploads()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _clean_uploads(self) -> None:
+        # Uploads and output files cut short by a crash: never named by a row.
+        for p in self.files_dir.glob(".tmp-*"):
+            p.unlink(missing_ok=True)
+
+    def _tx(self) -> _Tx:
+        return _Tx(self.db)
+
+    # files ---------------------------------------------------------------------------------
+    def temp_path(self) -> Path:
+        """Where an upload is written before `add_file` adopts it."""
+        return self.files_dir / f".tmp-{secrets.token_hex(8)}"
+
+    def path(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    def add_file(self, tenant: str, filename: str, purpose: str, temp: Path, size: int,
+                 file_id: str | None = None) -> FileRecord:
+        """Adopt the complete file at `temp` (renamed into place) as a new file of `tenant`."""
+        rec = FileRecord(file_id or new_id("file-"), tenant, filename, purpose, size,
+                         int(self.clock()))
+        os.replace(temp, self.path(rec.id))
+        self.db.execute(
+            "INSERT OR REPLACE INTO files (id, tenant, filename, purpose, bytes, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (rec.id, tenant, filename, purpose, size, rec.created_at))
+        return rec
+
+    def get_file(self, tenant: str, file_id: str) -> FileRecord | None:
+        row = self.db.execute(
+            "SELECT id, tenant, filename, purpose, bytes, created_at FROM files "
+            "WHERE id = ? AND tenant = ?", (file_id, tenant)).fetchone()
+        return None if row is None else FileRecord(*row)
+
+    def list_files(self, tenant: str, limit: int, after: str | None = None,
+                   purpose: str | None = None, ascending: bool = False
+                   ) -> tuple[list[FileRecord], bool]:
+        """A page of the tenant's files (newest first unless `ascending`) and whether more
+        follow. `after` must be a file ID of this tenant (check with `get_file`)."""
+        op, order = (">", "ASC") if ascending else ("<", "DESC")
+        sql = ("SELECT id, tenant, filename, purpose, bytes, created_at FROM files "
+               "WHERE tenant = ?")
+        args: list[Any] = [tenant]
+        if purpose is not None:
+            sql += " AND purpose = ?"
+            args.append(purpose)
+        if after is not None:
+            sql += f" AND seq {op} (SELECT seq FROM files WHERE id = ?)"
+            args.append(after)
+        sql += f" ORDER BY seq {order} LIMIT ?"
+        args.append(limit + 1)
+        rows = self.db.execute(sql, args).fetchall()
+        return [FileRecord(*r) for r in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, tenant: str, file_id: str) -> bool:
+        cur = self.db.execute("DELETE FROM files WHERE id = ? AND tenant = ?", (file_id, tenant))
+        if cur.rowcount == 0:
+            return False
+        self.path(file_id).unlink(missing_ok=True)
+        return True
+
+    # batches -------------------------------------------------------------------------------
+    def create_batch(self, tenant: str, endpoint: str, input_file_id: str, window: str,
+                     window_s: float, metadata: dict[str, str] | None,
+                     lines: list[InputLine]) -> BatchRecord:
+        """A new batch, `in_progress`, with its lines pending."""
+        now = self.clock()
+        bid = new_id("batch_")
+        with self._tx():
+            self.db.execute(
+                "INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, "
+                "status, created_at, expires_at, in_progress_at, total, metadata) "
+                "VALUES (?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?)",
+                (bid, tenant, endpoint, input_file_id, window, now, now + window_s, now,
+                 len(lines), orjson.dumps(metadata).decode() if metadata else None))
+            self.db.executemany(
+                "INSERT INTO lines (batch_id, idx, custom_id, body) VALUES (?, ?, ?, ?)",
+                ((bid, ln.index, ln.custom_id, orjson.dumps(ln.body)) for ln in lines))
+        rec = self.get_batch(tenant, bid)
+        assert rec is not None
+        return rec
+
+    def create_failed_batch(self, tenant: str, endpoint: str, input_file_id: str, window: str,
+                            window_s: float, metadata: dict[str, str] | None,
+                            errors: list[dict[str, Any]]) -> BatchRecord:
+        """A batch whose input failed validation: kept (and listed) with its errors, as
+        OpenAI does, rather than refused."""
+        now = self.clock()
+        bid = new_id("batch_")
+        self.db.execute(
+            "INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, "
+            "status, created_at, expires_at, failed_at, metadata, errors) "
+            "VALUES (?, ?, ?, ?, ?, 'failed', ?, ?, ?, ?, ?)",
+            (bid, tenant, endpoint, input_file_id, window, now, now + window_s, now,
+             orjson.dumps(metadata).decode() if metadata else None,
+             orjson.dumps(errors).decode()))
+        rec = self.get_batch(tenant, bid)
+        assert rec is not None
+        return rec
+
+    def get_batch(self, tenant: str, batch_id: str) -> BatchRecord | None:
+        row = self.db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE id = ? AND tenant = ?",
+                              (batch_id, tenant)).fetchone()
+        return None if row is None else _batch(row)
+
+    def batch(self, batch_id: str) -> BatchRecord | None:
+        """Any tenant's batch: for the executor only."""
+        row = self.db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE id = ?",
+                              (batch_id,)).fetchone()
+        return None if row is None else _batch(row)
+
+    def list_batches(self, tenant: str, limit: int, after: str | None = None
+                     ) -> tuple[list[BatchRecord], bool]:
+        sql = f"SELECT {_BATCH_COLS} FROM batches WHERE tenant = ?"
+        args: list[Any] = [tenant]
+        if after is not None:
+            sql += " AND seq < (SELECT seq FROM batches WHERE id = ?)"
+            args.append(after)
+        rows = self.db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        return [_batch(r) for r in rows[:limit]], len(rows) > limit
+
+    def active_batches(self) -> list[BatchRecord]:
+        """Every tenant's unfinished batches, oldest first: the executor's work list."""
+        marks = ", ".join("?" * len(ACTIVE))
+        rows = self.db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE status IN ({marks}) "
+                               "ORDER BY seq", ACTIVE).fetchall()
+        return [_batch(r) for r in rows]
+
+    def set_status(self, batch_id: str, status: str, only_from: tuple[str, ...] = ACTIVE
+                   ) -> bool:
+        """Move a batch to `status` (stamping `<status>_at`) if it is in one of `only_from`."""
+        assert status in ("finalizing", "cancelling", "completed", "expired", "cancelled",
+                          "failed")
+        marks = ", ".join("?" * len(only_from))
+        cur = self.db.execute(
+            f"UPDATE batches SET status = ?, {status}_at = ? WHERE id = ? AND status IN ({marks})",
+            (status, self.clock(), batch_id, *only_from))
+        return cur.rowcount == 1
+
+    # lines ---------------------------------------------------------------------------------
+    def pending_indices(self, batch_id: str) -> list[int]:
+        rows = self.db.execute("SELECT idx FROM lines WHERE batch_id = ? AND state = 'pending' "
+                               "ORDER BY idx", (batch_id,)).fetchall()
+        return [r[0] for r in rows]
+
+    def line(self, batch_id: str, index: int) -> PendingLine | None:
+        row = self.db.execute("SELECT custom_id, body FROM lines WHERE batch_id = ? AND idx = ?",
+                              (batch_id, index)).fetchone()
+        return None if row is None else PendingLine(batch_id, index, row[0],
+                                                     orjson.loads(row[1]))
+
+    def record_result(self, batch_id: str, index: int, status_code: int, output: bytes,
+                      tokens: int) -> bool:
+        """Record a line's answer (its output-file line). False, changing nothing, when the line
+        was already answered: each line is answered exactly once."""
+        ok = 200 <= status_code < 300
+        with self._tx():
+            cur = self.db.execute(
+                "UPDATE lines SET state = 'done', status_code = ?, output = ? "
+                "WHERE batch_id = ? AND idx = ? AND state = 'pending'",
+                (status_code, output, batch_id, index))
+            if cur.rowcount != 1:
+                return False
+            self.db.execute(
+                "UPDATE batches SET completed = completed + ?, failed = failed + ?, "
+                "tokens = tokens + ? WHERE id = ?", (int(ok), int(not ok), tokens, batch_id))
+        return True
+
+    def outputs(self, batch_id: str) -> Iterator[tuple[str, int | None, bytes | None]]:
+        """(custom_id, status_code, output line) of every line in input order; status and
+        output are None for lines never answered."""
+        cur = self.db.execute("SELECT custom_id, status_code, output FROM lines "
+                              "WHERE batch_id = ? ORDER BY idx", (batch_id,))
+        yield from cur
+
+    def finish(self, batch_id: str, status: str, output_file: FileRecord | None,
+               error_file: FileRecord | None, failed: int | None = None) -> bool:
+        """End a batch: name its output files and stamp its final status. `failed` overrides
+        the failed count (unanswered lines of a cancelled or expired batch count as failed)."""
+        assert status in TERMINAL
+        now = self.clock()
+        with self._tx():
+            cur = self.db.execute(
+                f"UPDATE batches SET status = ?, {status}_at = ?, output_file_id = ?, "
+                "error_file_id = ?, failed = COALESCE(?, failed) WHERE id = ? AND status IN "
+                f"({', '.join('?' * len(ACTIVE))})",
+                (status, now, output_file and output_file.id, error_file and error_file.id,
+                 failed, batch_id, *ACTIVE))
+            if cur.rowcount != 1:
+                return False
+            if status == "completed":
+                self.db.execute("UPDATE batches SET finalizing_at = COALESCE(finalizing_at, ?) "
+                                "WHERE id = ?", (now, batch_id))
+        return True
+
+    def drop_lines(self, batch_id: str) -> None:
+        """The per-line rows of a finished batch: its output files now hold the answers."""
+        self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+
+
+class _Tx:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on an exception."""
+
+    __slots__ = ("db",)
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
