@@ -12,6 +12,7 @@ from batcher.config import (
     CPU_MAX_NUM_SEQS,
     CUDA_MAX_NUM_BATCHED_TOKENS,
     CUDA_MAX_NUM_SEQS,
+    PREFILL_BUDGETS,
 )
 
 
@@ -38,8 +39,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       help=f"most sequences in one step (default: {CPU_MAX_NUM_SEQS} on CPU, "
       f"{CUDA_MAX_NUM_SEQS} on CUDA)")
     a("--max-num-batched-tokens", type=int, default=None,
-      help=f"token budget of one step (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, "
+      help=f"most tokens in one step, an upper bound on every step's budget; a step with no "
+      f"decodes gives prefill all of it (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, "
       f"{CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
+    a("--prefill-budget", default="time", choices=list(PREFILL_BUDGETS),
+      help="how much prefill a step carrying decodes takes: 'time' sizes each chunk with a "
+      "model of step time fitted online from the engine's measured steps, so the step stays "
+      "within --slo-tpot-ms when set, else within --max-step-slowdown times the decode-only "
+      "step; 'fixed' fills --max-num-batched-tokens whatever the step then costs "
+      "(default: %(default)s)")
+    a("--max-step-slowdown", type=float, default=1.5,
+      help="without --slo-tpot-ms, a step carrying decodes may take at most this times the "
+      "same step without prefill: running streams then keep within this factor of their "
+      "steady time per token while a new prompt is read. 1.5 keeps streams visibly smooth "
+      "and still reads a prompt at a useful pace; lower protects streams more and slows time "
+      "to first token (default: %(default)s)")
+    a("--min-prefill-chunk", type=int, default=16,
+      help="prompt tokens the longest-waiting prefill gets every step even when the target "
+      "leaves no room, so a long prompt always progresses (default: %(default)s)")
     a("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
       help="decode attention: the fused Triton kernel on CUDA when available (default: "
       "%(default)s)")

@@ -51,7 +51,11 @@ def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
         torch.set_num_threads(args.torch_threads)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs or CPU_MAX_NUM_SEQS,
                             max_num_batched_tokens=args.max_num_batched_tokens
-                            or CPU_MAX_NUM_BATCHED_TOKENS)
+                            or CPU_MAX_NUM_BATCHED_TOKENS,
+                            prefill_budget=args.prefill_budget,
+                            slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
+                            max_step_slowdown=args.max_step_slowdown,
+                            min_prefill_chunk=args.min_prefill_chunk)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory=parse_bytes(args.kv_cache_memory)
                         if args.kv_cache_memory else None,

@@ -209,3 +209,27 @@ async def test_engine_feeds_its_model_every_step_and_the_scheduler_reads_it(tiny
         await engine.stop()
     assert engine.steps == 3 + 5  # 150 prompt tokens in chunks of 64, then 5 decodes
     assert engine.step_time_model.num_observations == engine.steps
+
+
+def test_serve_flags_reach_the_scheduler() -> None:
+    import argparse
+
+    from batcher.cli import add_serve_args
+    from batcher.metrics import Metrics
+    from batcher.serve import build_engine
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--model", "fake", "--slo-tpot-ms", "100",
+                              "--max-step-slowdown", "2", "--min-prefill-chunk", "32"])
+    engine = build_engine(args, Metrics())
+    cfg = engine.scheduler.config
+    assert (cfg.prefill_budget, cfg.slo_tpot_s, cfg.max_step_slowdown,
+            cfg.min_prefill_chunk) == ("time", 0.1, 2.0, 32)
+    assert engine.scheduler.step_time is engine.step_time_model
+    fixed = build_engine(parser.parse_args(["--model", "fake", "--prefill-budget", "fixed"]),
+                         Metrics())
+    assert fixed.scheduler.step_time is None
+    with pytest.raises(ValueError, match="max_step_slowdown"):
+        build_engine(parser.parse_args(["--model", "fake", "--max-step-slowdown", "0.5"]),
+                     Metrics())
