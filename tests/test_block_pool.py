@@ -209,3 +209,29 @@ def test_freeing_a_request_evicts_its_tail_before_its_head() -> None:
     kv.free(a)
     kv.pool.allocate(2)  # the never-used block, then a's last block
     assert kv.get_computed_blocks(_req("b", list(range(12)) + [1]))[1] == 8
+
+
+def test_prefix_cache_is_shared_within_a_tenant_only_by_default() -> None:
+    kv = KVCacheManager(32, 4)
+    prompt = list(range(200, 213))  # 3 full blocks and one token
+    alice = Request("alice-1", list(prompt), tenant="alice")
+    assert _admit(kv, alice) == 0
+    # Another tenant sending the same prefix (a guess at alice's prompt) hits nothing.
+    bob = Request("bob-1", list(prompt), tenant="bob")
+    assert kv.get_computed_blocks(bob) == ([], 0)
+    assert _admit(kv, bob) == 0
+    assert not set(bob.block_ids) & set(alice.block_ids)
+    # The same tenant does hit its own blocks.
+    again = Request("alice-2", list(prompt), tenant="alice")
+    assert kv.get_computed_blocks(again) == (alice.block_ids[:3], 12)
+    kv.check_integrity()
+
+
+def test_global_prefix_cache_scope_shares_across_tenants() -> None:
+    kv = KVCacheManager(32, 4, prefix_cache_scope="global")
+    prompt = list(range(200, 213))
+    alice = Request("alice-1", list(prompt), tenant="alice")
+    _admit(kv, alice)
+    assert kv.get_computed_blocks(Request("bob-1", list(prompt), tenant="bob"))[1] == 12
+    with pytest.raises(ValueError, match="prefix_cache_scope"):
+        KVCacheManager(8, 4, prefix_cache_scope="everyone")

@@ -16,6 +16,7 @@ Every block id in `0 .. num_blocks - 1` is usable: there is no reserved null blo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -40,6 +41,14 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
         h.update(parent_hash)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+@functools.lru_cache(maxsize=4096)
+def scope_root(scope: str) -> BlockHash:
+    """The root of every hash chain in one sharing scope (a tenant): the first block's parent.
+    Chains of different scopes never meet, so neither do their cached blocks."""
+    return hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"batcher-scope").digest()
 
 
 @dataclass(slots=True)

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batcher.core.block_pool import BlockHash, BlockPool, PrefixCacheStats, hash_block_tokens
+from batcher.core.block_pool import (
+    BlockHash,
+    BlockPool,
+    PrefixCacheStats,
+    hash_block_tokens,
+    scope_root,
+)
 from batcher.request import Request
+
+PREFIX_CACHE_SCOPES = ("tenant", "global")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,13 +40,22 @@ class KVCacheManager:
     when a request is admitted (and then the scheduler sets `num_computed_tokens` to the hit
     length); `allocate_slots(request, n)` before each later step; `cache_full_blocks` after each
     step; `free` exactly once when the request finishes, is aborted or is preempted.
+
+    Prefix-cache scope: with `"tenant"` (the default) every hash chain starts from a root salted
+    with the request's tenant, so blocks are shared only within one tenant, and a tenant can never
+    learn (from `cached_tokens` or from latency) whether another sent a given prefix. `"global"`
+    shares blocks across tenants, for operators who trust all of them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prefix_cache_scope: str = "tenant"):
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_scope = prefix_cache_scope
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._state: dict[str, _ReqState] = {}
         self._holders: dict[str, Request] = {}  # requests holding blocks, for integrity checks
@@ -84,7 +101,7 @@ class KVCacheManager:
         hashes = self._hashes(request, max_blocks)
         tokens = request.token_ids
         block_ids: list[int] = []
-        parent: BlockHash | None = None
+        parent = self._root(request)
         for i in range(max_blocks):
             block = self.pool.lookup(hashes[i], parent, tuple(tokens[i * bs : (i + 1) * bs]))
             if block is None:
@@ -141,11 +158,12 @@ class KVCacheManager:
             return
         hashes = self._hashes(request, num_full)
         tokens = request.token_ids
+        root = self._root(request)
         for i in range(state.num_cached_blocks, num_full):
             self.pool.cache_block(
                 request.block_ids[i],
                 hashes[i],
-                hashes[i - 1] if i else None,
+                hashes[i - 1] if i else root,
                 tuple(tokens[i * bs : (i + 1) * bs]),
             )
         state.num_cached_blocks = num_full
@@ -178,7 +196,12 @@ class KVCacheManager:
         """The chained hashes of the request's first `num_blocks` full blocks, computed once."""
         state = self._state.setdefault(request.request_id, _ReqState())
         hashes, bs, tokens = state.hashes, self.block_size, request.token_ids
+        root = self._root(request) if len(hashes) < num_blocks else None
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
+
+    def _root(self, request: Request) -> BlockHash | None:
+        """The parent of a request's first block: its tenant's salt, or None (global scope)."""
+        return scope_root(request.tenant) if self.prefix_cache_scope == "tenant" else None
