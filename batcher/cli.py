@@ -35,6 +35,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     a("--no-prefix-caching", action="store_true", help="disable prefix caching (default: "
       "prefix caching on)")
+    a("--prefix-cache-scope", choices=("tenant", "global"), default="tenant", help="share "
+      "cached prompt blocks within a tenant only, or across all tenants (only when every "
+      "tenant may learn what the others send) (default: %(default)s)")
     a("--max-num-seqs", type=int, default=None,
       help=f"most sequences in one step (default: {CPU_MAX_NUM_SEQS} on CPU, "
       f"{CUDA_MAX_NUM_SEQS} on CUDA)")

@@ -60,6 +60,8 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
     enable_prefix_caching: bool = True
+    # "tenant": cached blocks are shared within a tenant only; "global": across all tenants.
+    prefix_cache_scope: str = "tenant"
 
     def validate(self) -> CacheConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -68,6 +70,8 @@ class CacheConfig:
             raise ValueError("num_blocks must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if self.prefix_cache_scope not in ("tenant", "global"):
+            raise ValueError("prefix_cache_scope must be 'tenant' or 'global'")
         return self
 
     def resolve_num_blocks(self, kv_bytes_per_token: int, default_bytes: int) -> int:

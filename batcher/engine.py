@@ -146,10 +146,12 @@ class AsyncEngine:
                  sched_config: SchedulerConfig | None = None, enable_prefix_caching: bool = True,
                  metrics: Any = None, version: str = "v1",
                  clock: Callable[[], float] = time.monotonic, debug_checks: bool = False,
-                 step_time_model: OnlineStepTimeModel | None = None):
+                 step_time_model: OnlineStepTimeModel | None = None,
+                 prefix_cache_scope: str = "tenant"):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching,
+                                 prefix_cache_scope)
         # Fed every step's measured model time; read by the scheduler's step budget and admission.
         self.step_time_model = step_time_model or OnlineStepTimeModel()
         self.scheduler = Scheduler(sched_config or SchedulerConfig(), self.kv, clock=clock,
@@ -186,7 +188,8 @@ class AsyncEngine:
                              max_graph_batch=sched_config.max_num_seqs,
                              max_model_len=sched_config.max_model_len)
         return cls(runner, tokenizer, sched_config,
-                   enable_prefix_caching=cache_config.enable_prefix_caching, **kw)
+                   enable_prefix_caching=cache_config.enable_prefix_caching,
+                   prefix_cache_scope=cache_config.prefix_cache_scope, **kw)
 
     # lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:

@@ -86,6 +86,7 @@ def build_fake_engine(args, sched, cache, metrics):
                         args.fake_fault, args.fake_fault_after_steps)
     sched.max_model_len = args.max_model_len
     return AsyncEngine(runner, tok, sched.validate(), cache.enable_prefix_caching,
+                       prefix_cache_scope=cache.prefix_cache_scope,
                        metrics=metrics, version=args.version)
 
 

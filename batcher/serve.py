@@ -59,7 +59,8 @@ def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory=parse_bytes(args.kv_cache_memory)
                         if args.kv_cache_memory else None,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        prefix_cache_scope=args.prefix_cache_scope)
     if args.model == "fake":
         from batcher.fake_runner import build_fake_engine
 
