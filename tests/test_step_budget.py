@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -233,3 +234,38 @@ def test_serve_flags_reach_the_scheduler() -> None:
     with pytest.raises(ValueError, match="max_step_slowdown"):
         build_engine(parser.parse_args(["--model", "fake", "--max-step-slowdown", "0.5"]),
                      Metrics())
+
+
+def test_simulator_runs_the_same_budget() -> None:
+    """A simulated replica on the calibrated CPU model reproduces the engine's budget: with the
+    default target the streams' steps stay within ~1.5x steady while the prompt is read, and
+    the fixed budget's steps do not."""
+    from batcher.sim.engine_sim import SimReplica, run_alone
+    from batcher.sim.stepmodel import load_step_model
+
+    calibrated = load_step_model(str(Path(__file__).resolve().parent.parent
+                                     / "workloads" / "step_time_cpu.json"))
+    @dataclass
+    class Recorder:
+        steps: list[tuple[StepShape, float]] = field(default_factory=list)
+
+        def step_seconds(self, sched: SchedulerOutput) -> float:
+            t = calibrated.step_seconds(sched)
+            self.steps.append((StepShape.of(sched, BS), t))
+            return t
+
+    worst = {}
+    for mode in ("time", "fixed"):
+        recorder = Recorder()
+        steps = recorder.steps
+        rep = SimReplica(0, SchedulerConfig(64, 320, 4096, prefill_budget=mode), 4096, BS,
+                         recorder)
+        sp = SamplingParams(max_tokens=200, ignore_eos=True)
+        arrivals = [(0.0, Request(f"s{i}", [10 + i] * 100, sp)) for i in range(8)]
+        arrivals.append((2.0, Request("long", [11] * 2000, SamplingParams(max_tokens=2))))
+        run_alone(rep, arrivals)
+        assert rep.step_time_model.num_observations == len(steps)
+        worst[mode] = max(t / calibrated.shape_seconds(sh.decode_only)
+                          for sh, t in steps if sh.prefill_tokens and sh.decode_rows)
+    assert worst["time"] <= 1.5 * 1.1
+    assert worst["fixed"] > 4

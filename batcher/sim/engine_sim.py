@@ -2,8 +2,9 @@
 
 Only the model is simulated: a step lasts what the step-time model says for its composition, and
 each sampled row gets a synthetic token (never an EOS; requests run to `max_tokens`, as with
-`ignore_eos`). Everything else (admission order, chunked prefill, block allocation, prefix hits,
-preemption by recompute) is the production code's own behaviour.
+`ignore_eos`). Everything else (admission order, chunked prefill and its per-step budget from an
+online step-time model fed with each step's time, block allocation, prefix hits, preemption by
+recompute) is the production code's own behaviour.
 
 The replica does not own an event loop. Its driver (the fleet simulator, or `run_alone` for one
 replica) calls `start_step(now)`, which schedules a step and returns when it ends (or None when
@@ -21,8 +22,9 @@ from batcher.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
+from batcher.core.step_time import CPU_PRIOR, OnlineStepTimeModel, StepShape
 from batcher.request import Request, RequestStatus
-from batcher.sim.stepmodel import StepModel
+from batcher.sim.stepmodel import LinearStepModel, StepModel
 
 SYNTHETIC_TOKEN = 7  # any id works: the simulator never stops on EOS
 
@@ -65,8 +67,12 @@ class SimReplica:
         self.zone = zone
         self.now = 0.0
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+        # The engine's own online model, fed the simulated step times, so chunk budgets follow
+        # the simulated machine as they follow a real one. It starts from the calibrated fit.
+        prior = step_model.prior() if isinstance(step_model, LinearStepModel) else CPU_PRIOR
+        self.step_time_model = OnlineStepTimeModel(prior)
         self.scheduler = Scheduler(sched_config, self.kv, clock=self._clock,
-                                   debug_checks=debug_checks)
+                                   debug_checks=debug_checks, step_time=self.step_time_model)
         self.step_model = step_model
         self.timings: dict[str, Timing] = {}
         self.busy = False
@@ -140,6 +146,7 @@ class SimReplica:
         self._pending = sched
         self.busy = True
         dt = self.step_model.step_seconds(sched)
+        self.step_time_model.observe(StepShape.of(sched, self.kv.block_size), dt)
         self.busy_seconds += dt
         return now + dt
 
