@@ -123,6 +123,11 @@ class _V:
     zone: int = 0
     fresh: bool = True
     age: float = 0.0
+    inflight: int = 0
+    prefill_tokens: int = 0
+    oldest_pending_s: float = 0.0
+    prefill_rate: float | None = None
+    step_s: float | None = None
 
     @property
     def replica_id(self) -> str:
@@ -150,8 +155,8 @@ def test_fleet_policy_adapter_maps_views_and_back() -> None:
 
     seen = {}
 
-    def choose(cands, tokens, key, cfg, rng, weights, exclude):
-        seen.update(tokens=tokens, key=key, exclude=exclude, cfg=cfg)
+    def choose(cands, tokens, key, cfg, rng, weights, exclude, prompt_tokens):
+        seen.update(prompt_tokens=prompt_tokens, tokens=tokens, key=key, exclude=exclude, cfg=cfg)
         pool = [c for c in cands if c.replica_id not in exclude]
         return max(pool, key=lambda c: c.free_blocks)
 
@@ -160,6 +165,7 @@ def test_fleet_policy_adapter_maps_views_and_back() -> None:
     req = RouteRequest("x", 20, 5, prefix=list(range(100)), tried=frozenset({6}))
     assert pol.choose(views, req) == 2
     assert seen["tokens"] == 25 and seen["exclude"] == {"r6"} and seen["cfg"] == "CFG"
+    assert seen["prompt_tokens"] == 20
     assert seen["key"] == ",".join(map(str, range(64)))
 
 
@@ -208,7 +214,7 @@ def test_a_fleet_style_policy_drives_a_fleet_through_the_adapter() -> None:
 
     keys = []
 
-    def choose(cands, tokens, key, cfg, rng, weights, exclude):
+    def choose(cands, tokens, key, cfg, rng, weights, exclude, prompt_tokens):
         keys.append(key)
         pool = [c for c in cands if c.replica_id not in exclude]
         return rng.choice(pool) if pool else None

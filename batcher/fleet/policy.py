@@ -1,18 +1,35 @@
-"""The fleet routing policy: pure functions and small classes, no I/O and no clock of their own, so the
-router and the simulator share them.
+"""The fleet routing policy: pure functions and small classes, no I/O and no clock of their own,
+so the router and the simulator share them.
 
 - `estimate_tokens(body, chat)`: prompt characters / 4 (or the token count of a token-id prompt)
-  plus `max_tokens`, times `n`.
+  plus `max_tokens`, times `n`; `estimate_prompt_tokens` is the prompt part alone.
+- `predicted_wait(c, prompt, tokens, ...)`: the seconds a new request would wait for its first
+  token on a candidate: the prefill work ahead of it (the router's own outstanding prompt tokens
+  there, or the replica's reported queue, whichever says more) at the replica's measured prefill
+  rate, plus a step that grows with the sequences it runs, and never less than the age of the
+  oldest request there still waiting for its first token (a stalled replica shows up at once).
+  KV is a fit constraint; it adds to the wait only when scarce (below `hot_headroom` free after
+  this request), because a replica short of blocks preempts.
 - `choose(...)`: candidates are the routable replicas of the version the rollout weights pick;
-  fresh (non-suspect) replicas are preferred over suspect ones. A rendezvous hash of the prompt's
-  leading text names a preferred replica, used unless it is hot (a queue, or less than
-  `hot_headroom` of its KV free after reserving this request). Otherwise power of two choices:
-  sample two, keep the one with more free blocks after the reservation, fewer waiting breaking
-  ties.
+  fresh (non-suspect) replicas are preferred over suspect ones, and those that can hold the
+  request over those that cannot. The lowest predicted wait wins. A rendezvous hash of the
+  prompt's leading text names a preferred replica (its prefix cache is warm); it wins while its
+  predicted wait is at most `affinity_max_extra_s` above the best.
 - `pick_version(weights, available, r)`: weighted version choice; `"*"` stands for every
   version not named.
 - `RetryBudget`: retries <= max(floor, ratio * requests seen in the window, or in flight).
 - `backoff(...)`: full jitter.
+
+Why every candidate and not two sampled ones: the router's own accounting is exact and updated
+the moment it sends, so scoring all of them does not herd the way stale state would, and with
+long prompts a replica already prefilling doubles the next one's time to first token: two random
+picks are both busy often enough to lose to round-robin (`docs/capacity.md`). Scoring is a few
+microseconds per candidate; `choices` samples a subset for very large fleets.
+
+Why not free KV or `waiting` alone: while KV is abundant free blocks barely differ between
+replicas, and chunked prefill admits requests at once so `waiting` stays 0 until a replica is
+saturated; with long prompts the time to first token is set by the prefill tokens queued ahead,
+which neither number shows.
 """
 
 from __future__ import annotations
@@ -26,13 +43,20 @@ from dataclasses import dataclass
 from typing import Any
 
 OTHERS = "*"
+_TIE_S = 1e-6  # predicted waits closer than this are equal
 
 
 @dataclass(slots=True)
 class PolicyConfig:
     affinity_chars: int = 256  # leading prompt characters hashed for prefix affinity; 0 = off
     affinity_min_chars: int = 64  # shorter prompts have no prefix worth steering for
-    hot_headroom: float = 0.1  # the preferred replica is hot below this share of free KV
+    hot_headroom: float = 0.1  # KV is scarce below this share free after the request
+    affinity_max_extra_s: float = 0.05  # predicted wait a prefix-cache hit may cost at most
+    prefill_rate_prior: float = 2000.0  # prompt tokens/s assumed until a replica is measured
+    step_s_prior: float = 0.05  # decode step seconds assumed until a replica is measured
+    choices: int = 0  # candidates scored per request; 0 = every one (see the module note)
+    seqs_per_step: float = 64.0  # running sequences that double a step's time (decode share)
+    kv_scarce_s: float = 2.0  # wait added as free KV after the request goes headroom -> 0
     chars_per_token: float = 4.0
     default_max_tokens: int = 16  # completions' default when the client sends none
     default_chat_max_tokens: int = 256  # an estimate; the replica fills its own default
@@ -42,6 +66,12 @@ class PolicyConfig:
             raise ValueError("affinity lengths must be >= 0")
         if not 0.0 <= self.hot_headroom < 1.0:
             raise ValueError("hot_headroom must be in [0, 1)")
+        if min(self.affinity_max_extra_s, self.kv_scarce_s) < 0:
+            raise ValueError("affinity_max_extra_s and kv_scarce_s must be >= 0")
+        if self.choices < 0 or self.choices == 1:
+            raise ValueError("choices must be 0 (all) or >= 2")
+        if min(self.prefill_rate_prior, self.step_s_prior, self.seqs_per_step) <= 0:
+            raise ValueError("rate and step priors and seqs_per_step must be > 0")
         if self.chars_per_token <= 0:
             raise ValueError("chars_per_token must be > 0")
         return self
@@ -49,7 +79,9 @@ class PolicyConfig:
 
 @dataclass(slots=True, frozen=True)
 class Candidate:
-    """A routable replica as the policy sees it (effective numbers include reservations)."""
+    """A routable replica as the policy sees it. `free_blocks` and `waiting` are the last
+    reported state with the router's own unreflected requests applied; the rest is what the
+    router knows exactly (what it sent there and has not seen finish) or measured itself."""
 
     replica_id: str
     free_blocks: int
@@ -58,6 +90,29 @@ class Candidate:
     waiting: int
     version: str
     fresh: bool = True
+    running: int = 0  # reported
+    inflight: int = 0  # the router's own requests there
+    prefill_tokens: int = 0  # prompt tokens of those still without a first token
+    oldest_pending_s: float = 0.0  # age of the oldest of those
+    prefill_rate: float | None = None  # measured prompt tokens/s to first token; None: unknown
+    step_s: float | None = None  # measured seconds per decode step; None: unknown
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> int:
+    """The prompt tokens one request brings to prefill (an estimate, never below 1)."""
+    out = _default_out(body, chat, cfg)
+    n = body.get("n") or 1
+    n = n if isinstance(n, int) and n > 0 else 1
+    return max(1, estimate_tokens(body, chat, cfg) // n - out)
+
+
+def _default_out(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> int:
+    if chat:
+        out = (body.get("max_completion_tokens") or body.get("max_tokens")
+               or cfg.default_chat_max_tokens)
+    else:
+        out = body.get("max_tokens") or cfg.default_max_tokens
+    return out if isinstance(out, int) and out > 0 else cfg.default_max_tokens
 
 
 def estimate_tokens(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> int:
@@ -118,40 +173,87 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // max(1, block_size))
 
 
-def is_hot(c: Candidate, tokens: int, headroom: float) -> bool:
-    free_after = c.free_blocks - blocks_for(tokens, c.block_size)
-    return c.waiting > 0 or free_after < headroom * c.total_blocks
+def fits(c: Candidate, tokens: int) -> bool:
+    """The replica can hold the request's whole KV need now (the replica checks again)."""
+    return c.free_blocks >= blocks_for(tokens, c.block_size)
 
 
-def _better(a: Candidate, b: Candidate, tokens: int) -> Candidate:
-    fa = a.free_blocks - blocks_for(tokens, a.block_size)
-    fb = b.free_blocks - blocks_for(tokens, b.block_size)
-    if fa != fb:
-        return a if fa > fb else b
-    return a if a.waiting <= b.waiting else b
+@dataclass(slots=True, frozen=True)
+class Priors:
+    """What to assume for replicas the router has not measured yet: the fleet's mean."""
+
+    prefill_rate: float
+    step_s: float
+
+    @classmethod
+    def of(cls, cands: Sequence[Candidate], cfg: PolicyConfig) -> Priors:
+        rates = [c.prefill_rate for c in cands if c.prefill_rate]
+        steps = [c.step_s for c in cands if c.step_s]
+        return cls(sum(rates) / len(rates) if rates else cfg.prefill_rate_prior,
+                   sum(steps) / len(steps) if steps else cfg.step_s_prior)
+
+
+def predicted_wait(c: Candidate, prompt_tokens: int, tokens: int, cfg: PolicyConfig,
+                   priors: Priors) -> float:
+    """Seconds until a new request of `prompt_tokens` (`tokens` with its output) would see its
+    first token on `c`."""
+    rate = c.prefill_rate or priors.prefill_rate
+    step = c.step_s or priors.step_s
+    # The replica's queue counts requests of every router; the router's own count is exact for
+    # what it sent. Unknown prompts in the reported queue are assumed to be this one's size.
+    ahead = max(c.prefill_tokens, c.waiting * prompt_tokens) + prompt_tokens
+    seqs = max(c.inflight, c.running + c.waiting)
+    wait = ahead / rate + step * (1.0 + seqs / cfg.seqs_per_step)
+    wait = max(wait, c.oldest_pending_s)
+    if c.total_blocks > 0 and cfg.hot_headroom > 0:
+        left = (c.free_blocks - blocks_for(tokens, c.block_size)) / c.total_blocks
+        if left < cfg.hot_headroom:
+            wait += cfg.kv_scarce_s * min(1.0, (cfg.hot_headroom - left) / cfg.hot_headroom)
+    return wait
 
 
 def choose(cands: Sequence[Candidate], tokens: int, key: str | None, cfg: PolicyConfig,
            rng: random.Random, weights: Mapping[str, float] | None = None,
-           exclude: frozenset[str] | set[str] = frozenset()) -> Candidate | None:
-    """The replica for one request (None when there is none). `exclude` names replicas this
-    request already tried."""
+           exclude: frozenset[str] | set[str] = frozenset(),
+           prompt_tokens: int | None = None) -> Candidate | None:
+    """The replica for one request (None when there is none). `tokens` is its whole KV need,
+    `prompt_tokens` its prefill (default: `tokens`); `exclude` names replicas this request
+    already tried."""
     pool = [c for c in cands if c.replica_id not in exclude]
     if weights:
         version = pick_version(weights, {c.version for c in pool}, rng.random())
         pool = [c for c in pool if c.version == version]
-    fresh = [c for c in pool if c.fresh]
-    pool = fresh or pool
-    if not pool:
-        return None
-    if key is not None and len(pool) > 1:
-        preferred = max(pool, key=lambda c: rendezvous_weight(key, c.replica_id))
-        if not is_hot(preferred, tokens, cfg.hot_headroom):
+    pool = [c for c in pool if c.fresh] or pool
+    pool = [c for c in pool if fits(c, tokens)] or pool
+    if len(pool) <= 1:
+        return pool[0] if pool else None
+    prompt = tokens if prompt_tokens is None else prompt_tokens
+    priors = Priors.of(pool, cfg)
+    if 0 < cfg.choices < len(pool):
+        pool = rng.sample(pool, cfg.choices) + ([] if key is None else [
+            _preferred(pool, key)])
+    best: list[Candidate] = []
+    wbest = math.inf
+    waits: dict[str, float] = {}
+    for c in pool:
+        w = waits[c.replica_id] = predicted_wait(c, prompt, tokens, cfg, priors)
+        if w < wbest - _TIE_S:
+            best, wbest = [c], w
+        elif w <= wbest + _TIE_S:
+            best.append(c)
+    if key is not None:
+        preferred = _preferred(pool, key)
+        if waits[preferred.replica_id] <= wbest + cfg.affinity_max_extra_s:
             return preferred
-    if len(pool) == 1:
-        return pool[0]
-    a, b = rng.sample(pool, 2)
-    return _better(a, b, tokens)
+    # NOTE: ties (an idle fleet) go to the most free KV, then at random, so several routers
+    # starting together do not all pick the same replica.
+    most = max(c.free_blocks for c in best)
+    best = [c for c in best if c.free_blocks == most]
+    return best[0] if len(best) == 1 else rng.choice(best)
+
+
+def _preferred(pool: Sequence[Candidate], key: str) -> Candidate:
+    return max(pool, key=lambda c: rendezvous_weight(key, c.replica_id))
 
 
 def pick_version(weights: Mapping[str, float], available: set[str], r: float) -> str | None:

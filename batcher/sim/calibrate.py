@@ -22,6 +22,7 @@ from batcher.sampling import SamplingParams
 from batcher.sim.stepmodel import (
     DEFAULT_KNOT,
     LinearStepModel,
+    StepModel,
     composition,
     feature_row,
     fit_linear,
@@ -86,6 +87,16 @@ def build_step(p: Point, num_blocks: int, block_size: int) -> SchedulerOutput:
         seqs.append(ScheduledSeq(f"p{i}", [2000 + j % 5000 for j in range(p.chunk)], p.start,
                                  blocks(end), True, GREEDY))
     return SchedulerOutput(seqs=seqs)
+
+
+
+def rates_from_model(model: StepModel, slots: int, ctx: int, chunk: int = 320
+                     ) -> tuple[float, float]:
+    """(prefill tokens/s with `chunk`-token chunks, decode tokens/s with `slots` decodes at
+    context `ctx`) of a step model: the replica figures `batcher plan` takes."""
+    pre = model.step_seconds(build_step(Point(chunks=1, chunk=chunk), 1 << 20, 16))
+    dec = model.step_seconds(build_step(Point(slots, ctx), 1 << 20, 16))
+    return chunk / pre, slots / dec
 
 
 def measure(runner, points: list[Point], reps: int, rounds: int = 3, seed: int = 0,

@@ -50,8 +50,8 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         pre, dec = args.prefill_rate, args.decode_rate
         if args.from_step_model:
+            from batcher.sim.calibrate import rates_from_model
             from batcher.sim.stepmodel import load_step_model
-            from batcher.sim.studies import rates_from_model
 
             pre, dec = rates_from_model(load_step_model(args.from_step_model), args.slots,
                                         args.context)
@@ -77,8 +77,8 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     a("--zones", type=int, default=3)
     a("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
     a("--warmup", type=float, default=10.0, help="arrivals before this are not measured")
-    a("--policy", default="p2c-kv", help="p2c-kv, round-robin, random, least-loaded, or fleet "
-      "(the fleet router's policy)")
+    a("--policy", default="p2c-kv", help="p2c-kv, round-robin, random, least-loaded, oracle "
+      "(least predicted TTFT from live state), or fleet (the fleet router's policy)")
     a("--arrivals", default="poisson", choices=["poisson", "burst", "diurnal", "all"])
     a("--rate", type=float, default=None, help="requests/s (default: from --load)")
     a("--load", type=float, default=0.85, help="offered load as a share of the fleet's "
@@ -110,6 +110,12 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     a("--max-attempts", type=int, default=5)
     a("--fail-zone", action="append", default=[], metavar="Z@T[:D]")
     a("--fail-replica", action="append", default=[], metavar="I@T[:D]")
+    a("--slow-replicas", default=None, metavar="K:F", help="the first K replicas step F times "
+      "slower")
+    a("--small-kv", default=None, metavar="K:BLOCKS", help="the next K replicas have BLOCKS KV "
+      "blocks")
+    a("--stall", action="append", default=[], metavar="I@T:D", help="replica I takes no step "
+      "from T for D seconds (repeatable)")
     a("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT bound "
       "(default: %(default)s)")
     a("--slo-tpot-ms", type=float, default=200.0, help="goodput TPOT bound "
@@ -161,12 +167,16 @@ def fleet_from_args(args: argparse.Namespace):
     """(FleetConfig, step model, ShapeSpec, ArrivalSpec) from `sim run` arguments."""
     from batcher.bench.common import load_workload
     from batcher.sim.fleet_sim import FleetConfig
+    from batcher.sim.hetero import parse_pair, parse_stall
     from batcher.sim.stepmodel import load_step_model
     from batcher.sim.studies import replica_capacity
     from batcher.sim.workload import ArrivalSpec, ShapeSpec
 
     model = load_step_model(args.step_model)
     ratio = None if args.retry_ratio == "none" else float(args.retry_ratio)
+    slow_k, slow_f = parse_pair(args.slow_replicas, "--slow-replicas") if args.slow_replicas \
+        else (0, 1.0)
+    small_k, small_b = parse_pair(args.small_kv, "--small-kv") if args.small_kv else (0, 0)
     cfg = FleetConfig(
         replicas=args.replicas, zones=args.zones, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
@@ -177,6 +187,8 @@ def fleet_from_args(args: argparse.Namespace):
         max_waiting=args.max_waiting, retry_ratio=ratio, max_attempts=args.max_attempts,
         slo_ttft=args.slo_ttft_ms / 1e3, slo_tpot=args.slo_tpot_ms / 1e3,
         duration=args.duration, warmup=args.warmup, failures=parse_failures(args),
+        slow_replicas=slow_k, slow_factor=slow_f, small_kv_replicas=small_k,
+        small_kv_blocks=int(small_b), stalls=[parse_stall(x) for x in args.stall],
         seed=args.seed)
     shape = ShapeSpec(input_median=args.input_median, input_sigma=args.sigma,
                       output_median=args.output_median, output_sigma=args.sigma,
@@ -188,8 +200,9 @@ def fleet_from_args(args: argparse.Namespace):
     rate = args.rate
     if rate is None and args.arrivals == "all":
         rate = 1.0
-    if rate is None:
-        rate = args.load * args.replicas * replica_capacity(cfg, model, shape)
+    if rate is None:  # slow replicas bring 1/F of a replica's capacity each
+        cap = replica_capacity(cfg, model, shape)
+        rate = args.load * cap * (args.replicas - slow_k + slow_k / slow_f)
     arr = ArrivalSpec(args.arrivals, rate=rate, burst_size=args.burst_size,
                       burst_interval=args.burst_interval, amplitude=args.amplitude,
                       period=args.period, count=count)

@@ -1,10 +1,11 @@
-"""The fleet simulator's configuration and bookkeeping types: what fails when, the knobs, the
-router's view of a replica, the retry budget and the record of one client request."""
+"""The fleet simulator's configuration and bookkeeping types: what fails or stalls when, the
+knobs, the router's view of a replica and the record of one client request. The retry budget is
+the fleet router's own (`batcher.fleet.policy.RetryBudget`)."""
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from batcher.sim.engine_sim import SimReplica
@@ -24,6 +25,20 @@ class Failure:
             raise ValueError("a failure names either a zone or a replica")
         if self.at < 0 or not self.duration > 0:
             raise ValueError("a failure needs at >= 0 and duration > 0")
+
+
+@dataclass(slots=True, frozen=True)
+class Stall:
+    """Replica `replica` takes no step from `at` for `duration` seconds (a wedged engine that
+    still answers heartbeats: its state shows work and no progress)."""
+
+    replica: int
+    at: float
+    duration: float
+
+    def __post_init__(self) -> None:
+        if self.replica < 0 or self.at < 0 or not self.duration > 0:
+            raise ValueError("a stall needs replica >= 0, at >= 0 and duration > 0")
 
 
 @dataclass(slots=True)
@@ -57,64 +72,120 @@ class FleetConfig:
     warmup: float = 0.0  # requests arriving earlier are not measured
     drain_limit: float = 300.0  # after the last arrival, stop at most this much later
     failures: list[Failure] = field(default_factory=list)
+    # heterogeneity: the first `slow_replicas` step `slow_factor` times slower; the next
+    # `small_kv_replicas` have `small_kv_blocks` KV blocks
+    slow_replicas: int = 0
+    slow_factor: float = 1.0
+    small_kv_replicas: int = 0
+    small_kv_blocks: int = 0
+    stalls: list[Stall] = field(default_factory=list)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.slow_replicas <= self.replicas or not self.slow_factor > 0:
+            raise ValueError("slow replicas: 0 <= K <= replicas and a factor > 0")
+        if self.slow_replicas + self.small_kv_replicas > self.replicas or (
+                self.small_kv_replicas and self.small_kv_blocks < 1):
+            raise ValueError("small-KV replicas: K + slow replicas <= replicas, blocks >= 1")
+        if any(s.replica >= self.replicas for s in self.stalls):
+            raise ValueError("a stall names a replica beyond --replicas")
+
+    def speed_factor(self, index: int) -> float:
+        return self.slow_factor if index < self.slow_replicas else 1.0
+
+    def blocks_of(self, index: int) -> int:
+        small = self.slow_replicas <= index < self.slow_replicas + self.small_kv_replicas
+        return self.small_kv_blocks if small else self.num_blocks
 
 
 class View:
-    """The router's belief about one replica (the `ReplicaView` protocol)."""
+    """The router's belief about one replica (the `ReplicaView` protocol): the last reported
+    state, plus what the router knows exactly (what it sent there and has not seen finish, the
+    prompt tokens of those still without a first token) and what it measured (prefill rate to
+    first token, decode step time), as the fleet router's registry keeps them."""
 
-    __slots__ = ("block_size", "fresh", "index", "measured_at", "now", "received_at",
-                 "replica_id", "reported_free", "reserved", "running", "total_blocks", "waiting",
-                 "zone")
+    __slots__ = ("block_size", "clock", "fresh", "index", "inflight", "measured_at", "pending",
+                 "prefill_rate", "prefill_tokens", "received_at", "replica_id", "reported_free",
+                 "reported_waiting", "reserved", "running", "step_s", "total_blocks",
+                 "unreflected", "zone")
 
-    def __init__(self, rep: SimReplica) -> None:
+    def __init__(self, rep: SimReplica, clock: SimClock) -> None:
         self.index, self.replica_id, self.zone = rep.index, rep.replica_id, rep.zone
         self.total_blocks, self.block_size = rep.total_blocks, rep.block_size
+        self.clock = clock
         self.update(rep, 0.0, 0.0)
         self.fresh = True
-        self.now = 0.0
+        self.inflight = 0
+        self.prefill_tokens = 0
+        # record index -> (sent at, prompt tokens, prefill tokens ahead when sent), oldest first
+        self.pending: OrderedDict[int, tuple[float, int, int]] = OrderedDict()
+        self.prefill_rate: float | None = None
+        self.step_s: float | None = None
 
     def update(self, rep: SimReplica | tuple[int, int, int], measured: float, now: float) -> None:
         if isinstance(rep, SimReplica):
-            self.reported_free, self.running, self.waiting = (rep.free_blocks, rep.running,
-                                                              rep.waiting)
+            self.reported_free, self.running, self.reported_waiting = (
+                rep.free_blocks, rep.running, rep.waiting)
         else:
-            self.reported_free, self.running, self.waiting = rep
-        self.measured_at, self.received_at, self.reserved = measured, now, 0
+            self.reported_free, self.running, self.reported_waiting = rep
+        self.measured_at, self.received_at, self.reserved, self.unreflected = measured, now, 0, 0
 
     @property
     def free_blocks(self) -> int:
         return self.reported_free - self.reserved
 
     @property
+    def waiting(self) -> int:
+        return self.reported_waiting + self.unreflected
+
+    @property
     def age(self) -> float:
-        return self.now - self.measured_at
+        return self.clock.now - self.measured_at
+
+    @property
+    def oldest_pending_s(self) -> float:
+        if not self.pending:
+            return 0.0
+        return self.clock.now - next(iter(self.pending.values()))[0]
+
+    # the router's own accounting ------------------------------------------------------------
+    def sent(self, rec: int, prompt: int, blocks: int, now: float) -> None:
+        self.inflight += 1
+        self.reserved += blocks
+        self.unreflected += 1
+        self.pending[rec] = (now, prompt, self.prefill_tokens)
+        self.prefill_tokens += prompt
+
+    def first_token(self, rec: int, now: float) -> None:
+        item = self.pending.pop(rec, None)
+        if item is None:
+            return
+        sent, prompt, ahead = item
+        self.prefill_tokens -= prompt
+        if now > sent:
+            self.prefill_rate = _ewma(self.prefill_rate, (ahead + prompt) / (now - sent))
+
+    def done(self, rec: int, tpot: float | None) -> None:
+        """The attempt ended (finished, failed or lost)."""
+        self.inflight -= 1
+        item = self.pending.pop(rec, None)
+        if item is not None:
+            self.prefill_tokens -= item[1]
+        if tpot is not None and tpot > 0:
+            self.step_s = _ewma(self.step_s, tpot)
 
 
-class RetryBudget:
-    """Retries in the last `window` s stay within max(floor, ratio x requests in the window)."""
+def _ewma(old: float | None, x: float, alpha: float = 0.2) -> float:
+    return x if old is None else old + alpha * (x - old)
 
-    def __init__(self, ratio: float | None, floor: int, window: float) -> None:
-        self.ratio, self.floor, self.window = ratio, floor, window
-        self.requests: deque[float] = deque()
-        self.retries: deque[float] = deque()
-        self.denied = 0
 
-    def note_request(self, now: float) -> None:
-        self.requests.append(now)
+class SimClock:
+    """The simulated time, shared by the views so ages need no argument."""
 
-    def try_spend(self, now: float) -> bool:
-        if self.ratio is None:
-            return True
-        cut = now - self.window
-        for q in (self.requests, self.retries):
-            while q and q[0] < cut:
-                q.popleft()
-        if len(self.retries) + 1 > max(self.floor, self.ratio * len(self.requests)):
-            self.denied += 1
-            return False
-        self.retries.append(now)
-        return True
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
 
 
 @dataclass(slots=True)
@@ -133,3 +204,42 @@ class Record:
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
+    replica: int = -1  # where its current attempt runs
+
+
+class LiveView:
+    """A replica as an all-knowing router would see it (for the oracle): its state now, the
+    prefill tokens really left in its queue, its true rates, and how long a stall has to run."""
+
+    __slots__ = ("clock", "prefill_rate", "rep", "stall_until", "step_s")
+
+    def __init__(self, rep: SimReplica, clock: SimClock, prefill_rate: float,
+                 step_s: float) -> None:
+        self.rep, self.clock = rep, clock
+        self.prefill_rate, self.step_s = prefill_rate, step_s
+        self.stall_until = 0.0
+
+    def __getattr__(self, name: str) -> object:  # index, replica_id, zone, KV and queue numbers
+        return getattr(self.rep, name)
+
+    @property
+    def fresh(self) -> bool:
+        return True
+
+    @property
+    def age(self) -> float:
+        return 0.0
+
+    @property
+    def inflight(self) -> int:
+        return self.rep.running + self.rep.waiting
+
+    @property
+    def prefill_tokens(self) -> int:
+        s = self.rep.scheduler
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                   for q in (s.running, s.waiting) for r in q)
+
+    @property
+    def oldest_pending_s(self) -> float:
+        return max(0.0, self.stall_until - self.clock.now)

@@ -21,7 +21,7 @@ from batcher.bench.common import pct
 
 if TYPE_CHECKING:
     from batcher.sim.engine_sim import SimReplica
-    from batcher.sim.fleet_sim import FleetConfig, FleetSim, Record
+    from batcher.sim.fleet_types import FleetConfig, Record
 
 OUTCOMES = ("ok", "error", "rejected")
 
@@ -94,7 +94,8 @@ class Collector:
         s["herding"].append(max(counts) * len(counts) / total if total else float("nan"))
         self.routed = [0] * len(self.routed)
 
-    def result(self, sim: FleetSim, events: int, wall: float) -> FleetResult:
+    def result(self, reps: list[SimReplica], policy: str, budget_denied: int, now: float,
+               events: int, wall: float) -> FleetResult:
         cfg, r = self.cfg, self.res
         r.series = self.series
         n = len(r.outcome)
@@ -108,9 +109,8 @@ class Collector:
         herd = [x for x in self.series["herding"] if not math.isnan(x)]
         imb = [x for t, x in zip(self.series["t"], self.series["imbalance"], strict=True)
                if cfg.warmup <= t <= cfg.duration and not math.isnan(x)]
-        reps = sim.replicas
         r.summary = {
-            "policy": sim.policy.name, "replicas": cfg.replicas, "requests": n,
+            "policy": policy, "replicas": cfg.replicas, "requests": n,
             "ok": len(ok), "errors": r.outcome.count("error"),
             "rejected": r.outcome.count("rejected"),
             "goodput": sum(r.good) / n if n else float("nan"),
@@ -125,14 +125,14 @@ class Collector:
             "steps": sum(x.steps for x in reps),
             "attempts_per_request": self.attempts / n if n else float("nan"),
             "retries": self.retries, "failovers": self.failovers,
-            "retry_budget_denied": sim.budget.denied,
+            "retry_budget_denied": budget_denied,
             "capacity_rejects": self.capacity_rejects,
             "attempt_failures": dict(self.attempt_failures),
             "herding_mean": sum(herd) / len(herd) if herd else float("nan"),
             "imbalance_mean": sum(imb) / len(imb) if imb else float("nan"),
-            "utilisation": sum(x.busy_seconds for x in reps) / (cfg.replicas * sim.now)
-            if sim.now > 0 else float("nan"),
-            "sim_seconds": sim.now, "events": events, "wall_seconds": wall,
+            "utilisation": sum(x.busy_seconds for x in reps) / (cfg.replicas * now)
+            if now > 0 else float("nan"),
+            "sim_seconds": now, "events": events, "wall_seconds": wall,
             "events_per_s": events / wall if wall > 0 else float("nan"),
         }
         return r

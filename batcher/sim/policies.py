@@ -2,13 +2,17 @@
 can be plugged in next to them.
 
 A policy sees `ReplicaView`s (what the router believes about each routable replica: the
-`/v1/state` numbers from the last heartbeat, minus what it has sent since) and a `RouteRequest`,
+`/v1/state` numbers from the last heartbeat, minus what it has sent since, and the router's own
+in-flight accounting and measured rates) and a `RouteRequest`,
 and returns the position of its choice in the views (None: no candidate). A policy with
 `live = True` is handed the replicas themselves (perfect, zero-delay knowledge: the oracle).
 
 - `RoundRobin`, `RandomChoice`: ignore state.
-- `LeastLoaded` (live): fewest waiting, then most free KV after this request; the best any policy
-  could do with perfect knowledge and no look-ahead.
+- `LeastLoaded` (live): fewest waiting, then most free KV after this request (the simulator's
+  first yardstick; kept for comparison).
+- `Oracle` (live): least predicted time to first token over every replica, with the fleet
+  router's own `predicted_wait` fed exact numbers: the prefill tokens really queued, the true
+  rates of each replica, what is left of a stall. No sampling, no staleness, no estimates.
 - `PowerOfTwoFreeKV`: sample two, keep the one with more free KV after reserving this request,
   fewer waiting breaking ties.
 - `FleetPolicyAdapter`: wraps a fleet-style `choose(cands, tokens, key, cfg, rng, weights,
@@ -47,6 +51,16 @@ class ReplicaView(Protocol):
     def fresh(self) -> bool: ...  # the last beat is recent enough to trust
     @property
     def age(self) -> float: ...  # seconds since the state was measured
+    @property
+    def inflight(self) -> int: ...  # the router's own requests there
+    @property
+    def prefill_tokens(self) -> int: ...  # prompt tokens of those without a first token
+    @property
+    def oldest_pending_s(self) -> float: ...  # age of the oldest of those
+    @property
+    def prefill_rate(self) -> float | None: ...  # measured prompt tokens/s to first token
+    @property
+    def step_s(self) -> float | None: ...  # measured decode step seconds
 
 
 @dataclass(slots=True)
@@ -132,6 +146,40 @@ class LeastLoaded:
         return best
 
 
+class Oracle:
+    """Least predicted TTFT from live state (`views` are `LiveView`s)."""
+
+    name = "oracle"
+    live = True
+
+    def __init__(self, seed: int = 0) -> None:
+        del seed
+        from batcher.fleet import policy
+
+        self._policy = policy
+        self.cfg = policy.PolicyConfig().validate()
+
+    def choose(self, views: Sequence[ReplicaView], req: RouteRequest) -> int | None:
+        pol, cfg = self._policy, self.cfg
+        cands = [(i, _candidate(pol.Candidate, v)) for i, v in enumerate(views)
+                 if v.index not in req.tried]
+        fit = [(i, c) for i, c in cands if pol.fits(c, req.tokens)] or cands
+        if not fit:
+            return None
+        priors = pol.Priors(cfg.prefill_rate_prior, cfg.step_s_prior)
+        return min(fit, key=lambda ic: (pol.predicted_wait(ic[1], req.prompt_tokens, req.tokens,
+                                                           cfg, priors), -ic[1].free_blocks))[0]
+
+
+def _candidate(make: Callable[..., Any], v: Any, version: str = "v1") -> Any:
+    """A fleet `Candidate` from a simulator view (router view or live view)."""
+    return make(replica_id=v.replica_id, free_blocks=v.free_blocks,
+                total_blocks=v.total_blocks, block_size=v.block_size, waiting=v.waiting,
+                version=version, fresh=v.fresh, running=v.running, inflight=v.inflight,
+                prefill_tokens=v.prefill_tokens, oldest_pending_s=v.oldest_pending_s,
+                prefill_rate=v.prefill_rate, step_s=v.step_s)
+
+
 class PowerOfTwoFreeKV:
     name = "power-of-two by free KV"
     live = False
@@ -163,9 +211,10 @@ class PowerOfTwoFreeKV:
 class FleetPolicyAdapter:
     """A fleet router's `choose` as a `RoutingPolicy`.
 
-    `choose_fn(cands, tokens, key, cfg, rng, weights, exclude)` picks among candidates built by
-    `make_candidate(replica_id=, free_blocks=, total_blocks=, block_size=, waiting=, version=,
-    fresh=)` and returns one of them (or None). `key` is the affinity key the router would hash:
+    `choose_fn(cands, tokens, key, cfg, rng, weights, exclude, prompt_tokens=)` picks among
+    candidates built by `make_candidate(replica_id=, free_blocks=, total_blocks=, block_size=,
+    waiting=, version=, fresh=, running=, inflight=, prefill_tokens=, oldest_pending_s=,
+    prefill_rate=, step_s=)` and returns one of them (or None). `key` is the affinity key the router would hash:
     for a token-id prompt, the leading `key_tokens` ids joined by commas (None when the prompt is
     shorter than `min_key_tokens`).
     """
@@ -186,24 +235,20 @@ class FleetPolicyAdapter:
         self.version = version
 
     def choose(self, views: Sequence[ReplicaView], req: RouteRequest) -> int | None:
-        pos: dict[str, int] = {}
-        cands = []
-        for i, v in enumerate(views):
-            pos[v.replica_id] = i
-            cands.append(self.make_candidate(
-                replica_id=v.replica_id, free_blocks=v.free_blocks, total_blocks=v.total_blocks,
-                block_size=v.block_size, waiting=v.waiting, version=self.version,
-                fresh=v.fresh))
+        pos = {v.replica_id: i for i, v in enumerate(views)}
+        cands = [_candidate(self.make_candidate, v, self.version) for v in views]
         key = None
-        if len(req.prefix) >= self.min_key_tokens:
+        if self.key_tokens > 0 and len(req.prefix) >= self.min_key_tokens:
             key = ",".join(map(str, req.prefix[: self.key_tokens]))
         exclude = {views[i].replica_id for i in range(len(views)) if views[i].index in req.tried}
-        c = self.choose_fn(cands, req.tokens, key, self.cfg, self.rng, None, exclude)
+        c = self.choose_fn(cands, req.tokens, key, self.cfg, self.rng, None, exclude,
+                           prompt_tokens=req.prompt_tokens)
         return None if c is None else pos[c.replica_id]
 
 
 POLICIES: dict[str, type] = {"round-robin": RoundRobin, "random": RandomChoice,
-                             "least-loaded": LeastLoaded, "p2c-kv": PowerOfTwoFreeKV}
+                             "least-loaded": LeastLoaded, "oracle": Oracle,
+                             "p2c-kv": PowerOfTwoFreeKV}
 
 
 def make_policy(name: str, seed: int = 0) -> RoutingPolicy:
@@ -212,8 +257,11 @@ def make_policy(name: str, seed: int = 0) -> RoutingPolicy:
     if name == "fleet":
         from batcher.fleet import policy as router
 
-        return FleetPolicyAdapter(router.choose, router.Candidate,
-                                  router.PolicyConfig().validate(), seed)
+        cfg = router.PolicyConfig().validate()
+        # the router hashes leading characters; a token is about `chars_per_token` of them
+        return FleetPolicyAdapter(router.choose, router.Candidate, cfg, seed,
+                                  key_tokens=int(cfg.affinity_chars / cfg.chars_per_token),
+                                  min_key_tokens=int(cfg.affinity_min_chars / cfg.chars_per_token))
     try:
         return POLICIES[name](seed)
     except KeyError:

@@ -32,17 +32,6 @@ SHAPE = ShapeSpec()  # chat-like for a CPU replica: 256 in / 64 out (medians), s
 _CAPACITY: dict[tuple, float] = {}
 
 
-def rates_from_model(model: StepModel, slots: int, ctx: int, chunk: int = 320
-                     ) -> tuple[float, float]:
-    """(prefill tokens/s with `chunk`-token chunks, decode tokens/s with `slots` decodes at
-    context `ctx`) of a step model: the replica figures `batcher plan` takes."""
-    from batcher.sim.calibrate import Point, build_step
-
-    pre = model.step_seconds(build_step(Point(chunks=1, chunk=chunk), 1 << 20, 16))
-    dec = model.step_seconds(build_step(Point(slots, ctx), 1 << 20, 16))
-    return chunk / pre, slots / dec
-
-
 def replica_capacity(cfg: FleetConfig, model: StepModel, shape: ShapeSpec, n: int = 400,
                      seed: int = 0) -> float:
     """Requests/s one replica completes with a deep queue: `n` requests at t = 0, rate taken

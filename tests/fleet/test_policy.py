@@ -8,24 +8,28 @@ from collections import Counter
 import pytest
 
 from batcher.fleet.health import HealthRecord
-from batcher.fleet.rollout import Rollout
 from batcher.fleet.policy import (
     Candidate,
     PolicyConfig,
+    Priors,
     RetryBudget,
     affinity_key,
     backoff,
     choose,
+    estimate_prompt_tokens,
     estimate_tokens,
     pick_version,
+    predicted_wait,
+    rendezvous_weight,
 )
+from batcher.fleet.rollout import Rollout
 
 CFG = PolicyConfig()
 
 
-def cand(rid: str, free: int, total: int = 1000, waiting: int = 0, version: str = "v1",
-         fresh: bool = True) -> Candidate:
-    return Candidate(rid, free, total, 16, waiting, version, fresh)
+def cand(rid: str, free: int = 900, total: int = 1000, waiting: int = 0, version: str = "v1",
+         fresh: bool = True, **kw: object) -> Candidate:
+    return Candidate(rid, free, total, 16, waiting, version, fresh, **kw)
 
 
 def test_estimate_tokens():
@@ -35,54 +39,113 @@ def test_estimate_tokens():
         20 + CFG.default_max_tokens) * 2
     chat = {"messages": [{"role": "user", "content": "x" * 80}], "max_tokens": 10}
     assert estimate_tokens(chat, True, CFG) == 20 + 4 + 10
+    assert estimate_prompt_tokens({"prompt": "x" * 400, "max_tokens": 50}, False, CFG) == 100
+    assert estimate_prompt_tokens(chat, True, CFG) == 24
+    assert estimate_prompt_tokens({"prompt": "x" * 40, "n": 3}, False, CFG) == 10
 
 
-def test_power_of_two_prefers_free_kv_after_reservation_and_fewer_waiting():
-    rng = random.Random(0)
-    a, b = cand("a", 900), cand("b", 100)
-    assert all(choose([a, b], 64, None, CFG, rng).replica_id == "a" for _ in range(50))
-    # Equal free blocks: the shorter queue wins.
-    c, d = cand("c", 500, waiting=3), cand("d", 500, waiting=0)
-    assert all(choose([c, d], 64, None, CFG, rng).replica_id == "d" for _ in range(50))
-    # Different block sizes: compare what is left after this request's blocks.
-    big = Candidate("big", 110, 1000, 64, 0, "v1")
-    small = Candidate("small", 105, 1000, 1, 0, "v1")
-    assert choose([big, small], 640, None, CFG, rng).replica_id == "big"
+def picks(cands: list[Candidate], n: int = 200, tokens: int = 64, prompt: int = 48,
+          seed: int = 0) -> Counter:
+    rng = random.Random(seed)
+    return Counter(choose(cands, tokens, None, CFG, rng, prompt_tokens=prompt).replica_id
+                   for _ in range(n))
 
 
-def test_spread_over_many_replicas_follows_free_kv():
-    rng = random.Random(1)
-    cands = [cand(f"r{i}", free) for i, free in enumerate((100, 400, 700, 1000))]
-    picks = Counter(choose(cands, 16, None, CFG, rng).replica_id for _ in range(4000))
-    assert picks["r3"] > picks["r2"] > picks["r1"] > picks["r0"] == 0
+def test_abundant_kv_does_not_decide_the_prefill_queue_does():
+    # Free KV differs a lot but is plentiful on both: the replica with prompt tokens queued
+    # ahead is the slower one to a first token, whatever its free blocks say.
+    busy_empty_kv = cand("a", free=990, prefill_tokens=4000)
+    idle_fuller_kv = cand("b", free=300)
+    assert picks([busy_empty_kv, idle_fuller_kv]) == {"b": 200}
+    # The replica's reported queue counts when the router knows of nothing it sent there.
+    assert picks([cand("c", waiting=5), cand("d")]) == {"d": 200}
+
+
+def test_measured_rates_make_a_slow_replica_take_less_work():
+    fast = cand("fast", prefill_rate=4000.0, step_s=0.02, prefill_tokens=1000, inflight=3)
+    slow = cand("slow", prefill_rate=1000.0, step_s=0.08, prefill_tokens=200, inflight=1)
+    assert picks([fast, slow]) == {"fast": 200}  # 0.26 s + 0.02 s vs 0.25 s + 0.08 s
+    idle_slow = cand("slow", prefill_rate=1000.0, step_s=0.08)
+    assert picks([fast, idle_slow]) == {"slow": 200}
+    # Unmeasured replicas are assumed to be like the fleet's measured mean, not the default.
+    w_new = predicted_wait(cand("new"), 100, 116, CFG, Priors.of([fast, slow, cand("n")], CFG))
+    assert w_new == pytest.approx(100 / 2500.0 + 0.05)
+
+
+def test_a_stalled_replica_is_avoided_before_any_heartbeat_says_so():
+    stalled = cand("s", prefill_tokens=100, oldest_pending_s=4.0, inflight=1)
+    assert picks([stalled, cand("ok", prefill_tokens=2000, inflight=10)]) == {"ok": 200}
+
+
+def test_kv_is_a_fit_constraint_and_a_score_only_when_scarce():
+    # The request needs 8 blocks: a replica with 5 free cannot hold it.
+    assert picks([cand("full", free=5), cand("busy", prefill_tokens=3000)], tokens=128) == {
+        "busy": 200}
+    # Nobody can hold it: still routed (the replica's final check answers), not dropped.
+    assert sum(picks([cand("x", free=5), cand("y", free=6)], tokens=128).values()) == 200
+    # Scarce (below the headroom after this request) costs wait; plentiful does not.
+    priors = Priors(CFG.prefill_rate_prior, CFG.step_s_prior)
+    scarce = predicted_wait(cand("a", free=60), 48, 64, CFG, priors)
+    plenty = predicted_wait(cand("b", free=500), 48, 64, CFG, priors)
+    plenty2 = predicted_wait(cand("c", free=900), 48, 64, CFG, priors)
+    assert scarce > plenty == plenty2
+
+
+def test_ties_spread_at_random_and_prefer_free_kv():
+    even = picks([cand(f"r{i}") for i in range(4)], n=400)
+    assert set(even) == {"r0", "r1", "r2", "r3"} and min(even.values()) > 60
+    assert picks([cand("a", free=800), cand("b", free=900)]) == {"b": 200}
 
 
 def test_fresh_replicas_are_preferred_over_suspect_ones():
     rng = random.Random(2)
-    stale_but_empty, fresh = cand("s", 1000, fresh=False), cand("f", 10)
+    stale_but_empty, fresh = cand("s", 1000, fresh=False), cand("f", 100, prefill_tokens=900)
     assert all(choose([stale_but_empty, fresh], 16, None, CFG, rng).replica_id == "f"
                for _ in range(20))
     assert choose([stale_but_empty], 16, None, CFG, rng).replica_id == "s"
 
 
-def test_prefix_affinity_is_stable_and_yields_when_hot():
+def test_prefix_affinity_is_stable_and_costs_at_most_a_bounded_wait():
     rng = random.Random(3)
     prompt = "You are a helpful assistant. " * 20
     key = affinity_key({"prompt": prompt + "question 1"}, False, CFG)
     assert key == affinity_key({"prompt": prompt + "question 2"}, False, CFG)
     assert affinity_key({"prompt": "short"}, False, CFG) is None
-    cands = [cand(f"r{i}", 500) for i in range(4)]
+    cands = [cand(f"r{i}") for i in range(4)]
     first = choose(cands, 16, key, CFG, rng).replica_id
     assert all(choose(cands, 16, key, CFG, rng).replica_id == first for _ in range(20))
-    hot = [cand(c.replica_id, 50 if c.replica_id == first else 500) for c in cands]
-    assert all(choose(hot, 16, key, CFG, rng).replica_id != first for _ in range(20))
-    queued = [cand(c.replica_id, 500, waiting=int(c.replica_id == first)) for c in cands]
-    assert choose(queued, 16, key, CFG, rng).replica_id != first
+    # A little work queued on the preferred replica (within the bound) keeps the cache hit...
+    rate = CFG.prefill_rate_prior
+    small = int(0.5 * CFG.affinity_max_extra_s * rate)
+    near = [cand(c.replica_id, prefill_tokens=small if c.replica_id == first else 0)
+            for c in cands]
+    assert all(choose(near, 16, key, CFG, rng).replica_id == first for _ in range(20))
+    # ...more than the bound sends the request elsewhere.
+    big = int(2 * CFG.affinity_max_extra_s * rate)
+    far = [cand(c.replica_id, prefill_tokens=big if c.replica_id == first else 0)
+           for c in cands]
+    assert all(choose(far, 16, key, CFG, rng).replica_id != first for _ in range(20))
+    full = [cand(c.replica_id, free=1 if c.replica_id == first else 900) for c in cands]
+    assert choose(full, 64, key, CFG, rng).replica_id != first
+
+
+def test_sampling_a_subset_still_scores_the_preferred_replica():
+    cfg = PolicyConfig(choices=2).validate()
+    rng = random.Random(6)
+    cands = [cand(f"r{i}", prefill_tokens=100 * i) for i in range(16)]
+    got = Counter(choose(cands, 16, None, cfg, rng).replica_id for _ in range(400))
+    assert len(got) > 4 and got["r0"] > got["r15"] == 0  # the worse of a pair never wins
+    key = "k" * 100
+    pref = max(cands, key=lambda c: rendezvous_weight(key, c.replica_id)).replica_id
+    idle = [cand(c.replica_id) for c in cands]
+    assert {choose(idle, 16, key, cfg, rng).replica_id for _ in range(50)} == {pref}
+    with pytest.raises(ValueError):
+        PolicyConfig(choices=1).validate()
 
 
 def test_exclude_never_returns_a_tried_replica():
     rng = random.Random(4)
-    cands = [cand("a", 900), cand("b", 100)]
+    cands = [cand("a", 900), cand("b", 100, prefill_tokens=5000)]
     assert choose(cands, 16, None, CFG, rng, exclude={"a"}).replica_id == "b"
     assert choose(cands, 16, None, CFG, rng, exclude={"a", "b"}) is None
 
