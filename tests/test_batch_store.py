@@ -115,3 +115,11 @@ def test_each_line_is_recorded_once_and_survives_reopening(tmp_path: Path) -> No
     assert again.active_batches() == []
     done = again.get_batch("acme", b.id)
     assert done is not None and done.to_openai()["completed_at"] == 1000
+
+
+def test_one_server_per_data_directory(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    with pytest.raises(RuntimeError, match="in use by another server"):
+        make_store(tmp_path)
+    store.close()
+    make_store(tmp_path).close()  # free again once closed

@@ -19,6 +19,7 @@ All calls are made from the event loop's thread; each is one short statement or 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import sqlite3
@@ -178,6 +179,14 @@ class BatchStore:
         self.root = Path(root)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        # One server per data directory: two executors would run the same lines twice.
+        self._lock = open(self.root / ".lock", "a+b")  # noqa: SIM115 (held while open)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(f"the data directory {self.root} is in use by another "
+                               "server") from None
         self.db_path = Path(db_path) if db_path else self.root / "batches.sqlite3"
         self.clock = clock
         # isolation_level=None: statements autocommit; transactions are explicit (`_tx`).
@@ -190,6 +199,7 @@ class BatchStore:
 
     def close(self) -> None:
         self.db.close()
+        self._lock.close()  # releases the lock
 
     def _clean_uploads(self) -> None:
         # Uploads and output files cut short by a crash: never named by a row.
