@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batcher.server.auth import PRIORITIES, TenantConfig
+from batcher.tenants import PRIORITIES, TenantConfig
 
 REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "draining")
 # A 503 tells the client to come back no sooner than this: sooner would only add load.

@@ -25,8 +25,8 @@ from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from batcher.core.scheduler import RequestUpdate, Scheduler
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
-from batcher.futures import FutureRegistry, iter_stream
 from batcher.request import Request, RequestStatus
+from batcher.request_registry import RequestRegistry, iter_stream
 from batcher.sampling import SamplingParams
 from batcher.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -159,7 +159,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.version = version
         self.clock = clock
-        self._streams = FutureRegistry()
+        self._streams = RequestRegistry()
         self._live: dict[str, _Live] = {}
         self._wake = asyncio.Event()
         self._executor = _ModelThread("batcher-model")

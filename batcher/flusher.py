@@ -31,7 +31,7 @@ from typing import Any, Self
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from batcher.futures import FutureRegistry, new_request_id
+from batcher.request_registry import RequestRegistry, new_request_id
 
 BatchFn = Callable[[list[Any]], Sequence[Any] | Awaitable[Sequence[Any]]]
 
@@ -144,7 +144,7 @@ class Batcher:
         self._clock, self._sleep = clock, sleep
         self.metrics = metrics if metrics is not None else FlusherMetrics()
         self.stats = FlusherStats()
-        self._registry = FutureRegistry()
+        self._registry = RequestRegistry()
         # Insertion-ordered, and O(1) to pop from the front or the middle (a caller that gave up).
         self._pending: OrderedDict[str, _Entry] = OrderedDict()
         self._inflight = 0

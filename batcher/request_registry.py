@@ -61,7 +61,7 @@ async def iter_stream(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-class FutureRegistry:
+class RequestRegistry:
     """In-flight request IDs, each with a future or a stream queue (never both)."""
 
     __slots__ = ("_futures", "_streams")

@@ -27,12 +27,13 @@ from batcher.engine import AsyncEngine
 from batcher.metrics import Metrics
 from batcher.server.admin import create_admin_app
 from batcher.server.app import GATEWAY, create_app
-from batcher.server.auth import Authenticator, load_tenants
+from batcher.server.auth import Authenticator
 from batcher.server.embeddings_route import MAX_INPUTS
 from batcher.server.gateway import Gateway, GatewayConfig
 
 log = logging.getLogger("batcher.serve")
 EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
+from batcher.tenants import load_tenants
 # aiohttp (3.14) closes a connection that has not sent a complete request within
 # `keepalive_timeout` of connecting or of its previous response. Partial data does not reset that
 # timer, so it is both the idle timeout and the header timeout that cuts off slow-loris clients

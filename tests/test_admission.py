@@ -11,15 +11,8 @@ from pathlib import Path
 import pytest
 
 from batcher.admission import Admission, Rejected, Ticket, TokenBucket
-from batcher.server.auth import (
-    DEFAULT_TENANT,
-    Authenticator,
-    AuthError,
-    TenantConfig,
-    hash_key,
-    load_tenants,
-    main,
-)
+from batcher.server.auth import Authenticator, AuthError, main
+from batcher.tenants import DEFAULT_TENANT, TenantConfig, hash_key, load_tenants
 
 
 class FakeClock:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from batcher.flusher import Batcher, BatchError, Closed, FlusherMetrics, Overloaded
-from batcher.futures import DuplicateRequestId
+from batcher.request_registry import DuplicateRequestId
 
 
 class FakeClock:

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from batcher.futures import (
+from batcher.request_registry import (
     STREAM_END,
     DuplicateRequestId,
-    FutureRegistry,
+    RequestRegistry,
     StreamFailure,
     iter_stream,
     new_request_id,
@@ -23,7 +23,7 @@ def test_new_request_ids_are_unique_strings() -> None:
 
 
 async def test_resolve_delivers_and_unregisters() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     fut = reg.create_future("a")
     assert "a" in reg and len(reg) == 1
     assert reg.resolve("a", 42) is True
@@ -34,7 +34,7 @@ async def test_resolve_delivers_and_unregisters() -> None:
 
 
 async def test_fail_raises_in_the_waiter() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     fut = reg.create_future("a")
     assert reg.fail("a", RuntimeError("boom")) is True
     with pytest.raises(RuntimeError, match="boom"):
@@ -42,7 +42,7 @@ async def test_fail_raises_in_the_waiter() -> None:
 
 
 async def test_unknown_ids_are_dropped_silently() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     assert reg.resolve("nope", 1) is False
     assert reg.fail("nope", RuntimeError()) is False
     assert reg.push("nope", 1) is False
@@ -52,7 +52,7 @@ async def test_unknown_ids_are_dropped_silently() -> None:
 
 
 async def test_cancelled_request_drops_its_late_result() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     fut = reg.create_future("a")
     assert reg.cancel("a") is True
     assert fut.cancelled()
@@ -61,7 +61,7 @@ async def test_cancelled_request_drops_its_late_result() -> None:
 
 
 async def test_result_for_a_caller_that_gave_up_is_dropped() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     fut = reg.create_future("a")
     fut.cancel()  # e.g. the waiting task was cancelled
     assert reg.resolve("a", 1) is False
@@ -69,7 +69,7 @@ async def test_result_for_a_caller_that_gave_up_is_dropped() -> None:
 
 
 async def test_repeated_in_flight_id_is_refused_and_reusable_after() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     reg.create_future("a")
     with pytest.raises(DuplicateRequestId):
         reg.create_future("a")
@@ -81,13 +81,13 @@ async def test_repeated_in_flight_id_is_refused_and_reusable_after() -> None:
 
 
 async def test_bad_ids_are_refused() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     with pytest.raises(ValueError):
         reg.create_future("")
 
 
 async def test_discard_with_handle_spares_a_newer_entry() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     old = reg.create_future("a")
     reg.discard("a", old)
     new = reg.create_future("a")
@@ -97,7 +97,7 @@ async def test_discard_with_handle_spares_a_newer_entry() -> None:
 
 
 async def test_stream_yields_items_then_ends() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     queue = reg.create_stream("s")
     for i in range(3):
         assert reg.push("s", i) is True
@@ -108,7 +108,7 @@ async def test_stream_yields_items_then_ends() -> None:
 
 
 async def test_stream_failure_raises_after_earlier_items() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     queue = reg.create_stream("s")
     reg.push("s", "tok")
     reg.fail("s", RuntimeError("engine died"))
@@ -120,7 +120,7 @@ async def test_stream_failure_raises_after_earlier_items() -> None:
 
 
 async def test_stream_cancel_wakes_a_waiting_reader() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     queue = reg.create_stream("s")
 
     async def read() -> list[object]:
@@ -136,7 +136,7 @@ async def test_stream_cancel_wakes_a_waiting_reader() -> None:
 
 
 async def test_fail_all_fails_futures_and_streams() -> None:
-    reg = FutureRegistry()
+    reg = RequestRegistry()
     futs = [reg.create_future(f"f{i}") for i in range(3)]
     queue = reg.create_stream("s")
     assert reg.fail_all(RuntimeError("shutdown")) == 4

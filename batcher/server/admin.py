@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import hmac
-
 from aiohttp import web
 
-from batcher.futures import new_request_id
-from batcher.server.errors import ApiError
+from batcher.http.errors import ApiError, from_http_exception
+from batcher.http.keys import bearer_matches
+from batcher.http.request_ids import new_request_id
+from batcher.http.responses import json_response
 
 
 def create_admin_app(public: web.Application, admin_key: str) -> web.Application:
-    from batcher.server.app import GATEWAY, add_fallback_route, expect_continue, json_response
-
-    expected = f"Bearer {admin_key}".encode()
+    from batcher.server.app import GATEWAY, add_fallback_route, expect_continue
 
     @web.middleware
     async def check_key(request: web.Request, handler):
         rid = new_request_id()
-        # surrogateescape: header bytes that are not UTF-8 arrive as lone surrogates; they must
-        # compare unequal, not raise (a 500).
-        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(got, expected):
+        if not bearer_matches(request.headers, admin_key):
             return ApiError(401, "invalid admin key", code="invalid_api_key").response(rid)
         try:
             resp = await handler(request)
@@ -30,9 +25,7 @@ def create_admin_app(public: web.Application, admin_key: str) -> web.Application
         except web.HTTPException as exc:  # unknown admin route or method: OpenAI shape too
             if exc.status < 400:
                 raise
-            return ApiError(exc.status, exc.reason or "error",
-                            code=(exc.reason or "error").lower().replace(" ", "_")
-                            ).response(rid)
+            return from_http_exception(exc).response(rid)
         resp.headers["X-Request-Id"] = rid
         return resp
 

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import HttpVersion11, web
 
-from batcher.futures import new_request_id
+from batcher.http.errors import ApiError, from_http_exception
+from batcher.http.keys import AuthError
+from batcher.http.request_ids import client_request_id, new_request_id
+from batcher.http.responses import json_response
 from batcher.server import embeddings_route
-from batcher.server.auth import AuthError
-from batcher.server.errors import ApiError
 from batcher.server.gateway import Gateway
 from batcher.server.openai_routes import GenerationHandler
-from batcher.server.protocol import valid_request_id
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +24,6 @@ GATEWAY = web.AppKey("gateway", Gateway)
 HANDLERS = web.AppKey("handlers", dict)
 # Routes anyone on the network may call: liveness, readiness, capacity, metrics, the probe.
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
-
-
-def json_response(payload: object, status: int = 200, **kw) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(payload),
-                        content_type="application/json", **kw)
 
 
 @web.middleware
@@ -42,7 +37,7 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         return orjson.dumps(gw.state()).decode()
 
     try:
-        rid = valid_request_id(request.headers.get("X-Request-Id")) or rid
+        rid = client_request_id(request.headers.get("X-Request-Id")) or rid
         request["request_id"] = rid
         request["state_header"] = state_header
         length = request.content_length
@@ -51,24 +46,16 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
                            f"{gw.cfg.max_body_bytes}", code="body_too_large")
         if request.path not in OPEN_PATHS:
             try:
-                request["tenant"] = gw.auth.authenticate(request.headers.get("Authorization"),
-                                                         request.headers.get("x-api-key"))
+                request["tenant"] = gw.auth.authenticate_headers(request.headers)
             except AuthError as exc:
                 raise ApiError(401, str(exc), code="invalid_api_key") from None
         resp = await handler(request)
     except ApiError as err:
         resp = err.response(rid)
-    except web.HTTPRequestEntityTooLarge:
-        resp = ApiError(413, "the request body is too large", code="body_too_large"
-                        ).response(rid)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        # Keep Allow on a 405: clients (and RFC 9110) rely on it.
-        extra = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        code = (exc.reason or "error").lower().replace(" ", "_")
-        resp = ApiError(exc.status, exc.reason or "error", code=code, headers=extra
-                        ).response(rid)
+        resp = from_http_exception(exc).response(rid)
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
         # DESIGN: the replica's state rides on every response, errors included, so a router's

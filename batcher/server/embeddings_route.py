@@ -10,8 +10,8 @@ import struct
 from aiohttp import web
 
 from batcher.flusher import Closed, Overloaded
-from batcher.futures import DuplicateRequestId
-from batcher.server.errors import ApiError, invalid
+from batcher.http.errors import ApiError, invalid
+from batcher.request_registry import DuplicateRequestId
 
 MAX_INPUTS = 2048
 
@@ -38,7 +38,8 @@ def _inputs(body: object) -> tuple[str, list[str], str]:
 
 
 async def handle(request: web.Request) -> web.Response:
-    from batcher.server.app import GATEWAY, json_response
+    from batcher.http.responses import json_response
+    from batcher.server.app import GATEWAY
     from batcher.server.openai_routes import read_json
 
     gw = request.app[GATEWAY]

@@ -14,11 +14,12 @@ from typing import Any
 
 from batcher.admission import Admission, Rejected, Ticket
 from batcher.engine import AsyncEngine, EngineEvent
+from batcher.http.errors import ApiError, invalid
 from batcher.metrics import Metrics
 from batcher.request import Priority, Request
-from batcher.server.auth import Authenticator, TenantConfig
-from batcher.server.errors import ApiError, invalid
+from batcher.server.auth import Authenticator
 from batcher.server.protocol import GenerationSpec
+from batcher.tenants import TenantConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from aiohttp import web
 
 from batcher.core.outputs import TokenLogprobs
 from batcher.engine import EngineError, EngineEvent
-from batcher.futures import DuplicateRequestId
-from batcher.server.errors import ApiError, invalid
+from batcher.http.errors import ApiError, invalid
+from batcher.http.sse import DONE, SSE_HEADERS, sse_event
+from batcher.request_registry import DuplicateRequestId
 from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
-from batcher.server.sse import DONE, sse_event
 
 
 async def read_json(request: web.Request) -> Any:
@@ -148,9 +148,7 @@ class GenerationHandler:
                       ) -> web.StreamResponse:
         rid = request["request_id"]
         resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", "X-Request-Id": rid,
-            "X-Replica-State": request["state_header"]()})
+            **SSE_HEADERS, "X-Request-Id": rid, "X-Replica-State": request["state_header"]()})
         # NOTE: a request the engine refuses must fail with a status, before any byte is sent.
         events = self.gw.events(job)
         first: tuple[int, EngineEvent] | None = None

@@ -4,19 +4,17 @@
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from batcher.http.errors import invalid
 from batcher.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from batcher.server.errors import invalid
+from batcher.tenants import PRIORITY_NAMES
 
 MAX_N = 16
 MAX_STOP = 4
-PRIORITIES = ("interactive", "batch")
 FAILOVER = ("error", "resume")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 @dataclass(slots=True)
@@ -160,7 +158,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         if not isinstance(so, dict):
             raise invalid("'stream_options' must be an object", "stream_options", "invalid_type")
         spec.include_usage = _bool(so, "include_usage", False)
-    spec.priority = _choice(body, "priority", PRIORITIES)
+    spec.priority = _choice(body, "priority", PRIORITY_NAMES)
     spec.failover = _choice(body, "failover", FAILOVER)
     spec.timeout = _num(body, "timeout", None, 0.001, 86400.0)
     user = body.get("user")
@@ -184,16 +182,6 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
     if body.get("tools") or body.get("functions"):
         raise invalid("tool calling is not supported", "tools", "unsupported")
     return spec
-
-
-def valid_request_id(value: str | None) -> str | None:
-    """A client-sent X-Request-Id, or None when absent; ApiError when malformed."""
-    if value is None:
-        return None
-    if not _REQUEST_ID.match(value):
-        raise invalid("X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]",
-                      "X-Request-Id")
-    return value
 
 
 def now_s() -> int:

@@ -1,0 +1,81 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+One builder for replica and router alike, so a status always carries the same `type`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+    413: "invalid_request_error", 429: "rate_limit_error", 502: "service_unavailable",
+    503: "service_unavailable", 504: "timeout_error",
+}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI `type` for an HTTP status; `api_error` for any status without its own."""
+    return ERROR_TYPES.get(status, "api_error")
+
+
+def error_body(status: int, message: str, *, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error (also the payload of an SSE error event)."""
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": code}}
+
+
+def retry_after_header(seconds: float) -> str:
+    """Whole seconds, rounded up and at least 1: a client honouring it must not come back early."""
+    return str(max(1, int(-(-seconds // 1))))
+
+
+class ApiError(Exception):
+    """A client-facing error with its HTTP status. Raise it from a handler; a middleware turns it
+    into `response()`. `retry_after` adds a Retry-After header; `headers` are sent as given."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, retry_after: float | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self, request_id: str | None = None) -> web.Response:
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = retry_after_header(self.retry_after)
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        resp = web.Response(status=self.status, body=orjson.dumps(self.body()),
+                            content_type="application/json", headers=headers)
+        if headers.get("Connection", "").lower() == "close":
+            resp.force_close()  # the header alone would not end the server's keep-alive
+        return resp
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    """A 400 naming the offending field."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_http_exception(exc: web.HTTPException) -> ApiError:
+    """aiohttp's own 4xx/5xx (no route, wrong method, body too large) in OpenAI's shape; keeps
+    `Allow` on a 405, which clients (and RFC 9110) rely on."""
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return ApiError(413, "the request body is too large", code="body_too_large")
+    extra = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    reason = exc.reason or "error"
+    return ApiError(exc.status, reason, code=reason.lower().replace(" ", "_"), headers=extra)
