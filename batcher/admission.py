@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batcher.core.refusals import Refused
 from batcher.tenants import PRIORITIES, TenantConfig
 
 REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "draining")
@@ -226,7 +227,7 @@ class Admission:
     def admit(self, tenant: TenantConfig, priority: str, prompt_tokens: int, max_tokens: int,
               waiting_requests: int, waiting_tokens: int) -> Ticket:
         """Admit the request (charging its tenant) and return its Ticket, or raise `Rejected`
-        (429/503, nothing charged) or `ValueError` (a request that is wrong, not merely early).
+        (429/503, nothing charged) or `Refused` (a request that is wrong, not merely early).
         `waiting_requests` / `waiting_tokens`: requests and prompt tokens queued now, all
         priorities together."""
         assert not self.tenants or tenant.name in self.tenants, "unknown tenant"
@@ -234,17 +235,19 @@ class Admission:
             raise self._reject(503, self._drain_s(waiting_tokens), "draining",
                                "server is draining; retry on another replica")
         if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {sorted(PRIORITIES)}, got {priority!r}")
+            raise Refused(f"priority must be one of {sorted(PRIORITIES)}, got {priority!r}",
+                          param="priority")
         if priority not in tenant.priorities:
-            raise ValueError(f"priority {priority!r} is not allowed for this API key")
+            raise Refused(f"priority {priority!r} is not allowed for this API key",
+                          param="priority")
         if prompt_tokens < 0 or max_tokens < 0:
-            raise ValueError("prompt_tokens and max_tokens must be >= 0")
+            raise Refused("prompt_tokens and max_tokens must be >= 0", param="max_tokens")
         cost = prompt_tokens + max_tokens
         if cost > tenant.burst:
-            raise ValueError(
+            raise Refused(
                 f"request needs {cost} tokens (prompt {prompt_tokens} + max_tokens {max_tokens}) "
                 f"but this API key's budget holds at most {tenant.burst}; lower max_tokens or "
-                f"shorten the prompt"
+                f"shorten the prompt", param="max_tokens"
             )
         st = self._tenant_state(tenant)
         if st.in_flight >= tenant.max_concurrent:

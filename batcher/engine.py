@@ -25,6 +25,7 @@ from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from batcher.core.scheduler import RequestUpdate, Scheduler
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
+from batcher.engine_state import EngineSnapshot
 from batcher.request import Request, RequestStatus
 from batcher.request_registry import RequestRegistry, iter_stream
 from batcher.sampling import SamplingParams
@@ -96,7 +97,7 @@ class _ModelThread(Executor):
 
 
 class EngineError(RuntimeError):
-    """The engine cannot serve: it failed (see `state()['error']`) or is shutting down."""
+    """The engine cannot serve: it failed (see `snapshot().error`) or is shutting down."""
 
 
 @dataclass(slots=True)
@@ -140,7 +141,8 @@ class _Live:
 
 
 class AsyncEngine:
-    """`async for ev in engine.generate(req, stop=[...])`; `engine.abort(id)`; `engine.state()`."""
+    """`async for ev in engine.generate(req, stop=[...])`; `engine.abort(id)`;
+    `engine.snapshot()`."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer,
                  sched_config: SchedulerConfig | None = None, enable_prefix_caching: bool = True,
@@ -276,25 +278,33 @@ class AsyncEngine:
                     raise EngineError(ev.error or "probe failed")
         return self.clock() - start
 
-    def state(self) -> dict[str, Any]:
-        """Capacity and health as JSON-ready values (the `/v1/state` contract)."""
+    def snapshot(self, *, draining: bool = False, in_flight: int = 0) -> EngineSnapshot:
+        """Capacity and health now (the `/v1/state` contract); the gateway supplies what only
+        it knows: whether it is draining and how many client requests it holds."""
         now = self.clock()
         stalled = self.busy_since is not None and now - self.last_step_end > STALL_SECONDS
-        st = self.scheduler.stats
-        return {
-            "free_blocks": self.kv.num_free_blocks,
-            "total_blocks": self.kv.num_total_blocks,
-            "block_size": self.kv.block_size,
-            "running": self.scheduler.num_running,
-            "waiting": self.scheduler.num_waiting,
-            "version": self.version,
-            "healthy": self.healthy and not stalled,
-            "error": self._error or ("engine loop stalled" if stalled else None),
-            "steps": self.steps,
-            "last_step_age": round(now - self.last_step_end, 3),
-            "preemptions": st.preemptions,
-            "prefix_hit_tokens": st.prefix_hit_tokens,
-        }
+        sched = self.scheduler
+        st = sched.stats
+        return EngineSnapshot(
+            free_blocks=self.kv.num_free_blocks,
+            total_blocks=self.kv.num_total_blocks,
+            block_size=self.kv.block_size,
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            version=self.version,
+            draining=draining,
+            healthy=self.healthy and not stalled,
+            waiting_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens
+                                       for r in sched.waiting),
+            running_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                       for r in sched.running),
+            in_flight=in_flight,
+            error=self._error or ("engine loop stalled" if stalled else None),
+            steps=self.steps,
+            last_step_age=round(now - self.last_step_end, 3),
+            preemptions=st.preemptions,
+            prefix_hit_tokens=st.prefix_hit_tokens,
+        )
 
     # the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -327,7 +337,7 @@ class AsyncEngine:
             updates = self.scheduler.update(sched, out)
             self._emit(updates, now)
             if self.metrics is not None:
-                self.metrics.observe_step(self, sched, now)
+                self.metrics.observe_step(self.snapshot(), self.scheduler.stats, len(sched.seqs))
             for listener in self.step_listeners:
                 listener(sched, now - started)
 
@@ -387,7 +397,7 @@ class AsyncEngine:
         self._streams.push(rid, ev)
         self._streams.close_stream(rid)
         if self.metrics is not None and req.tenant != "__probe__":
-            self.metrics.observe_finished(req, ev)
+            self.metrics.observe_finished(ev)
 
     def _fail_all(self, reason: str) -> None:
         now = self.clock()

@@ -4,7 +4,7 @@ both latency SLOs. Each server owns its own registry (several can live in one pr
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -14,6 +14,12 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+
+from batcher.core.scheduler import SchedulerStats
+from batcher.engine_state import EngineSnapshot
+
+if TYPE_CHECKING:  # the engine imports this module; its event type is only annotated here
+    from batcher.engine import EngineEvent
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
@@ -78,14 +84,16 @@ class Metrics:
         return generate_latest(self.registry)
 
     # engine hooks ----------------------------------------------------------------------------
-    def observe_step(self, engine: Any, sched: Any, now: float) -> None:
-        self.batch_size.observe(len(sched.seqs))
-        kv = engine.kv
-        self.kv_total.set(kv.num_total_blocks)
-        self.kv_used.set(kv.num_total_blocks - kv.num_free_blocks)
-        self.running.set(engine.scheduler.num_running)
-        self.waiting.set(engine.scheduler.num_waiting)
-        st = engine.scheduler.stats
+    def observe_step(self, snap: EngineSnapshot, stats: SchedulerStats, batch_size: int
+                     ) -> None:
+        """After each step: its batch size, the engine's snapshot, and the scheduler's running
+        totals (counters advance by the difference since the last step)."""
+        self.batch_size.observe(batch_size)
+        self.kv_total.set(snap.total_blocks)
+        self.kv_used.set(snap.used_blocks)
+        self.running.set(snap.running)
+        self.waiting.set(snap.waiting)
+        st = stats
         for name, counter in (("generated_tokens", self.generated_tokens),
                               ("prompt_tokens_computed", self.prefill_computed),
                               ("prefix_hit_tokens", self.prefix_hits),
@@ -96,7 +104,7 @@ class Metrics:
                 counter.inc(delta)
             self._last[name] = value
 
-    def observe_finished(self, req: Any, ev: Any) -> None:
+    def observe_finished(self, ev: EngineEvent) -> None:
         self.finished.labels(ev.finish_reason).inc()
         self.prompt_tokens.inc(ev.num_prompt_tokens)
         if ev.queue_wait is not None:

@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from batcher.core.refusals import DuplicateRequestId
 
-class DuplicateRequestId(ValueError):
-    """A request ID that is already in flight was registered again (HTTP 409)."""
+__all__ = ["STREAM_END", "DuplicateRequestId", "RequestRegistry", "StreamFailure", "iter_stream",
+           "new_request_id"]
 
 
 def new_request_id() -> str:

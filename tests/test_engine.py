@@ -78,8 +78,8 @@ async def test_64_concurrent_requests_complete(tiny_fp32, tokenizer):
 
     got = await asyncio.gather(*(one(i) for i in range(64)))
     assert got == lengths
-    st = engine.state()
-    assert st["free_blocks"] == st["total_blocks"] and st["running"] == st["waiting"] == 0
+    st = engine.snapshot()
+    assert st.free_blocks == st.total_blocks and st.running == st.waiting == 0
     await engine.stop()
 
 
@@ -106,11 +106,11 @@ async def test_abort_frees_blocks_at_next_step(tiny_fp32, tokenizer):
             break
     await events.aclose()  # leaving early aborts
     for _ in range(100):
-        if engine.state()["running"] == 0:
+        if engine.snapshot().running == 0:
             break
         await asyncio.sleep(0.01)
-    st = engine.state()
-    assert st["running"] == 0 and st["free_blocks"] == st["total_blocks"]
+    st = engine.snapshot()
+    assert st.running == 0 and st.free_blocks == st.total_blocks
     await engine.stop()
 
 
@@ -143,7 +143,7 @@ async def test_stop_string_ends_text_before_it(tiny_fp32, tokenizer):
         final = ev
     assert final.finish_reason == "stop" and final.stop_reason == stop
     assert text == full[: full.index(stop)]
-    assert engine.state()["free_blocks"] == engine.state()["total_blocks"]
+    assert engine.snapshot().free_blocks == engine.snapshot().total_blocks
     await engine.stop()
 
 
@@ -169,8 +169,8 @@ async def test_model_fault_fails_every_request(tiny_fp32, tokenizer):
 
     finals = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(4))), 10)
     assert all(f.finish_reason == "error" and "injected fault" in f.error for f in finals)
-    st = engine.state()
-    assert not st["healthy"] and "injected fault" in st["error"]
+    st = engine.snapshot()
+    assert not st.healthy and "injected fault" in st.error
     with pytest.raises(EngineError):
         async for _ in engine.generate(Request("late", [1, 2, 3], greedy(2))):
             pass

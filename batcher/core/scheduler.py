@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from batcher.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from batcher.core.refusals import DuplicateRequestId, EmptyPrompt, ExceedsContext, ExceedsKvCapacity
 from batcher.core.step_budget import PrefillAllowance, step_target
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.request import Request, RequestStatus
@@ -116,23 +117,24 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def add_request(self, req: Request) -> None:
-        """Queue a new request. Raises ValueError (a client error) when it can never run: a
+        """Queue a new request. Raises a `Refused` (a client error) when it can never run: a
         duplicate id, an empty prompt, prompt + max_tokens over `max_model_len`, or more KV than
-        the whole pool holds."""
+        the whole pool holds; `ValueError` for invalid sampling parameters."""
         if req.request_id in self._requests:
-            raise ValueError(f"request id {req.request_id!r} is already running")
+            raise DuplicateRequestId(f"request id {req.request_id!r} is already running")
         if req.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
+            raise EmptyPrompt("the prompt is empty")
         req.sampling.validate()
         total = req.num_prompt_tokens + req.sampling.max_tokens
         if total > self.config.max_model_len:
-            raise ValueError(
+            raise ExceedsContext(
                 f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
                 f"({req.sampling.max_tokens}) exceeds the model's {self.config.max_model_len}"
             )
         # NOTE: the last sampled token is never fed back, so it needs no KV slot.
         if self.kv.blocks_needed(total - 1) > self.kv.num_total_blocks:
-            raise ValueError(f"the request needs more KV than this server holds ({total} tokens)")
+            raise ExceedsKvCapacity(
+                f"the request needs more KV than this server holds ({total} tokens)")
         assert req.status is RequestStatus.WAITING and not req.block_ids
         assert req.num_computed_tokens == 0 and req.num_tokens == req.num_prompt_tokens
         self._requests[req.request_id] = req

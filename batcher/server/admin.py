@@ -41,7 +41,7 @@ def create_admin_app(public: web.Application, admin_key: str) -> web.Application
 
     async def status(request: web.Request) -> web.Response:
         gw = public[GATEWAY]
-        return json_response(dict(gw.state(), idle=not gw.jobs))
+        return json_response(dict(gw.state().to_wire(), idle=not gw.jobs))
 
     app = web.Application(middlewares=[check_key])
     ex = {"expect_handler": expect_continue}

@@ -34,7 +34,7 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
     rid = new_request_id()
 
     def state_header() -> str:
-        return orjson.dumps(gw.state()).decode()
+        return orjson.dumps(gw.state().to_wire()).decode()
 
     try:
         rid = client_request_id(request.headers.get("X-Request-Id")) or rid
@@ -67,9 +67,9 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
 
 async def health(request: web.Request) -> web.Response:
     """Liveness: the loop answers. 503 once the engine has failed, saying why."""
-    st = request.app[GATEWAY].engine.state()
-    if st["error"]:
-        return json_response({"status": "error", "error": st["error"]}, 503)
+    st = request.app[GATEWAY].engine.snapshot()
+    if st.error:
+        return json_response({"status": "error", "error": st.error}, 503)
     return json_response({"status": "ok"})
 
 
@@ -79,7 +79,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def state(request: web.Request) -> web.Response:
-    return json_response(request.app[GATEWAY].state())
+    return json_response(request.app[GATEWAY].state().to_wire())
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.admission import Admission, Rejected, Ticket
+from batcher.core.refusals import Refused
 from batcher.engine import AsyncEngine, EngineEvent
+from batcher.engine_state import EngineSnapshot
 from batcher.http.errors import ApiError, invalid
 from batcher.metrics import Metrics
 from batcher.request import Priority, Request
@@ -68,19 +70,16 @@ class Gateway:
         self.started_at = time.time()
 
     # state ---------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        st = self.engine.state()
-        st["draining"] = self.draining
-        st["healthy"] = st["healthy"]
-        st["in_flight"] = len(self.jobs)
-        return st
+    def state(self) -> EngineSnapshot:
+        """The replica's snapshot: `/v1/state`, `X-Replica-State` and the admin status."""
+        return self.engine.snapshot(draining=self.draining, in_flight=len(self.jobs))
 
     def ready(self) -> tuple[bool, str]:
-        st = self.engine.state()
         if self.draining:
             return False, "draining"
-        if not st["healthy"]:
-            return False, st["error"] or "engine unhealthy"
+        st = self.engine.snapshot()
+        if not st.healthy:
+            return False, st.error or "engine unhealthy"
         return True, "ready"
 
     def set_draining(self, draining: bool) -> None:
@@ -137,19 +136,17 @@ class Gateway:
                            param="X-Request-Id", code="duplicate_request_id", retry_after=1)
         prompt_tokens = sum(len(p) for p in prompts) * copies
         max_tokens = spec.sampling.max_tokens * len(prompts) * copies
-        st = self.engine.scheduler
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in st.waiting)
+        snap = self.engine.snapshot()
         try:
             ticket = self.admission.admit(tenant, spec.priority, prompt_tokens, max_tokens,
-                                          st.num_waiting + len(prompts) * copies - 1,
-                                          waiting_tokens)
+                                          snap.waiting + len(prompts) * copies - 1,
+                                          snap.waiting_prefill_tokens)
         except Rejected as rej:
             self.metrics.observe_rejected(rej.reason)
             raise ApiError(rej.status, rej.message, code=rej.reason,
                            retry_after=rej.retry_after) from None
-        except ValueError as exc:
-            param = "priority" if "priority" in str(exc) else "max_tokens"
-            raise invalid(str(exc), param) from None
+        except Refused as exc:
+            raise invalid(str(exc), exc.param) from None
         job = Job(key, ticket)
         prio = Priority.BATCH if spec.priority == "batch" else Priority.INTERACTIVE
         for i, ids in enumerate(p for p in prompts for _ in range(copies)):

@@ -10,10 +10,10 @@ import orjson
 from aiohttp import web
 
 from batcher.core.outputs import TokenLogprobs
+from batcher.core.refusals import DuplicateRequestId, Refused
 from batcher.engine import EngineError, EngineEvent
 from batcher.http.errors import ApiError, invalid
 from batcher.http.sse import DONE, SSE_HEADERS, sse_event
-from batcher.request_registry import DuplicateRequestId
 from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
 
@@ -44,6 +44,8 @@ def engine_refusal(exc: Exception) -> ApiError:
     """The engine refused a request before running it."""
     if isinstance(exc, DuplicateRequestId):
         return ApiError(409, "request id already in flight", code="duplicate_request_id")
+    if isinstance(exc, Refused):
+        return invalid(str(exc), exc.param)
     if isinstance(exc, ValueError):
         return invalid(str(exc), None)
     return ApiError(503, f"the engine cannot serve: {exc}", code="engine_error", retry_after=5)
