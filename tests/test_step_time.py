@@ -147,3 +147,27 @@ def test_max_prefill_tokens_is_the_largest_chunk_within_the_target() -> None:
     assert model.max_prefill_tokens(steady * 0.9, 8, 320, 0) == 0
     assert model.max_prefill_tokens(10.0, 8, 320, 0, limit=300) == 300
     assert model.max_prefill_tokens(10.0, 0, 0, 0, limit=0) == 0
+
+
+def test_steady_decode_time_stays_anchored_while_a_long_prompt_is_read() -> None:
+    """A machine 5x slower than the prior, where prefill is a further 2x dearer. Mixed steps
+    with the same decodes and similar chunks cannot separate the decodes' share from the
+    chunk's (a fit over every step puts the decode-only step ~2x off here); the decode-only
+    prediction, the chunk budget's reference, must stay what decode-only steps measured."""
+    prior = OnlineStepTimeModel()
+
+    def slow(shape: StepShape) -> float:
+        decode_part = prior.predict(shape.decode_only)
+        return 5 * (decode_part + 2 * (prior.predict(shape) - decode_part))
+
+    rng = random.Random(4)
+    model = OnlineStepTimeModel()
+    decode = StepShape(8, 480)
+    for _ in range(30):
+        model.observe(decode, slow(decode) * rng.uniform(0.95, 1.05))
+    for i in range(120):
+        mixed = decode.plus(24, 1000 + 16 * i)
+        model.observe(mixed, slow(mixed) * rng.uniform(0.95, 1.05))
+    assert model.predict(decode) == pytest.approx(slow(decode), rel=0.1)
+    nxt = decode.plus(24, 1000 + 16 * 120)
+    assert model.predict(nxt) == pytest.approx(slow(nxt), rel=0.1)

@@ -105,6 +105,54 @@ CPU_PRIOR = StepTimePrior(
 # room: a typical contribution of PRIOR_FLOOR_S seconds.
 _TYPICAL = np.array([1.0, 32.0, 10.0, 256.0, 0.5, 1.0, 128.0])
 _PRIOR_FLOOR_S = 0.002
+# Decode-only steps measured before they are predicted from those alone.
+_MIN_DECODE_STEPS = 3
+
+
+class _KalmanFit:
+    """One Kalman filter over `(intercept, *coef)`; see `OnlineStepTimeModel`."""
+
+    def __init__(self, prior: StepTimePrior, prior_rel_sd: float, noise_rel_sd: float,
+                 drift_common: float, drift_each: float, clip_sigma: float) -> None:
+        theta = np.array([prior.intercept, *prior.coef], dtype=float)
+        sd0 = theta * prior_rel_sd + _PRIOR_FLOOR_S / _TYPICAL
+        self.theta = theta
+        self.coef = theta.tolist()  # a plain-list copy: predict() is on the hot path
+        self.n = 0
+        self._p0_diag = sd0**2
+        self._p = np.diag(self._p0_diag)
+        self._q_each = np.diag((drift_each * sd0) ** 2)
+        self._drift_common = drift_common
+        self._noise = noise_rel_sd
+        self._clip = clip_sigma
+
+    def predict(self, features: list[float]) -> float:
+        c = self.coef
+        t = c[0]
+        for ci, x in zip(c[1:], features, strict=True):
+            t += ci * x
+        return t
+
+    def update(self, features: list[float], seconds: float) -> None:
+        theta = self.theta
+        # Drift, then cap the uncertainty at the prior's (a scalar shrink keeps P positive).
+        p = self._p + self._q_each + (self._drift_common**2) * np.outer(theta, theta)
+        ratio = float(np.max(np.diag(p) / self._p0_diag))
+        if ratio > 1.0:
+            p = p / ratio
+        x = np.array([1.0, *features])
+        pred = float(theta @ x)
+        px = p @ x
+        r = (self._noise * max(seconds, pred, 1e-6)) ** 2
+        s = float(x @ px) + r
+        limit = self._clip * math.sqrt(s)
+        innovation = max(-limit, min(limit, seconds - pred))
+        gain = px / s
+        self.theta = np.maximum(theta + gain * innovation, 0.0)
+        p = p - np.outer(gain, px)
+        self._p = 0.5 * (p + p.T)
+        self.coef = self.theta.tolist()
+        self.n += 1
 
 
 class OnlineStepTimeModel:
@@ -122,6 +170,12 @@ class OnlineStepTimeModel:
     deviations, so a single outlier moves the fit a little and a real change moves it step by
     step. Coefficients stay >= 0, so predictions grow with every feature.
 
+    Two such filters run side by side: one over every step, and one over decode-only steps,
+    which predicts decode-only steps once it has seen a few. While a long prompt is read, every
+    step carries the same decodes and a similar chunk, so the first filter cannot tell the
+    decodes' share from the chunk's; the decode-only filter keeps the running streams' steady
+    step anchored to what was measured without prefill (the reference of the chunk budget).
+
     Not thread-safe: the engine observes and the scheduler predicts from the event loop only.
     """
 
@@ -130,62 +184,36 @@ class OnlineStepTimeModel:
                  drift_each: float = 0.003, clip_sigma: float = 3.0) -> None:
         self.prior = prior
         self.knot = prior.knot
-        theta = np.array([prior.intercept, *prior.coef], dtype=float)
-        sd0 = theta * prior_rel_sd + _PRIOR_FLOOR_S / _TYPICAL
-        self._theta = theta
-        self._p0_diag = sd0**2
-        self._p = np.diag(self._p0_diag)
-        self._q_each = np.diag((drift_each * sd0) ** 2)
-        self._drift_common = drift_common
-        self._noise = noise_rel_sd
-        self._clip = clip_sigma
-        self._coef = self._theta.tolist()  # a plain-list copy: predict() is on the hot path
-        self._n = 0
+        args = (prior, prior_rel_sd, noise_rel_sd, drift_common, drift_each, clip_sigma)
+        self._all = _KalmanFit(*args)
+        self._decode = _KalmanFit(*args)
 
     @property
     def num_observations(self) -> int:
-        return self._n
+        return self._all.n
 
     @property
     def coefficients(self) -> tuple[float, ...]:
-        """(intercept, *coef) in FEATURES order."""
-        return tuple(self._coef)
+        """(intercept, *coef) in FEATURES order, of the fit over every step."""
+        return tuple(self._all.coef)
 
     def predict(self, shape: StepShape) -> float:
         """Predicted seconds of a step of this shape (0 for an empty step)."""
         if shape.is_empty:
             return 0.0
-        c = self._coef
-        t = c[0]
-        for ci, x in zip(c[1:], shape.features(self.knot), strict=True):
-            t += ci * x
-        return t
+        features = shape.features(self.knot)
+        if shape.prefill_tokens == 0 and self._decode.n >= _MIN_DECODE_STEPS:
+            return self._decode.predict(features)
+        return self._all.predict(features)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One measured step. Empty steps and non-finite or non-positive times are ignored."""
         if shape.is_empty or not (seconds > 0 and math.isfinite(seconds)):
             return
-        theta, p = self._theta, self._p
-        # Drift, then cap the uncertainty at the prior's (a scalar shrink keeps P positive).
-        p = p + self._q_each + (self._drift_common**2) * np.outer(theta, theta)
-        ratio = float(np.max(np.diag(p) / self._p0_diag))
-        if ratio > 1.0:
-            p = p / ratio
-        x = np.array([1.0, *shape.features(self.knot)])
-        pred = float(theta @ x)
-        px = p @ x
-        r = (self._noise * max(seconds, pred, 1e-6)) ** 2
-        s = float(x @ px) + r
-        innovation = seconds - pred
-        limit = self._clip * math.sqrt(s)
-        innovation = max(-limit, min(limit, innovation))
-        gain = px / s
-        theta = np.maximum(theta + gain * innovation, 0.0)
-        p = p - np.outer(gain, px)
-        self._p = 0.5 * (p + p.T)
-        self._theta = theta
-        self._coef = theta.tolist()
-        self._n += 1
+        features = shape.features(self.knot)
+        self._all.update(features, seconds)
+        if shape.prefill_tokens == 0:
+            self._decode.update(features, seconds)
 
     def max_chunk(self, target_s: float, shape: StepShape, start_pos: int, limit: int,
                   block_size: int = 16) -> int:
