@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
+from batcher.bundled import minilm_dir
 from batcher.flusher import Batcher, FlusherMetrics
-from batcher.models.bundled import minilm_dir
 
 MAX_INPUT_TOKENS = 256  # the length all-MiniLM-L6-v2 was trained at; longer inputs are truncated
 _DTYPES = {

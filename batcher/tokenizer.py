@@ -130,7 +130,7 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     if source is None:
-        from batcher.models.bundled import smollm2_gguf_path
+        from batcher.bundled import smollm2_gguf_path
 
         source = smollm2_gguf_path()
     path = Path(source)

@@ -28,7 +28,7 @@ def hf_smollm():
     """transformers' own GGUF loader (its own dequantization and rotary un-permutation)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from batcher.models.bundled import smollm2_gguf_path
+    from batcher.bundled import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batcher.models.errors import ModelLoadError
 from batcher.models.llama import LlamaConfig
 
 _LAYER_NAMES = {
@@ -35,8 +36,6 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
-
-    from batcher.models.loader import ModelLoadError
 
     try:
         reader = GGUFReader(str(path))

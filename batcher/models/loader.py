@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from batcher.bundled import smollm2_gguf_path
 from batcher.models import gguf_weights
-from batcher.models.bundled import smollm2_gguf_path
+from batcher.models.errors import ModelLoadError
 from batcher.models.llama import LlamaConfig, LlamaModel
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,6 @@ DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """The model source is missing, incomplete or not a supported architecture."""
 
 
 @dataclass(slots=True)

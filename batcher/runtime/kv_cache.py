@@ -4,16 +4,29 @@ head_dim], and how many blocks a memory budget buys."""
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
-
-from batcher.models.llama import LlamaConfig
 
 # Without a budget on the CPU, take this much (bounded by a quarter of physical memory).
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
 
 
-def allocate_kv_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+class KVShape(Protocol):
+    """What the cache needs of a model's config (a `LlamaConfig` fits). The runtime states it
+    here rather than importing the model package, which sits above it."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+def allocate_kv_cache(cfg: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     # zeros, not empty: pages are touched now rather than faulted in during the first steps.

@@ -3,13 +3,32 @@ it owns the KV cache tensors and never touches scheduler state."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from batcher.models.loader import LoadedModel
 from batcher.runtime.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from batcher.runtime.kv_cache import allocate_kv_cache
+from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
 from batcher.runtime.sampler import Sampler
+
+
+class Loaded(Protocol):
+    """What the runner needs of a loaded model (`batcher.models.loader.LoadedModel` fits): the
+    module to call, its config, and where its weights live. The model package calls into the
+    runtime's attention, so the runtime names the model only through this."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def config(self) -> KVShape: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 class ModelRunner:
@@ -17,7 +36,7 @@ class ModelRunner:
     multi-token prefill chunks; positions, slot mapping, block tables and masks are built once per
     step for all layers."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+    def __init__(self, loaded: Loaded, num_blocks: int, block_size: int,
                  attention_backend: str = "auto", cuda_graphs: bool = True,
                  max_graph_batch: int = 256, max_model_len: int = 8192):
         self.loaded = loaded

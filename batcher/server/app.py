@@ -15,12 +15,12 @@ from batcher.http.keys import AuthError
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
 from batcher.server import embeddings_route
+from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import Gateway
 from batcher.server.openai_routes import GenerationHandler
 
 log = logging.getLogger(__name__)
 
-GATEWAY = web.AppKey("gateway", Gateway)
 HANDLERS = web.AppKey("handlers", dict)
 # Routes anyone on the network may call: liveness, readiness, capacity, metrics, the probe.
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})

@@ -11,7 +11,10 @@ from aiohttp import web
 
 from batcher.flusher import Closed, Overloaded
 from batcher.http.errors import ApiError, invalid
+from batcher.http.responses import json_response
 from batcher.request_registry import DuplicateRequestId
+from batcher.server.appkeys import GATEWAY
+from batcher.server.openai_routes import read_json
 
 MAX_INPUTS = 2048
 
@@ -38,10 +41,6 @@ def _inputs(body: object) -> tuple[str, list[str], str]:
 
 
 async def handle(request: web.Request) -> web.Response:
-    from batcher.http.responses import json_response
-    from batcher.server.app import GATEWAY
-    from batcher.server.openai_routes import read_json
-
     gw = request.app[GATEWAY]
     if gw.embedder is None:
         raise ApiError(404, "this server has no embedding model", code="model_not_found")

@@ -28,7 +28,7 @@ def cuda_fp32():
 def test_greedy_equals_hf_on_cuda(cuda_fp32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from batcher.models.bundled import smollm2_gguf_path
+    from batcher.bundled import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
