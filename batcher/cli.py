@@ -1,4 +1,4 @@
-"""`batcher serve | bench | fleet | router | sim | plan`."""
+"""`batcher serve | bench | fleet | router | sim | plan | batch`."""
 
 from __future__ import annotations
 
@@ -101,6 +101,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--advertise-url", default=None, help="URL routers should use for this replica "
       "(default: http://HOST:PORT)")
     a("--replica-id", default=None, help="stable replica name (default: HOST:PORT)")
+    from batcher.batch.service import add_batch_serve_args
+
+    add_batch_serve_args(p)
     fake = p.add_argument_group("fake model (--model fake)")
     fake.add_argument("--fake-prefill-rate", type=float, default=20_000.0,
                       help="simulated prefill tokens/s (default: %(default)s)")
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     add_router_args(sub.add_parser("router", help="route over replicas anywhere"))
     add_plan_args(sub.add_parser("plan", help="capacity arithmetic: how many replicas"))
     add_sim_args(sub.add_parser("sim", help="simulate a fleet on a simulated clock"))
+    from batcher.batch.offline import add_batch_args
+
+    add_batch_args(sub.add_parser("batch", help="run a batch input file offline, in-process"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -149,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         from batcher.sim.cli import run_sim
 
         return run_sim(args)
+    if args.command == "batch":
+        from batcher.batch.offline import run_offline
+
+        return _run(run_offline(args))
     parser.error(f"unknown command {args.command}")
     return 2
 

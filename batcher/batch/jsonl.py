@@ -44,12 +44,12 @@ class LineProblem:
                 "line": self.line}
 
 
-def parse_input(data: bytes, endpoint: str | None = None, max_lines: int = MAX_LINES
-                ) -> tuple[list[InputLine], list[LineProblem]]:
+def parse_input(data: bytes, endpoint: str | None = None, max_lines: int = MAX_LINES,
+                one_endpoint: bool = True) -> tuple[list[InputLine], list[LineProblem]]:
     """The requests of a JSONL file and what is wrong with it (empty when it can run).
 
     `endpoint`: every line's `url` must equal it (batch creation); None accepts any supported
-    endpoint but still one per file (upload)."""
+    endpoint, one per file unless `one_endpoint` is False (the offline runner)."""
     lines: list[InputLine] = []
     problems: list[LineProblem] = []
     seen: set[str] = set()
@@ -108,7 +108,7 @@ def parse_input(data: bytes, endpoint: str | None = None, max_lines: int = MAX_L
             bad("invalid_body", "a batch request cannot stream", lineno, "body.stream")
             continue
         lines.append(InputLine(len(lines), cid, url, body))
-    if len(urls) > 1:
+    if one_endpoint and len(urls) > 1:
         bad("mixed_urls", f"all requests of a batch must use one endpoint; found {sorted(urls)}",
             None, "url")
     return lines, problems

@@ -1,0 +1,288 @@
+"""The batch executor: one background task that starts lines while there is spare capacity,
+records each answer in the store the moment it arrives, and ends batches (completed, cancelled or
+expired) by writing their output and error files.
+
+Resuming is reading the store: at start every unfinished batch is loaded with the lines still
+pending (including any that were running when the process died), so no answered line runs again
+and every unanswered one does. Lines refused for now (tenant budget, queue, SLO) wait their
+`retry_after` and run again; the tenant's other lines wait with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from batcher.batch.lines import Deferred, LineResult, output_line, unanswered_line
+from batcher.batch.metrics import BatchMetrics
+from batcher.batch.store import BatchRecord, BatchStore, FileRecord, PendingLine, new_id
+from batcher.http.errors import error_body
+from batcher.tenants import TenantConfig
+
+log = logging.getLogger(__name__)
+
+# Re-check expiry, retries and capacity at least this often; steps and new batches wake it sooner.
+TICK_S = 0.05
+DEFAULT_LINE_MAX_TOKENS = 16
+UNANSWERED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
+              "expired": ("batch_expired",
+                          "the batch's completion window ended before this request ran")}
+
+
+class Runner(Protocol):
+    async def run(self, tenant: TenantConfig, url: str, body: dict, request_id: str
+                  ) -> LineResult: ...
+
+
+class Gate(Protocol):
+    last_reason: str
+
+    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int) -> bool: ...
+
+
+@dataclass(slots=True)
+class _Batch:
+    """An unfinished batch the executor works on."""
+
+    id: str
+    tenant: str
+    endpoint: str
+    expires_at: float
+    pending: deque[int]
+    retry: list[tuple[float, int]] = field(default_factory=list)  # heap of (not before, index)
+    running: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    ending: str | None = None  # "cancelled" | "expired" once decided
+
+    @classmethod
+    def of(cls, rec: BatchRecord, pending: list[int]) -> _Batch:
+        return cls(rec.id, rec.tenant, rec.endpoint, rec.expires_at, deque(pending))
+
+    @property
+    def queued(self) -> int:
+        return len(self.pending) + len(self.retry)
+
+
+def estimate_tokens(body: dict) -> tuple[int, int]:
+    """(prompt, max output) tokens of a line before tokenizing it, for the capacity check:
+    about four characters of JSON per token (admission makes the exact check)."""
+    text = body.get("messages") or body.get("prompt") or body.get("input") or ""
+    prompt = max(1, len(str(text)) // 4)
+    out = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_LINE_MAX_TOKENS
+    return prompt, out if isinstance(out, int) and out > 0 else DEFAULT_LINE_MAX_TOKENS
+
+
+class BatchExecutor:
+    """Runs every unfinished batch in `store` through `runner`, while `gate` allows."""
+
+    def __init__(self, store: BatchStore, runner: Runner, gate: Gate,
+                 tenants: Callable[[str], TenantConfig | None], metrics: BatchMetrics,
+                 wall_clock: Callable[[], float] = time.time, tick_s: float = TICK_S):
+        self.store = store
+        self.runner = runner
+        self.gate = gate
+        self.tenants = tenants
+        self.metrics = metrics
+        self.wall_clock = wall_clock
+        self.tick_s = tick_s
+        self.batches: dict[str, _Batch] = {}
+        self._paused: dict[str, float] = {}  # tenant -> monotonic time its lines may retry
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        for rec in self.store.active_batches():
+            if rec.status == "cancelling":
+                self._add(rec, []).ending = "cancelled"
+            else:
+                self._add(rec, self.store.pending_indices(rec.id))
+        if self.batches:
+            log.info("resuming %d batches (%d lines pending)", len(self.batches),
+                     sum(b.queued for b in self.batches.values()))
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="batch-executor")
+
+    async def stop(self) -> None:
+        """Stop starting lines and end the running ones; their lines stay pending in the store
+        and run again after a restart."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        tasks = [t for b in self.batches.values() for t in b.running.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def wake(self, *_: object) -> None:
+        self._wake.set()
+
+    # commands from the routes --------------------------------------------------------------
+    def add(self, rec: BatchRecord) -> None:
+        """A batch was just created in the store: start working on it."""
+        self._add(rec, self.store.pending_indices(rec.id))
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """The store already says `cancelling`: stop its lines and end it."""
+        b = self.batches.get(batch_id)
+        if b is not None and b.ending is None:
+            b.ending = "cancelled"
+            self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(b.running) for b in self.batches.values())
+
+    def _add(self, rec: BatchRecord, pending: list[int]) -> _Batch:
+        b = self.batches[rec.id] = _Batch.of(rec, pending)
+        return b
+
+    # the loop ------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.tick_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._end_batches()
+                self._start_lines()
+            except Exception:  # a bug here must not end the tier silently; retry next tick
+                log.exception("batch executor step failed")
+                await asyncio.sleep(1.0)
+            self.metrics.queued.set(sum(b.queued for b in self.batches.values()))
+            self.metrics.running.set(self.in_flight)
+
+    async def _end_batches(self) -> None:
+        now = self.wall_clock()
+        for b in list(self.batches.values()):
+            if b.ending is None and now >= b.expires_at:
+                b.ending = "expired"
+            if b.ending is not None:
+                for t in b.running.values():
+                    t.cancel()
+                if b.running:
+                    continue  # their cancellation lands within a step; end the batch then
+                await self._finalize(b, b.ending)
+            elif not b.queued and not b.running:
+                self.store.set_status(b.id, "finalizing", ("in_progress",))
+                await self._finalize(b, "completed")
+
+    def _start_lines(self) -> None:
+        mono = time.monotonic()
+        in_flight = self.in_flight
+        for b in list(self.batches.values()):  # oldest batch first
+            if b.ending is not None or self._paused.get(b.tenant, 0.0) > mono:
+                continue
+            while b.queued:
+                if b.retry and b.retry[0][0] <= mono:
+                    index = b.retry[0][1]
+                    from_retry = True
+                elif b.pending:
+                    index = b.pending[0]
+                    from_retry = False
+                else:
+                    break  # only retries not yet due
+                line = self.store.line(b.id, index)
+                if line is None:  # cannot happen while the batch is active; do not spin on it
+                    self._take(b, from_retry)
+                    continue
+                prompt, out = estimate_tokens(line.body)
+                if not self.gate.room(in_flight, prompt, out):
+                    return
+                self._take(b, from_retry)
+                b.running[index] = asyncio.get_running_loop().create_task(
+                    self._line(b, line), name=f"batch-line-{b.id}-{index}")
+                in_flight += 1
+
+    @staticmethod
+    def _take(b: _Batch, from_retry: bool) -> None:
+        if from_retry:
+            heapq.heappop(b.retry)
+        else:
+            b.pending.popleft()
+
+    async def _line(self, b: _Batch, line: PendingLine) -> None:
+        try:
+            tenant = self.tenants(b.tenant)
+            rid = new_id("batch_req_")
+            if tenant is None:
+                result = LineResult(401, error_body(401, "the batch's tenant is no longer "
+                                                    "configured", code="invalid_api_key"))
+            else:
+                try:
+                    result = await self.runner.run(tenant, b.endpoint, line.body, rid)
+                except Deferred as d:
+                    self.metrics.deferrals.labels(d.reason).inc()
+                    heapq.heappush(b.retry, (time.monotonic() + d.retry_after, line.index))
+                    if d.reason == "tenant_tokens":  # the tenant's other lines would fail too
+                        self._paused[b.tenant] = time.monotonic() + d.retry_after
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.exception("batch line failed")
+                    result = LineResult(500, error_body(500, f"internal error: {exc}",
+                                                        code="internal_error"))
+            if self.store.record_result(b.id, line.index, result.status_code,
+                                        output_line(line.custom_id, result), result.tokens):
+                self.metrics.done.labels("ok" if result.ok else "error").inc()
+                if result.ok:
+                    self.metrics.tokens.inc(result.tokens)
+        finally:
+            b.running.pop(line.index, None)
+            self._wake.set()
+
+    # ending a batch ------------------------------------------------------------------------
+    async def _finalize(self, b: _Batch, status: str) -> None:
+        """Write the output and error files and mark the batch `status`."""
+        answered: list[bytes] = []
+        errors: list[bytes] = []
+        unanswered = 0
+        for custom_id, code, output in self.store.outputs(b.id):
+            if output is None:
+                unanswered += 1
+                errors.append(unanswered_line(custom_id, *UNANSWERED.get(
+                    status, ("batch_failed", "the request did not run"))))
+            elif 200 <= code < 300:
+                answered.append(output)
+            else:
+                errors.append(output)
+        out = await self._write(b, "output", answered) if answered else None
+        err = await self._write(b, "error", errors) if errors else None
+        rec = self.store.batch(b.id)
+        failed = rec.failed + unanswered if rec is not None and unanswered else None
+        if self.store.finish(b.id, status, out, err, failed):
+            self.metrics.done.labels("unanswered").inc(unanswered)
+        self.store.drop_lines(b.id)
+        del self.batches[b.id]
+        log.info("batch %s %s", b.id, status)
+
+    async def _write(self, b: _Batch, kind: str, lines: list[bytes]) -> FileRecord:
+        temp = self.store.temp_path()
+        size = await asyncio.to_thread(_write_lines, temp, lines)
+        # The ID derives from the batch's: a finalize repeated after a crash replaces the file.
+        return self.store.add_file(b.tenant, f"{b.id}_{kind}.jsonl", "batch_output", temp, size,
+                                   file_id=f"file-{b.id.removeprefix('batch_')}-{kind}")
+
+
+def _write_lines(path: Path, lines: list[bytes]) -> int:
+    data = b"".join(line + b"\n" for line in lines)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data)

@@ -1,0 +1,88 @@
+"""Spare capacity: may another batch line start now without delaying interactive traffic?
+
+Admission's TTFT prediction decides. A batch line that starts now is prefilled before any
+interactive request arriving after it (running requests are served first, whatever their
+priority), so the question is: would an interactive request arriving right after this line still
+be predicted within a share of the TTFT SLO? Besides that prediction, lines never start while an
+interactive request is queued, never take the last sequence slots or KV blocks (interactive
+requests must find room without preempting), and at most `max_running` run at once.
+
+Without a TTFT SLO the prediction has nothing to compare with; the structural checks still hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batcher.admission import Admission
+from batcher.engine import AsyncEngine
+from batcher.request import Priority
+from batcher.ttft_predictor import Backlog
+
+
+@dataclass(slots=True)
+class GateConfig:
+    """`max_running`: batch lines in flight at once. `ttft_share`: an interactive request
+    arriving after a new line must be predicted within this share of the TTFT SLO.
+    `free_blocks_share`: KV blocks kept free for interactive requests. `probe_tokens`: the prompt
+    of the interactive request assumed to arrive next."""
+
+    max_running: int = 16
+    ttft_share: float = 0.5
+    free_blocks_share: float = 0.25
+    probe_tokens: int = 128
+
+    def validate(self) -> GateConfig:
+        if self.max_running < 1:
+            raise ValueError(f"batch max running must be >= 1, got {self.max_running}")
+        if not 0 < self.ttft_share <= 1:
+            raise ValueError(f"batch TTFT share must be in (0, 1], got {self.ttft_share}")
+        if not 0 <= self.free_blocks_share < 1:
+            raise ValueError(f"batch free-block share must be in [0, 1), got "
+                             f"{self.free_blocks_share}")
+        return self
+
+
+class SpareCapacity:
+    """Reads the engine's queues and admission's prediction; changes nothing."""
+
+    def __init__(self, engine: AsyncEngine, admission: Admission, cfg: GateConfig):
+        self.engine = engine
+        self.admission = admission
+        self.cfg = cfg.validate()
+        self.last_reason = "idle"
+
+    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int) -> bool:
+        """True when a line of `prompt_tokens` (+ up to `max_tokens` out) may start now;
+        `last_reason` says why not."""
+        why = self._blocker(in_flight, prompt_tokens, max_tokens)
+        self.last_reason = why or "room"
+        return why is None
+
+    def _blocker(self, in_flight: int, prompt_tokens: int, max_tokens: int) -> str | None:
+        eng = self.engine
+        if not eng.healthy or self.admission.draining:
+            return "engine not serving"
+        if in_flight >= self.cfg.max_running:
+            return "batch lines at their cap"
+        sched = eng.scheduler
+        if any(r.priority <= Priority.INTERACTIVE for r in sched.waiting):
+            return "interactive requests are queued"
+        max_seqs = sched.config.max_num_seqs
+        # Slots and blocks a new interactive request needs must stay free.
+        if sched.num_running + sched.num_waiting + 1 > max_seqs - max(1, max_seqs // 8):
+            return "sequence slots reserved for interactive traffic"
+        kv = eng.kv
+        need = -(-(prompt_tokens + max_tokens) // kv.block_size)
+        if kv.num_free_blocks - need < self.cfg.free_blocks_share * kv.num_total_blocks:
+            return "KV blocks reserved for interactive traffic"
+        slo = self.admission.slo_ttft_s
+        if slo is not None:
+            # The line's prompt is prefilled before the interactive request's own (it runs
+            # first once started), so it adds to that request's own prefill.
+            predicted = self.admission.predictor.predict(
+                self.admission.clock(), Backlog.of_scheduler(sched), "interactive",
+                prompt_tokens + self.cfg.probe_tokens)
+            if predicted is not None and predicted > self.cfg.ttft_share * slo:
+                return "interactive TTFT would exceed its share of the SLO"
+        return None

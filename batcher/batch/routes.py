@@ -1,0 +1,310 @@
+"""`/v1/files` and `/v1/batches` in OpenAI's shapes, scoped by tenant.
+
+Limits are checked before work: an upload's declared length before reading it and its actual
+bytes while streaming it to disk; a batch input's line count, line shapes and endpoint when the
+file is uploaded and again when a batch is created. A batch whose input does not match its
+endpoint is created `failed` with its `errors`, as OpenAI does; everything else a client gets
+wrong is a 4xx in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from batcher.batch.executor import BatchExecutor
+from batcher.batch.jsonl import ENDPOINTS, MAX_LINES, LineProblem, parse_input
+from batcher.batch.store import TERMINAL, BatchStore
+from batcher.http.errors import ApiError, invalid
+from batcher.http.responses import json_response
+
+PURPOSES = ("batch",)
+MAX_FILENAME_CHARS = 255
+MAX_LIST_LIMIT = 100  # files and batches per page, as OpenAI's API
+MAX_METADATA_KEYS = 16
+_WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_WINDOW_S = 7 * 86400
+_CHUNK = 1 << 16
+
+
+@dataclass(slots=True)
+class BatchLimits:
+    max_file_bytes: int = 100 * 2**20
+    max_lines: int = MAX_LINES
+
+
+@dataclass(slots=True)
+class BatchService:
+    """What the routes share: the store, the executor and the limits."""
+
+    store: BatchStore
+    executor: BatchExecutor
+    limits: BatchLimits
+
+
+BATCH = web.AppKey("batch_service", BatchService)
+
+
+def _service(request: web.Request) -> BatchService:
+    svc = request.app.get(BATCH)
+    if svc is None:
+        raise ApiError(404, "the batch API is not enabled on this server (start it with "
+                       "--data-dir)", code="batch_api_disabled")
+    return svc
+
+
+def _tenant(request: web.Request) -> str:
+    return request["tenant"].name
+
+
+def parse_window(value: Any) -> float:
+    """`completion_window` ("24h", or any `<n>s|m|h|d` up to 7 days) in seconds."""
+    m = _WINDOW.fullmatch(value) if isinstance(value, str) else None
+    seconds = int(m.group(1)) * _UNIT_S[m.group(2)] if m else 0
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise invalid("'completion_window' must be a duration such as '24h' (a number and "
+                      "s, m, h or d; at most 7 days)", "completion_window")
+    return float(seconds)
+
+
+def _limit(request: web.Request) -> int:
+    raw = request.query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+        raise invalid(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
+    return int(raw)
+
+
+def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+
+def _problems(problems: list[LineProblem]) -> ApiError:
+    first = problems[0]
+    where = f"line {first.line}: " if first.line else ""
+    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    return invalid(f"the file is not a valid batch input: {where}{first.message}{more}",
+                   "file", first.code)
+
+
+# files ---------------------------------------------------------------------------------------
+async def upload_file(request: web.Request) -> web.Response:
+    svc = _service(request)
+    limit = svc.limits.max_file_bytes
+    if request.content_length is not None and request.content_length > limit + _CHUNK:
+        raise ApiError(413, f"the upload is {request.content_length} bytes; files are limited "
+                       f"to {limit} bytes", code="file_too_large")
+    if not request.content_type.startswith("multipart/"):
+        raise invalid("upload a file as multipart/form-data with 'file' and 'purpose' fields",
+                      None, "invalid_content_type")
+    purpose: str | None = None
+    temp: Path | None = None
+    filename = ""
+    size = 0
+    try:
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    raise invalid("nested multipart bodies are not accepted", None)
+                if part.name == "purpose":
+                    purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
+                elif part.name == "file":
+                    if temp is not None:
+                        raise invalid("send one 'file' per upload", "file")
+                    filename = (part.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
+                    temp = svc.store.temp_path()
+                    size = await _save(part, temp, limit)
+                else:
+                    await part.release()
+        except (ValueError, AssertionError, web.HTTPException) as exc:
+            if isinstance(exc, ApiError | web.HTTPException):
+                raise
+            raise invalid(f"the multipart body could not be read: {exc}", None,
+                          "invalid_body") from None
+        if purpose not in PURPOSES:
+            raise invalid(f"'purpose' must be one of {list(PURPOSES)}", "purpose")
+        if temp is None:
+            raise invalid("'file' is required", "file", "missing")
+        data = await asyncio.to_thread(temp.read_bytes)
+        _, problems = await asyncio.to_thread(parse_input, data, None, svc.limits.max_lines)
+        if problems:
+            raise _problems(problems)
+        rec = svc.store.add_file(_tenant(request), filename, purpose, temp, size)
+        temp = None
+    finally:
+        if temp is not None:
+            temp.unlink(missing_ok=True)
+    return json_response(rec.to_openai())
+
+
+async def _save(part: BodyPartReader, path: Path, limit: int) -> int:
+    size = 0
+    f = await asyncio.to_thread(path.open, "wb")
+    try:
+        while chunk := await part.read_chunk(_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"files are limited to {limit} bytes", param="file",
+                               code="file_too_large")
+            f.write(chunk)  # one chunk into the page cache: not worth a thread hop
+    finally:
+        f.close()
+    return size
+
+
+async def list_files(request: web.Request) -> web.Response:
+    svc = _service(request)
+    tenant = _tenant(request)
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("'order' must be 'asc' or 'desc'", "order")
+    purpose = request.query.get("purpose")
+    after = request.query.get("after")
+    if after is not None and svc.store.get_file(tenant, after) is None:
+        raise invalid(f"'after' names no file of yours: {after!r}", "after")
+    files, more = svc.store.list_files(tenant, _limit(request), after, purpose, order == "asc")
+    return json_response(_page([f.to_openai() for f in files], more))
+
+
+def _file(request: web.Request, svc: BatchService):
+    file_id = request.match_info["file_id"]
+    rec = svc.store.get_file(_tenant(request), file_id)
+    if rec is None:
+        raise ApiError(404, f"no such file: {file_id!r}", param="file_id", code="file_not_found")
+    return rec
+
+
+async def get_file(request: web.Request) -> web.Response:
+    return json_response(_file(request, _service(request)).to_openai())
+
+
+async def file_content(request: web.Request) -> web.StreamResponse:
+    svc = _service(request)
+    rec = _file(request, svc)
+    path = svc.store.path(rec.id)
+    if not path.exists():
+        raise ApiError(404, f"the content of {rec.id!r} is gone", param="file_id",
+                       code="file_not_found")
+    return web.FileResponse(path, headers={"Content-Type": "application/jsonl"})
+
+
+async def delete_file(request: web.Request) -> web.Response:
+    svc = _service(request)
+    rec = _file(request, svc)
+    svc.store.delete_file(rec.tenant, rec.id)
+    return json_response({"id": rec.id, "object": "file", "deleted": True})
+
+
+# batches -------------------------------------------------------------------------------------
+async def create_batch(request: web.Request) -> web.Response:
+    from batcher.server.openai_routes import read_json
+
+    svc = _service(request)
+    tenant = _tenant(request)
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None, "invalid_type")
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise invalid(f"'endpoint' must be one of {list(ENDPOINTS)}", "endpoint")
+    window = body.get("completion_window", "24h")
+    window_s = parse_window(window)
+    metadata = _metadata(body.get("metadata"))
+    file_id = body.get("input_file_id")
+    if not isinstance(file_id, str) or not file_id:
+        raise invalid("'input_file_id' is required", "input_file_id", "missing")
+    rec = svc.store.get_file(tenant, file_id)
+    if rec is None:
+        raise ApiError(404, f"no such file: {file_id!r}", param="input_file_id",
+                       code="file_not_found")
+    if rec.purpose != "batch":
+        raise invalid(f"file {file_id!r} has purpose {rec.purpose!r}; a batch input needs "
+                      "'batch'", "input_file_id")
+    data = await asyncio.to_thread(svc.store.path(file_id).read_bytes)
+    lines, problems = await asyncio.to_thread(parse_input, data, endpoint, svc.limits.max_lines)
+    if problems:
+        batch = svc.store.create_failed_batch(tenant, endpoint, file_id, window, window_s,
+                                              metadata, [p.to_json() for p in problems])
+    else:
+        batch = svc.store.create_batch(tenant, endpoint, file_id, window, window_s, metadata,
+                                       lines)
+        svc.executor.add(batch)
+    return json_response(batch.to_openai())
+
+
+def _metadata(raw: Any) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    if (not isinstance(raw, dict) or len(raw) > MAX_METADATA_KEYS
+            or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64
+                       and len(v) <= 512 for k, v in raw.items())):
+        raise invalid(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string "
+                      "pairs (keys up to 64 characters, values up to 512)", "metadata")
+    return raw
+
+
+def _batch(request: web.Request, svc: BatchService):
+    batch_id = request.match_info["batch_id"]
+    rec = svc.store.get_batch(_tenant(request), batch_id)
+    if rec is None:
+        raise ApiError(404, f"no such batch: {batch_id!r}", param="batch_id",
+                       code="batch_not_found")
+    return rec
+
+
+async def get_batch(request: web.Request) -> web.Response:
+    return json_response(_batch(request, _service(request)).to_openai())
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    svc = _service(request)
+    tenant = _tenant(request)
+    after = request.query.get("after")
+    if after is not None and svc.store.get_batch(tenant, after) is None:
+        raise invalid(f"'after' names no batch of yours: {after!r}", "after")
+    batches, more = svc.store.list_batches(tenant, _limit(request), after)
+    return json_response(_page([b.to_openai() for b in batches], more))
+
+
+async def cancel_batch(request: web.Request) -> web.Response:
+    svc = _service(request)
+    rec = _batch(request, svc)
+    if rec.status in TERMINAL and rec.status != "cancelled":
+        raise ApiError(409, f"the batch is {rec.status}; only a running batch can be cancelled",
+                       param="batch_id", code="batch_not_cancellable")
+    if svc.store.set_status(rec.id, "cancelling", ("validating", "in_progress")):
+        svc.executor.cancel(rec.id)
+    fresh = svc.store.get_batch(rec.tenant, rec.id)
+    assert fresh is not None
+    return json_response(fresh.to_openai())
+
+
+def add_routes(app: web.Application, **route_kw: Any) -> None:
+    """Register the routes (before any catch-all route); they answer 404 until a
+    `BatchService` is installed under `BATCH`."""
+    r = app.router
+    r.add_post("/v1/files", upload_file, **route_kw)
+    r.add_get("/v1/files", list_files, **route_kw)
+    r.add_get("/v1/files/{file_id}", get_file, **route_kw)
+    r.add_delete("/v1/files/{file_id}", delete_file, **route_kw)
+    r.add_get("/v1/files/{file_id}/content", file_content, **route_kw)
+    r.add_post("/v1/batches", create_batch, **route_kw)
+    r.add_get("/v1/batches", list_batches, **route_kw)
+    r.add_get("/v1/batches/{batch_id}", get_batch, **route_kw)
+    r.add_post("/v1/batches/{batch_id}/cancel", cancel_batch, **route_kw)
+
+
+def upload_body_limit(request: web.Request) -> int | None:
+    """The body limit of a file upload when the batch API is on; None for every other request
+    (the server's own limit applies)."""
+    svc = request.app.get(BATCH)
+    if svc is None or request.path != "/v1/files" or request.method != "POST":
+        return None
+    return svc.limits.max_file_bytes + _CHUNK  # multipart framing around the file

@@ -1,0 +1,105 @@
+"""Wiring the batch tier into a server app: the store, the executor over the app's gateway and
+its lifetime (started after the engine, stopped before it)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from batcher.batch.executor import BatchExecutor
+from batcher.batch.gate import GateConfig, SpareCapacity
+from batcher.batch.lines import LineRunner
+from batcher.batch.metrics import BatchMetrics
+from batcher.batch.routes import BATCH, BatchLimits, BatchService, add_routes, upload_body_limit
+from batcher.batch.store import BatchStore
+from batcher.server.app import BODY_LIMIT, GATEWAY, expect_continue
+from batcher.server.gateway import Gateway
+from batcher.tenants import DEFAULT_TENANT, TenantConfig
+
+
+@dataclass(slots=True)
+class BatchConfig:
+    """`data_dir` holds `files/` and, unless `db_path` says otherwise, `batches.sqlite3`."""
+
+    data_dir: Path
+    db_path: Path | None = None
+    limits: BatchLimits = field(default_factory=BatchLimits)
+    gate: GateConfig = field(default_factory=GateConfig)
+
+
+def tenant_lookup(gw: Gateway):
+    """Tenant name -> its current config (None once removed from the tenants file)."""
+
+    def lookup(name: str) -> TenantConfig | None:
+        tenants = gw.auth.tenants
+        if not tenants:
+            return DEFAULT_TENANT if name == DEFAULT_TENANT.name else None
+        return tenants.get(name)
+
+    return lookup
+
+
+def install(app: web.Application, cfg: BatchConfig) -> None:
+    """Serve the batch API on `app` (a `create_app` extension): its routes, the upload limit,
+    and the store and executor for as long as the app runs."""
+    cfg.gate.validate()
+    add_routes(app, expect_handler=expect_continue)
+    app[BODY_LIMIT] = upload_body_limit
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        gw = app[GATEWAY]
+        store = BatchStore(cfg.data_dir, cfg.db_path)
+        executor = BatchExecutor(store, LineRunner(gw),
+                                 SpareCapacity(gw.engine, gw.admission, cfg.gate),
+                                 tenant_lookup(gw), BatchMetrics(gw.metrics.registry))
+        # Every step may have freed capacity (or ended a line): look again at once.
+        gw.engine.step_listeners.append(executor.wake)
+        app[BATCH] = BatchService(store, executor, cfg.limits)
+        await executor.start()
+        try:
+            yield
+        finally:
+            await executor.stop()
+            store.close()
+
+    app.cleanup_ctx.append(lifetime)
+
+
+async def stop_executor(app: web.Application) -> None:
+    """Stop starting batch lines and end the running ones (they run again after a restart):
+    the first step of a graceful shutdown, so draining waits only for live requests."""
+    svc = app.get(BATCH)
+    if svc is not None:
+        await svc.executor.stop()
+
+
+def add_batch_serve_args(p: argparse.ArgumentParser) -> None:
+    """The batch tier's `batcher serve` flags."""
+    g = p.add_argument_group("batch API (/v1/files, /v1/batches)")
+    g.add_argument("--data-dir", default=None, help="directory for the batch tier's files and "
+                   "database; the batch API is served only when given (default: off)")
+    g.add_argument("--batch-db", default=None, help="SQLite database path (default: "
+                   "DATA_DIR/batches.sqlite3)")
+    g.add_argument("--batch-max-file-bytes", type=int, default=BatchLimits().max_file_bytes,
+                   help="largest file upload (default: %(default)s)")
+    g.add_argument("--batch-max-running", type=int, default=GateConfig().max_running,
+                   help="batch lines in the engine at once (default: %(default)s)")
+    g.add_argument("--batch-ttft-share", type=float, default=GateConfig().ttft_share,
+                   help="a batch line starts only while an interactive request arriving after "
+                   "it is predicted within this share of the TTFT SLO (default: %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace) -> BatchConfig | None:
+    """The batch tier's config, or None when `--data-dir` is not given. ValueError on bad
+    values."""
+    if not args.data_dir:
+        return None
+    if args.batch_max_file_bytes < 1:
+        raise ValueError("--batch-max-file-bytes must be >= 1")
+    gate = GateConfig(max_running=args.batch_max_running, ttft_share=args.batch_ttft_share)
+    return BatchConfig(Path(args.data_dir), Path(args.batch_db) if args.batch_db else None,
+                       BatchLimits(max_file_bytes=args.batch_max_file_bytes), gate.validate())

@@ -1,0 +1,238 @@
+"""The batch executor over a fake line runner: completion and output files, retries of refused
+lines, the capacity gate, cancel, expiry, and resuming a batch after a stop without running an
+answered line twice."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from batcher.batch.executor import BatchExecutor
+from batcher.batch.jsonl import parse_input
+from batcher.batch.lines import Deferred, LineResult
+from batcher.batch.metrics import BatchMetrics
+from batcher.batch.store import BatchStore
+from batcher.http.errors import error_body
+from batcher.tenants import DEFAULT_TENANT, TenantConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeRunner:
+    """Answers `{"echo": prompt}` after `delay`; `fail` lines get a 400; `defer` lines are
+    refused for now once."""
+
+    def __init__(self, delay: float = 0.01):
+        self.delay = delay
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.finished: collections.Counter[str] = collections.Counter()
+        self.deferred: set[str] = set()
+        self.running = self.peak = 0
+
+    async def run(self, tenant: TenantConfig, url: str, body: dict, rid: str) -> LineResult:
+        p = body["prompt"]
+        self.calls[p] += 1
+        if body.get("defer") and p not in self.deferred:
+            self.deferred.add(p)
+            raise Deferred(0.05, "queue_full")
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.running -= 1
+        self.finished[p] += 1
+        if body.get("fail"):
+            return LineResult(400, error_body(400, "bad line", code="invalid_value"))
+        return LineResult(200, {"echo": p}, tokens=3)
+
+
+class FakeGate:
+    def __init__(self, cap: int = 4):
+        self.cap = cap
+        self.open = True
+        self.last_reason = ""
+
+    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int) -> bool:
+        return self.open and in_flight < self.cap
+
+
+def lines_file(n: int, **extra: Any) -> bytes:
+    return b"\n".join(orjson.dumps({"custom_id": f"c{i}", "url": "/v1/completions",
+                                    "body": {"model": "m", "prompt": f"p{i}", **(
+                                        extra if i % 3 == 0 else {})}})
+                      for i in range(n))
+
+
+class Rig:
+    def __init__(self, tmp: Path, runner: FakeRunner, gate: FakeGate, clock: list[float]):
+        self.store = BatchStore(tmp, clock=lambda: clock[0])
+        self.runner = runner
+        self.gate = gate
+        self.metrics = BatchMetrics()
+        self.ex = BatchExecutor(self.store, runner, gate, self.tenant, self.metrics,
+                                wall_clock=lambda: clock[0], tick_s=0.01)
+
+    @staticmethod
+    def tenant(name: str) -> TenantConfig | None:
+        return DEFAULT_TENANT if name == DEFAULT_TENANT.name else None
+
+    def create(self, data: bytes, window_s: float = 3600.0) -> str:
+        temp = self.store.temp_path()
+        temp.write_bytes(data)
+        f = self.store.add_file("default", "in.jsonl", "batch", temp, len(data))
+        lines, problems = parse_input(data)
+        assert not problems
+        rec = self.store.create_batch("default", "/v1/completions", f.id, "1h", window_s, None,
+                                      lines)
+        self.ex.add(rec)
+        return rec.id
+
+    async def wait(self, batch_id: str, within: float = 10.0):
+        deadline = time.monotonic() + within
+        while True:
+            rec = self.store.batch(batch_id)
+            assert rec is not None
+            if rec.status in ("completed", "cancelled", "expired", "failed"):
+                return rec
+            assert time.monotonic() < deadline, f"batch still {rec.status}"
+            await asyncio.sleep(0.01)
+
+    def read(self, file_id: str | None) -> list[dict]:
+        if file_id is None:
+            return []
+        return [orjson.loads(x) for x in self.store.path(file_id).read_bytes().splitlines()]
+
+
+@pytest.fixture
+def clock() -> list[float]:
+    return [1000.0]
+
+
+async def test_batch_completes_with_output_and_error_files(tmp_path: Path,
+                                                           clock: list[float]) -> None:
+    rig = Rig(tmp_path, FakeRunner(), FakeGate(cap=3), clock)
+    await rig.ex.start()
+    try:
+        bid = rig.create(lines_file(10, fail=True))
+        rec = await rig.wait(bid)
+    finally:
+        await rig.ex.stop()
+    assert rec.status == "completed" and (rec.total, rec.completed, rec.failed) == (10, 6, 4)
+    out, err = rig.read(rec.output_file_id), rig.read(rec.error_file_id)
+    assert [x["custom_id"] for x in out] == [f"c{i}" for i in range(10) if i % 3]
+    assert all(x["response"]["status_code"] == 200 and x["error"] is None for x in out)
+    assert out[0]["response"]["body"] == {"echo": "p1"} and out[0]["id"].startswith("batch_req_")
+    assert [x["custom_id"] for x in err] == ["c0", "c3", "c6", "c9"]
+    assert err[0]["response"]["status_code"] == 400
+    assert err[0]["response"]["body"]["error"]["code"] == "invalid_value"
+    assert rig.runner.peak <= 3
+    assert rig.metrics.tokens._value.get() == 18
+    assert rig.metrics.done.labels("ok")._value.get() == 6
+    assert rig.store.active_batches() == [] and list(rig.store.outputs(bid)) == []
+
+
+async def test_refused_lines_run_again_later(tmp_path: Path, clock: list[float]) -> None:
+    rig = Rig(tmp_path, FakeRunner(), FakeGate(), clock)
+    await rig.ex.start()
+    try:
+        rec = await rig.wait(rig.create(lines_file(6, defer=True)))
+    finally:
+        await rig.ex.stop()
+    assert rec.status == "completed" and rec.completed == 6
+    assert rig.runner.calls["p0"] == 2 and rig.runner.finished["p0"] == 1
+    assert rig.metrics.deferrals.labels("queue_full")._value.get() == 2
+
+
+async def test_no_line_starts_while_the_gate_is_shut(tmp_path: Path,
+                                                     clock: list[float]) -> None:
+    gate = FakeGate()
+    gate.open = False
+    rig = Rig(tmp_path, FakeRunner(), gate, clock)
+    await rig.ex.start()
+    try:
+        bid = rig.create(lines_file(4))
+        await asyncio.sleep(0.2)
+        assert sum(rig.runner.calls.values()) == 0
+        assert rig.metrics.queued._value.get() == 4
+        gate.open = True
+        rec = await rig.wait(bid)
+    finally:
+        await rig.ex.stop()
+    assert rec.completed == 4
+
+
+async def test_cancel_answers_every_line_exactly_once(tmp_path: Path,
+                                                      clock: list[float]) -> None:
+    rig = Rig(tmp_path, FakeRunner(delay=0.05), FakeGate(cap=2), clock)
+    await rig.ex.start()
+    try:
+        bid = rig.create(lines_file(20))
+        while sum(rig.runner.finished.values()) < 4:
+            await asyncio.sleep(0.01)
+        assert rig.store.set_status(bid, "cancelling", ("in_progress",))
+        rig.ex.cancel(bid)
+        rec = await rig.wait(bid)
+    finally:
+        await rig.ex.stop()
+    assert rec.status == "cancelled" and rec.cancelled_at is not None
+    out, err = rig.read(rec.output_file_id), rig.read(rec.error_file_id)
+    ids = [x["custom_id"] for x in out + err]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(20))
+    assert len(out) == rec.completed >= 4
+    assert {x["error"]["code"] for x in err} == {"batch_cancelled"}
+    assert rec.completed + rec.failed == 20
+
+
+async def test_expiry_keeps_the_finished_lines(tmp_path: Path, clock: list[float]) -> None:
+    rig = Rig(tmp_path, FakeRunner(delay=0.05), FakeGate(cap=1), clock)
+    await rig.ex.start()
+    try:
+        bid = rig.create(lines_file(30), window_s=60)
+        while sum(rig.runner.finished.values()) < 3:
+            await asyncio.sleep(0.01)
+        clock[0] += 61
+        rec = await rig.wait(bid)
+    finally:
+        await rig.ex.stop()
+    assert rec.status == "expired" and rec.expired_at == 1061
+    out, err = rig.read(rec.output_file_id), rig.read(rec.error_file_id)
+    assert 3 <= len(out) < 30 and len(out) + len(err) == 30
+    assert {x["error"]["code"] for x in err} == {"batch_expired"}
+    assert all(x["response"]["body"] == {"echo": "p" + x["custom_id"][1:]} for x in out)
+
+
+async def test_a_stopped_batch_resumes_without_rerunning_answered_lines(
+        tmp_path: Path, clock: list[float]) -> None:
+    runner = FakeRunner(delay=0.05)
+    first = Rig(tmp_path, runner, FakeGate(cap=3), clock)
+    await first.ex.start()
+    bid = first.create(lines_file(15))
+    while sum(runner.finished.values()) < 5:
+        await asyncio.sleep(0.005)
+    await first.ex.stop()  # lines in flight end unanswered, as in a crash
+    first.store.close()
+    peek = BatchStore(tmp_path)
+    answered = {c for c, s, o in peek.outputs(bid) if o is not None}
+    peek.close()
+    assert 5 <= len(answered) < 15
+
+    second = Rig(tmp_path, runner, FakeGate(cap=3), clock)
+    await second.ex.start()
+    try:
+        rec = await second.wait(bid)
+    finally:
+        await second.ex.stop()
+    assert rec.status == "completed" and rec.completed == 15
+    out = second.read(rec.output_file_id)
+    assert [x["custom_id"] for x in out] == [f"c{i}" for i in range(15)]
+    # An answered line never ran again; every other line ran to its answer once.
+    for i in range(15):
+        assert runner.finished[f"p{i}"] == 1
+        assert runner.calls[f"p{i}"] == 1 or f"c{i}" not in answered
