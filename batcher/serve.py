@@ -167,7 +167,8 @@ def _prefill_observer(admission: Admission):
 
 
 async def run_server(args: argparse.Namespace) -> int:
-    app = create_app(gateway_factory(args), args.max_body_bytes)
+    app = create_app(gateway_factory(args), args.max_body_bytes, probe_keys=(
+        args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"), os.environ.get("BATCHER_FLEET_KEY")))
     keepalive = keepalive_timeout()
     server_log = _HttpServerLog(logging.getLogger("aiohttp.server"))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,

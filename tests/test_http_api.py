@@ -35,7 +35,9 @@ VOCAB = 49152  # the bundled tokenizer's vocabulary (the tiny model uses it)
 # enough to fit the 256-block KV pool with room to spare.
 LONG = 3000
 
-server = server_fixture()
+# The deep probe needs the admin or fleet key.
+PROBE_KEY = "http-api-fleet-key"
+server = server_fixture(env={"BATCHER_FLEET_KEY": PROBE_KEY})
 
 
 @pytest.fixture
@@ -304,6 +306,9 @@ async def test_health_ready_state_probe_models(server: Server,
     assert st["total_blocks"] == 256 and st["block_size"] == 16
     assert st["healthy"] is True and st["draining"] is False and st["version"] == "v1"
     async with session.post(server.url + "/v1/probe") as resp:
+        assert resp.status == 401  # an operator's tool, not a tenant's
+    async with session.post(server.url + "/v1/probe",
+                            headers={"Authorization": f"Bearer {PROBE_KEY}"}) as resp:
         assert resp.status == 200
         body = await resp.json()
         replica_state(resp)

@@ -51,7 +51,15 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     a("--stream-idle-timeout", type=float, default=60.0, help="seconds without an upstream "
       "byte that end a stream attempt (default: %(default)s)")
     a("--fleet-key", default=None, help="key replicas must send with heartbeats (or env "
-      "BATCHER_FLEET_KEY)")
+      "BATCHER_FLEET_KEY; prefer --fleet-key-file: a flag shows in the process list)")
+    a("--fleet-key-file", default=None, metavar="PATH", help="read the fleet key from this file")
+    a("--internal-port", type=int, default=None, help="the internal listener: replicas' "
+      "heartbeats (`batcher serve --router http://HOST:PORT`); off unless given")
+    a("--internal-host", default="127.0.0.1", help="address of the internal listener; off "
+      "loopback it needs a fleet key, generated and printed when none is given "
+      "(default: %(default)s)")
+    a("--max-replicas", type=int, default=256, help="replicas one router registers at most "
+      "(default: %(default)s)")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -114,21 +122,50 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         retry_floor=args.retry_floor, retry_window=args.retry_window,
         stream_idle_timeout=args.stream_idle_timeout,
         max_body_bytes=getattr(args, "max_body_bytes", 4 * 2**20),
-        fleet_key=args.fleet_key or os.environ.get("BATCHER_FLEET_KEY"),
+        fleet_key=fleet_key(args), max_replicas=args.max_replicas,
         replica_admin_key=getattr(args, "replica_admin_key", None)
         or os.environ.get("BATCHER_REPLICA_ADMIN_KEY"))
+
+
+def fleet_key(args: argparse.Namespace) -> str | None:
+    """--fleet-key-file, --fleet-key or BATCHER_FLEET_KEY, in that order."""
+    if args.fleet_key_file:
+        try:
+            with open(args.fleet_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"--fleet-key-file: {exc.strerror}: {args.fleet_key_file}") from None
+        if not key:
+            raise SystemExit(f"--fleet-key-file {args.fleet_key_file} is empty")
+        return key
+    return args.fleet_key or os.environ.get("BATCHER_FLEET_KEY") or None
+
+
+def ensure_fleet_key(cfg: RouterConfig, internal_host: str) -> None:
+    """A router that takes heartbeats off loopback has a fleet key: generate one (printed once,
+    for the operator to give the replicas) when none was configured."""
+    from batcher.fleet.launcher import LOOPBACK
+
+    if cfg.fleet_key or internal_host in LOOPBACK:
+        return
+    cfg.fleet_key = secrets.token_hex(16)
+    print(f"batcher: generated a fleet key for heartbeats on {internal_host}; start replicas "
+          f"with BATCHER_FLEET_KEY={cfg.fleet_key}", flush=True)
 
 
 async def run_router(args: argparse.Namespace) -> int:
     from batcher.fleet.launcher import serve_router, wait_for_signal
 
-    ctx = RouterContext(router_config(args))
+    cfg = router_config(args)
+    if args.internal_port:
+        ensure_fleet_key(cfg, args.internal_host)
+    ctx = RouterContext(cfg)
     for spec in args.replica:
         url, _, admin = spec.partition(",")
         ctx.registry.add_static(url, admin_url=admin or None)
     close = await serve_router(ctx, args.host, args.port, args.admin_port, args.admin_host,
                                args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"),
-                               args.shutdown_timeout)
+                               args.shutdown_timeout, args.internal_port, args.internal_host)
     sources: list[Source] = args.discover
     try:
         if sources:
@@ -138,7 +175,8 @@ async def run_router(args: argparse.Namespace) -> int:
             hc = ctx.cfg.health
             # A failed first probe is retried every other health round.
             ctx.discovery = Discovery(ctx.registry, sources,
-                                      HttpProber(hc.liveness_timeout, hc.probe_deadline),
+                                      HttpProber(hc.liveness_timeout, hc.probe_deadline,
+                                                 cfg.replica_admin_key or cfg.fleet_key),
                                       ctx.forget, retry=hc.interval * 2,
                                       drain_timeout=args.discover_drain_timeout)
             await ctx.discovery.start()
@@ -183,15 +221,19 @@ async def run_fleet(args: argparse.Namespace) -> int:
     fleet_key = cfg.fleet_key or secrets.token_hex(16)
     cfg.fleet_key = fleet_key
     ctx = RouterContext(cfg)
-    near = "127.0.0.1" if args.host in ("0.0.0.0", "::", "127.0.0.1", "localhost") else args.host
-    routers = [f"http://{near}:{args.port}", *args.router]
+    from batcher.fleet.launcher import free_port
+
+    # Heartbeats from the local replicas: on loopback, with the generated fleet key.
+    internal_port = args.internal_port or free_port()
+    routers = [f"http://127.0.0.1:{internal_port}", *args.router]
     versions = args.versions.split(",") if args.versions else [args.version]
     specs = replica_specs(args.replicas, [*serve_flags(args), "--log-level", args.log_level],
                           routers, versions)
     for s in specs:
         ctx.registry.add_static(s.url, s.replica_id, s.admin_url)
     close = await serve_router(ctx, args.host, args.port, args.admin_port, args.admin_host,
-                               args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"))
+                               args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"),
+                               internal_port=internal_port)
     sup = Supervisor(specs, {"BATCHER_ADMIN_KEY": cfg.replica_admin_key,
                              "BATCHER_FLEET_KEY": fleet_key}, restart=args.restart)
     ctx.processes = sup.status

@@ -16,9 +16,9 @@ import aiohttp
 from batcher.fleet.discovery import Discovery
 from batcher.fleet.health import HealthChecker, HealthConfig
 from batcher.fleet.metrics import RouterMetrics
+from batcher.fleet.policy import Candidate, PolicyConfig, RetryBudget, blocks_for, choose
 from batcher.fleet.registry import Registry, Replica
 from batcher.fleet.rollout import Rollout
-from batcher.fleet.policy import Candidate, PolicyConfig, RetryBudget, blocks_for, choose
 
 
 @dataclass(slots=True)
@@ -40,7 +40,11 @@ class RouterConfig:
     stream_idle_timeout: float = 60.0  # no upstream byte for this long ends an attempt
     max_body_bytes: int = 4 * 2**20
     fleet_key: str | None = None  # required on /internal/heartbeat when set
-    replica_admin_key: str | None = None  # for the replicas' /admin/drain
+    replica_admin_key: str | None = None  # for the replicas' /admin/drain and /v1/probe
+    admin_key: str | None = None  # the router's own admin listener and /v1/probe
+    max_replicas: int = 256
+    beats_per_source: float = 50.0  # heartbeats per second one source address may send
+    beat_burst: int = 100
 
     def validate(self) -> RouterConfig:
         self.policy.validate()
@@ -52,7 +56,12 @@ class RouterConfig:
             raise ValueError("intervals and timeouts must be > 0")
         if self.backoff_base < 0 or self.backoff_cap < 0:
             raise ValueError("backoff must be >= 0")
+        if self.max_replicas < 1 or self.beats_per_source <= 0 or self.beat_burst < 1:
+            raise ValueError("max_replicas, beats_per_source and beat_burst must be > 0")
         return self
+
+
+RequestKey = tuple[str, str]  # (tenant scope, client request id)
 
 
 class Attempt:
@@ -95,15 +104,18 @@ class RouterContext:
         self.cfg = cfg.validate()
         self.clock = clock
         self.rng = rng or random.Random()
-        self.registry = Registry(cfg.beat_interval, cfg.suspect_beats)
+        self.registry = Registry(cfg.beat_interval, cfg.suspect_beats,
+                                 max_replicas=cfg.max_replicas)
         self.rollout = Rollout()
         self.budget = RetryBudget(cfg.retry_ratio, cfg.retry_floor, cfg.retry_window)
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self.attempts: dict[str, set[Attempt]] = {}
-        self.owners: dict[str, str] = {}  # client request id -> replica id now serving it
-        self.cancelled: set[str] = set()  # ids the client cancelled: their errors are final
+        # Client request ids are scoped by the caller's credential (`tenant_scope`), as the
+        # replicas scope them by tenant: one caller can neither see nor cancel another's.
+        self.owners: dict[RequestKey, str] = {}  # (scope, id) -> replica id now serving it
+        self.cancelled: set[RequestKey] = set()  # cancelled by the client: errors are final
         self.inflight = 0
         self.processes: Callable[[], list[dict[str, Any]]] | None = None  # set by the launcher
         self.discovery: Discovery | None = None  # set by `batcher router --discover`

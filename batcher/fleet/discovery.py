@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from batcher.engine_state import EngineSnapshot
 from batcher.fleet.discovery_sources import (  # noqa: F401  (re-exported)
     DnsSource,
     FileSource,
@@ -46,23 +47,26 @@ from batcher.fleet.discovery_sources import (  # noqa: F401  (re-exported)
     parse_url,
     resolve_all,
 )
-from batcher.fleet.registry import Registry, ReplicaState
+from batcher.fleet.registry import Registry
 
 log = logging.getLogger("batcher.fleet.discovery")
 
-Prober = Callable[[Target], Awaitable[ReplicaState | str]]
+Prober = Callable[[Target], Awaitable[EngineSnapshot | str]]
 
 
 class HttpProber:
     """The first probe of a new address: alive, healthy and not draining by its own state, and
-    one token generated within the deadline. Returns the state, or why not."""
+    one token generated within the deadline (when the replica lets this router probe: the probe
+    needs its admin or fleet key, `key`). Returns the state, or why not."""
 
-    def __init__(self, timeout: float = 0.5, probe_deadline: float = 2.0):
+    def __init__(self, timeout: float = 0.5, probe_deadline: float = 2.0,
+                 key: str | None = None):
         self.timeout = timeout
         self.probe_deadline = probe_deadline
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._session: aiohttp.ClientSession | None = None
 
-    async def __call__(self, target: Target) -> ReplicaState | str:
+    async def __call__(self, target: Target) -> EngineSnapshot | str:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         s, url = self._session, target.url
@@ -74,13 +78,15 @@ class HttpProber:
             async with s.get(url + "/v1/state", timeout=short) as resp:
                 if resp.status != 200:
                     return f"/v1/state answered {resp.status}"
-                state = ReplicaState.parse(orjson.loads(await resp.read()))
+                state = EngineSnapshot.from_wire(orjson.loads(await resp.read()))
             if not state.healthy or state.draining:
                 return "not healthy" if not state.healthy else "draining"
             deadline = self.probe_deadline
             long = aiohttp.ClientTimeout(total=deadline + self.timeout)
-            async with s.post(f"{url}/v1/probe?timeout={deadline:g}", timeout=long) as resp:
-                if resp.status != 200:
+            async with s.post(f"{url}/v1/probe?timeout={deadline:g}", timeout=long,
+                              headers=self.headers) as resp:
+                # 401: this router may not probe it; liveness and state above are the test.
+                if resp.status not in (200, 401):
                     return f"probe answered {resp.status}"
         except TimeoutError:
             return "no answer in time"

@@ -22,8 +22,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +30,14 @@ import orjson
 from aiohttp import web
 
 from batcher.fleet.context import Attempt, RouterContext
-from batcher.fleet.registry import Replica
 from batcher.fleet.policy import affinity_key, backoff, estimate_tokens
-from batcher.fleet.sse import DONE, end_with_error, prepare_resume, relay_events
+from batcher.fleet.registry import Replica
+from batcher.fleet.stream_ledger import StreamLedger
+from batcher.http.errors import ApiError
+from batcher.http.sse import DONE, SSE_HEADERS
 
 RETRYABLE = frozenset({500, 502, 503})
 PASS_HEADERS = ("Authorization", "x-api-key")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 class ClientGone(Exception):
@@ -54,21 +53,23 @@ class Failure:
 
 def error_response(status: int, message: str, code: str, rid: str | None = None,
                    retry_after: int | None = None) -> web.Response:
-    kind = {400: "invalid_request_error", 413: "invalid_request_error",
-            503: "service_unavailable"}.get(status, "api_error")
-    headers = {"X-Request-Id": rid} if rid else {}
-    if retry_after is not None:
-        headers["Retry-After"] = str(retry_after)
-    return web.Response(status=status, content_type="application/json", headers=headers,
-                        body=orjson.dumps({"error": {"message": message, "type": kind,
-                                                     "param": None, "code": code}}))
+    return ApiError(status, message, code=code, retry_after=retry_after).response(rid)
 
 
-def request_id(request: web.Request) -> str:
-    rid = request.headers.get("X-Request-Id")
-    if rid is not None and _REQUEST_ID.match(rid):
-        return rid
-    return "req-" + uuid.uuid4().hex
+def well_formed(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the prompt has a shape the routing estimates can read. Anything else goes to a
+    replica as it is, and the replica's 400 (naming the field) is the answer."""
+    if chat:
+        msgs = body.get("messages")
+        return isinstance(msgs, list) and all(
+            isinstance(m, dict) and (isinstance(m.get("content"), str | None) or (
+                isinstance(m.get("content"), list) and all(
+                    isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                    for p in m["content"]))) for m in msgs)
+    p = body.get("prompt")
+    return isinstance(p, str) or (isinstance(p, list) and (
+        all(isinstance(x, int) for x in p) or all(isinstance(x, str) for x in p)
+        or all(isinstance(x, list) for x in p)))
 
 
 def choices_count(body: dict[str, Any], chat: bool) -> int:
@@ -84,47 +85,37 @@ class Relay:
     """One client request across its attempts."""
 
     def __init__(self, ctx: RouterContext, request: web.Request, chat: bool,
-                 body: dict[str, Any], raw: bytes, rid: str):
+                 body: dict[str, Any], raw: bytes, rid: str, scope: str = ""):
         self.ctx, self.request, self.chat, self.body, self.rid = ctx, request, chat, body, rid
+        self.rkey = (scope, rid)  # request ids are the caller's own, as on a replica
         self.payload = raw
-        self.tokens = estimate_tokens(body, chat, ctx.cfg.policy)
-        self.key = affinity_key(body, chat, ctx.cfg.policy)
+        policy = ctx.cfg.policy
+        self.tokens, self.key = policy.default_max_tokens, None
+        if well_formed(body, chat):
+            self.tokens = estimate_tokens(body, chat, policy)
+            key = affinity_key(body, chat, policy)
+            # Affinity only within one caller: another tenant's prefix is never a reason to
+            # land on the replica that caches it (prefix caches are per tenant too).
+            self.key = None if key is None else f"{scope}\x00{key}"
         self.tried: set[str] = set()
         self.attempts = 0
         self.last: Failure | None = None
         self.client: web.StreamResponse | None = None
-        self.texts: dict[int, list[str]] = {}
-        self.finished: set[int] = set()
-        self.sent = 0  # content chunks streamed (one token each, as the replica sends them)
-        self.sent_before_resume = 0
-        self.resumed = False
-        self.broke = False  # the stream ended with the explicit error event
         self.budget_refused = False
-        self.n = choices_count(body, chat)
         # Token ids make a resume exact (the prompt's ids + the ids streamed so far, instead of
-        # re-tokenized text). Ask the replica for them; strip them unless the client asked too.
-        self.prompt_ids: list[int] | None = None
-        self.ids: dict[int, list[int]] = {}
-        self.strip_ids = False
-        self.resume_offset = 0  # tokens generated before the current attempt's prompt ids
-        if (body.get("failover") == "resume" and body.get("stream") and not chat
-                and not body.get("return_token_ids")):
-            self.strip_ids = True
+        # re-tokenized text): ask the replica for them.
+        strip = bool(body.get("failover") == "resume" and body.get("stream") and not chat
+                     and not body.get("return_token_ids"))
+        if strip:
             self.payload = orjson.dumps(dict(body, return_token_ids=True))
-
-    @property
-    def generated(self) -> int:
-        """Tokens streamed so far: exact when the replica sent ids, else content chunks."""
-        if self.ids or self.resume_offset:
-            return self.resume_offset + sum(len(v) for v in self.ids.values())
-        return self.sent
+        self.ledger = StreamLedger(chat, choices_count(body, chat), strip_ids=strip)
 
     def outcome(self, resp: web.StreamResponse) -> str:
         """The client-facing outcome label of the finished relay."""
-        if self.broke:
+        if self.ledger.broke:
             return "stream_error"
         if resp.status == 200:
-            return "resumed" if self.resumed else "ok"
+            return "resumed" if self.ledger.resumed else "ok"
         if self.budget_refused:
             return "budget_exhausted"
         if resp.status == 503:
@@ -201,7 +192,7 @@ class Relay:
         data = await up.read()
         resp = web.Response(status=up.status, body=data, headers=self._reply_headers(up),
                             content_type=up.content_type)
-        if up.status in RETRYABLE and self.rid not in self.ctx.cancelled:
+        if up.status in RETRYABLE and self.rkey not in self.ctx.cancelled:
             return Failure(f"a replica answered {up.status}", up.status == 503, resp)
         return resp
 
@@ -218,7 +209,7 @@ class Relay:
     async def _whole_attempt(self, rep: Replica) -> Failure | web.StreamResponse:
         ctx = self.ctx
         att = ctx.begin(rep, self.tokens)
-        ctx.owners[self.rid] = rep.replica_id
+        ctx.owners[self.rkey] = rep.replica_id
         outcome = "error"
         try:
             async with asyncio.timeout(None) as tm:
@@ -245,8 +236,8 @@ class Relay:
 
     def _end(self, rep: Replica, att: Attempt, outcome: str) -> None:
         self.ctx.end(att)
-        if self.ctx.owners.get(self.rid) == rep.replica_id:
-            del self.ctx.owners[self.rid]
+        if self.ctx.owners.get(self.rkey) == rep.replica_id:
+            del self.ctx.owners[self.rkey]
         self.ctx.metrics.attempt(rep.replica_id, rep.version, outcome)
 
     # streams -------------------------------------------------------------------------------
@@ -257,7 +248,7 @@ class Relay:
                 if isinstance(rep, web.StreamResponse):
                     if self.client is None:
                         return rep
-                    await end_with_error(self, self.last.reason if self.last else "no replica")
+                    await self.end_with_error(self.last.reason if self.last else "no replica")
                     return self.client
                 result = await self._stream_attempt(rep)
                 if result is None:
@@ -267,7 +258,7 @@ class Relay:
                 self.last = result
                 if self.client is None:
                     continue
-                if not await prepare_resume(self):
+                if not await self.prepare_resume():
                     return self.client
         except ClientGone:
             return self.client  # type: ignore[return-value]
@@ -275,7 +266,7 @@ class Relay:
     async def _stream_attempt(self, rep: Replica) -> Failure | web.StreamResponse | None:
         ctx = self.ctx
         att = ctx.begin(rep, self.tokens, stream=True)
-        ctx.owners[self.rid] = rep.replica_id
+        ctx.owners[self.rkey] = rep.replica_id
         outcome = "error"
         buf = bytearray()
         try:
@@ -296,13 +287,15 @@ class Relay:
                         att.last_byte = ctx.clock()
                         att.extend(ctx.cfg.stream_idle_timeout)
                         buf += chunk
-                        done, failure = await relay_events(self, buf)
-                        if failure is not None:
-                            return failure
-                        if done:
-                            outcome = "resumed" if self.resumed else "ok"
+                        taken = self.ledger.take(buf, self.rkey in ctx.cancelled)
+                        if taken.out or taken.done:
+                            await self.write(taken.out, eof=taken.done)
+                        if taken.failure is not None:
+                            return Failure(taken.failure)
+                        if taken.done:
+                            outcome = "resumed" if self.ledger.resumed else "ok"
                             return None
-                    if self.client is not None and len(self.finished) >= self.n:
+                    if self.client is not None and self.ledger.complete:
                         await self.write(DONE, eof=True)  # finished but [DONE] was lost
                         outcome = "ok"
                         return None
@@ -320,9 +313,7 @@ class Relay:
         try:
             if self.client is None:
                 self.client = web.StreamResponse(headers={
-                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no", "X-Request-Id": self.rid,
-                    "X-Attempt": str(self.attempts)})
+                    **SSE_HEADERS, "X-Request-Id": self.rid, "X-Attempt": str(self.attempts)})
                 await self.client.prepare(self.request)
             if data:
                 await self.client.write(data)
@@ -330,3 +321,23 @@ class Relay:
                 await self.client.write_eof()
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone(str(exc)) from None
+
+    async def prepare_resume(self) -> bool:
+        """After a failure mid-stream: set up the resumed request and return True, or end the
+        stream (explicit error, or the final chunk when nothing was left to generate) and return
+        False."""
+        reason = self.last.reason if self.last is not None else "the replica failed"
+        if not self.ledger.resumable(self.body):
+            await self.end_with_error(reason)
+            return False
+        self.ctx.metrics.failovers.labels("resume").inc()
+        nxt = self.ledger.resume(self.body, self.ctx.cfg.policy.default_max_tokens, self.rid)
+        if isinstance(nxt, bytes):
+            await self.write(nxt, eof=True)
+            return False
+        self.payload = orjson.dumps(nxt)
+        return True
+
+    async def end_with_error(self, reason: str) -> None:
+        self.ctx.metrics.failovers.labels("error").inc()
+        await self.write(self.ledger.broken(reason), eof=True)

@@ -31,6 +31,7 @@ import orjson
 from batcher.fleet.registry import Registry, Replica
 
 log = logging.getLogger("batcher.fleet.health")
+_NOT_ALLOWED = "not allowed"  # the replica refused the probe itself (no key, rate limit)
 
 
 @dataclass(slots=True)
@@ -114,7 +115,7 @@ class HealthChecker:
                  on_evict: Callable[[Replica, str], None],
                  on_readmit: Callable[[Replica], None],
                  stalled: Callable[[str, float], bool] = lambda rid, now: False,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, probe_key: str | None = None):
         self.registry = registry
         self.cfg = cfg
         self.session = session
@@ -122,10 +123,13 @@ class HealthChecker:
         self.on_readmit = on_readmit
         self.stalled = stalled
         self.clock = clock
+        # A replica's /v1/probe is an operator's tool: it needs its admin or fleet key.
+        self.probe_headers = {"Authorization": f"Bearer {probe_key}"} if probe_key else {}
         self.records: dict[str, HealthRecord] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._probing: dict[str, asyncio.Task[None]] = {}
         self._main: asyncio.Task[None] | None = None
+        self._unprobed: set[str] = set()
 
     def record(self, replica_id: str) -> HealthRecord:
         rec = self.records.get(replica_id)
@@ -206,6 +210,10 @@ class HealthChecker:
     async def deep_probe(self, rep: Replica) -> None:
         rec = self.record(rep.replica_id)
         error = await self._probe(rep)
+        if error is _NOT_ALLOWED:
+            if not rec.evicted:
+                return
+            error = None  # its liveness passed this round: the only evidence this router has
         rec.probes += 1
         rec.last_probe_ok = error is None
         if error is not None:
@@ -256,9 +264,16 @@ class HealthChecker:
         timeout = aiohttp.ClientTimeout(total=deadline + self.cfg.liveness_timeout)
         try:
             async with self.session.post(f"{rep.url}/v1/probe?timeout={deadline:g}",
-                                         timeout=timeout) as resp:
+                                         headers=self.probe_headers, timeout=timeout) as resp:
                 if resp.status == 200:
                     return None
+                if resp.status in (401, 429):
+                    if resp.status == 401 and rep.replica_id not in self._unprobed:
+                        self._unprobed.add(rep.replica_id)
+                        log.warning("replica %s refuses this router's deep probes (no shared "
+                                    "admin or fleet key); judging it by liveness",
+                                    rep.replica_id)
+                    return _NOT_ALLOWED
                 body = await resp.read()
                 return f"probe answered {resp.status}: {body[:200].decode(errors='replace')}"
         except TimeoutError:

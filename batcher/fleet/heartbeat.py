@@ -21,6 +21,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from batcher.engine_state import EngineSnapshot
+
 log = logging.getLogger("batcher.fleet.heartbeat")
 
 
@@ -33,7 +35,7 @@ def beat_payload(state: dict[str, Any], replica_id: str, url: str, epoch: int, s
     return dict(state, replica_id=replica_id, url=url, epoch=epoch, seq=seq)
 
 
-async def heartbeat_loop(state_fn: Callable[[], dict[str, Any]], routers: Sequence[str],
+async def heartbeat_loop(state_fn: Callable[[], EngineSnapshot], routers: Sequence[str],
                          replica_id: str, url: str, interval: float = 1.0,
                          timeout: float = 0.5, key: str | None = None,
                          admin_url: str | None = None) -> None:
@@ -66,7 +68,7 @@ async def heartbeat_loop(state_fn: Callable[[], dict[str, Any]], routers: Sequen
         next_at = loop.time()
         while True:
             seq += 1
-            payload = beat_payload(state_fn(), replica_id, url, epoch, seq)
+            payload = beat_payload(state_fn().to_wire(), replica_id, url, epoch, seq)
             if admin_url:
                 payload["admin_url"] = admin_url  # lets the router drain a replica that joined
             body = orjson.dumps(payload)

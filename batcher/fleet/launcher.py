@@ -7,12 +7,17 @@ Contract:
   every exit, restarts them with `restart=True` (1 s delay, doubling to 30 s while a replica
   keeps dying within 10 s of its start), and on `stop()` sends SIGTERM (the replicas drain),
   then SIGKILL after the timeout. It never signals anything it did not start.
+- Replicas die with the launcher: on Linux each child asks the kernel for SIGTERM when its
+  parent dies (`PR_SET_PDEATHSIG`), so even `kill -9` of `batcher fleet` leaves no replica
+  running (a replica that is not in the launcher's hands would keep heartbeating, and hold
+  its GPU memory).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -25,34 +30,55 @@ from typing import Any
 
 from aiohttp import web
 
+from batcher.fleet.admin import create_admin_app
 from batcher.fleet.context import RouterContext
+from batcher.fleet.internal import create_internal_app
 from batcher.fleet.proxy import create_router_app
-from batcher.fleet.rollout import create_admin_app
+from batcher.http.listener import keepalive_timeout, server_log
 
 log = logging.getLogger("batcher.fleet")
 
 
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 async def serve_router(ctx: RouterContext, host: str, port: int, admin_port: int | None = None,
                        admin_host: str = "127.0.0.1", admin_key: str | None = None,
-                       shutdown_timeout: float = 10.0) -> Callable[[], Awaitable[None]]:
-    runner = web.AppRunner(create_router_app(ctx), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
-    admin_runner: web.AppRunner | None = None
-    if admin_port:
-        if not admin_key:
-            await runner.cleanup()
-            raise SystemExit("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
-        admin_runner = web.AppRunner(create_admin_app(ctx, admin_key), access_log=None)
-        await admin_runner.setup()
-        await web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True).start()
+                       shutdown_timeout: float = 10.0, internal_port: int | None = None,
+                       internal_host: str = "127.0.0.1") -> Callable[[], Awaitable[None]]:
+    """Listen: the public app on `port`, the admin app on `admin_port` (with `admin_key`), the
+    internal app (heartbeats) on `internal_port`. A listener is off when its port is None. An
+    internal listener off loopback needs a fleet key (SystemExit otherwise)."""
+    if admin_port and not admin_key:
+        raise SystemExit("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
+    if internal_port and internal_host not in LOOPBACK and not ctx.cfg.fleet_key:
+        raise SystemExit("heartbeats off loopback need a fleet key (--fleet-key-file or "
+                         "BATCHER_FLEET_KEY)")
+    ctx.cfg.admin_key = admin_key or ctx.cfg.admin_key
+    keepalive = keepalive_timeout()
+    runners: list[web.AppRunner] = []
+
+    async def listen(app: web.Application, at: str, on: int, **kw: Any) -> None:
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=keepalive,
+                               logger=server_log(), **kw)
+        await runner.setup()
+        runners.append(runner)
+        await web.TCPSite(runner, at, on, reuse_address=True).start()
 
     async def close() -> None:
-        if admin_runner is not None:
-            await admin_runner.cleanup()
-        await runner.cleanup()
+        for runner in reversed(runners):
+            await runner.cleanup()
 
+    try:
+        await listen(create_router_app(ctx), host, port, handler_cancellation=True,
+                     shutdown_timeout=shutdown_timeout)
+        if internal_port:
+            await listen(create_internal_app(ctx), internal_host, internal_port)
+        if admin_port and admin_key:
+            await listen(create_admin_app(ctx, admin_key), admin_host, admin_port)
+    except BaseException:
+        await close()
+        raise
     return close
 
 
@@ -108,7 +134,8 @@ class Supervisor:
 
     async def _spawn(self, rp: ReplicaProcess) -> None:
         rp.proc = await asyncio.create_subprocess_exec(
-            *rp.spec.argv, env=self.env, stdin=asyncio.subprocess.DEVNULL)
+            *rp.spec.argv, env=self.env, stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=die_with_parent())
         rp.started_at = time.monotonic()
         log.info("replica %s started (pid %d) on %s", rp.spec.replica_id, rp.proc.pid,
                  rp.spec.url)
@@ -158,6 +185,27 @@ class Supervisor:
         for t in self._watchers:
             t.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGTERM when this process dies, however it dies
+    (`kill -9` included), so replicas never outlive their launcher holding a GPU. Linux only;
+    elsewhere None (children then outlive a killed launcher)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
+    parent = os.getpid()
+
+    def arm() -> None:
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            os._exit(70)
+        if os.getppid() != parent:  # the launcher died before the signal was armed
+            os._exit(70)
+
+    return arm
 
 
 def replica_specs(n: int, serve_flags: list[str], router_urls: list[str],

@@ -35,6 +35,9 @@ class RouterMetrics:
                                  buckets=ROUTING_BUCKETS, registry=r)
         self.inflight = Gauge("batcher_router_inflight", "Client requests in flight",
                               registry=r)
+        self.beats = Counter("batcher_router_heartbeats", "Heartbeats by outcome: accepted, "
+                             "stale, refused, invalid, unauthorized, rate_limited", ["outcome"],
+                             registry=r)
         self.replicas = Gauge("batcher_router_replicas", "Replicas by router view",
                               ["view"], registry=r)
 

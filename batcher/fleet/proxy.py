@@ -1,18 +1,22 @@
 """The router's public app: the same API as a replica, so clients cannot tell them apart.
 
-Forwards `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings` (see `forward.py`),
-`POST /v1/probe` to a routable replica and `DELETE /v1/requests/{id}` to the replica running that
-id; aggregates `/v1/models`, `/health` (the router answers), `/ready` (some replica can take
-work), `/v1/state` (sums over routable replicas, plus a `replicas` list); serves its own
-`/metrics`; takes heartbeats on `POST /internal/heartbeat` (with `Authorization: Bearer
-FLEET_KEY` when the router has a fleet key). Every response carries `X-Request-Id`.
+Forwards `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings` (see `forward.py`) and
+`DELETE /v1/requests/{id}` to the replica running that id for that caller; aggregates
+`/v1/models` (with the caller's key, so a bad key is a 401 as on a replica), `/health` (the
+router answers), `/ready` (some replica can take work), `/v1/state` (sums over routable
+replicas; no replica addresses); serves its own `/metrics`. `POST /v1/probe` needs the router's
+admin or fleet key and answers from the health checker's own probes: client probes never reach
+a replica. Heartbeats are on the internal listener (`internal.py`), drain and canary on the
+admin listener (`admin.py`). Every response carries `X-Request-Id`; malformed input gets the
+replica's answer (one toolkit, `batcher.http`), never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import logging
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -21,30 +25,46 @@ import orjson
 from aiohttp import web
 
 from batcher.fleet.context import RouterContext
-from batcher.fleet.forward import PASS_HEADERS, Relay, error_response, request_id
+from batcher.fleet.forward import PASS_HEADERS, Relay
 from batcher.fleet.health import HealthChecker
+from batcher.fleet.scope import tenant_scope
+from batcher.http.errors import ApiError, from_http_exception
+from batcher.http.keys import AuthError, bearer_matches
+from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
+from batcher.http.request_ids import client_request_id, new_request_id
+from batcher.http.responses import json_response
+
+log = logging.getLogger("batcher.fleet.proxy")
 
 ROUTER = web.AppKey("router", RouterContext)
-
-
-def json_response(payload: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(payload),
-                        content_type="application/json")
+# Routes that read no credential (as on a replica); the rest scope by it.
+OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
 
 
 @web.middleware
 async def middleware(request: web.Request, handler: Callable[[web.Request],
                      Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    rid = request_id(request)
-    request["request_id"] = rid
+    rid = new_request_id()
     try:
+        rid = client_request_id(request.headers.get("X-Request-Id")) or rid
+        request["request_id"] = rid
+        length = request.content_length
+        limit = request.app[ROUTER].cfg.max_body_bytes
+        if length is not None and length > limit:
+            raise ApiError(413, f"the request body is {length} bytes; the limit is {limit}",
+                           code="body_too_large")
+        if request.path not in OPEN_PATHS:
+            try:
+                request["scope"] = tenant_scope(request.headers)
+            except AuthError as exc:
+                raise ApiError(401, str(exc), code="invalid_api_key") from None
         resp = await handler(request)
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(413, "the request body is too large", "body_too_large", rid)
+    except ApiError as err:
+        resp = err.response(rid)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason or "error", exc.reason, rid)
+        resp = from_http_exception(exc).response(rid)
     if not resp.prepared and "X-Request-Id" not in resp.headers:
         resp.headers["X-Request-Id"] = rid
     return resp
@@ -54,15 +74,11 @@ def generation(chat: bool) -> Callable[[web.Request], Awaitable[web.StreamRespon
     async def handle(request: web.Request) -> web.StreamResponse:
         ctx = request.app[ROUTER]
         rid = request["request_id"]
-        raw = await request.read()
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            return error_response(400, f"the body is not valid JSON: {exc}", "invalid_json", rid)
+        raw = await read_body(request)
+        body = await read_json(request, raw)
         if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object",
-                                  "invalid_type", rid)
-        relay = Relay(ctx, request, chat, body, raw, rid)
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
+        relay = Relay(ctx, request, chat, body, raw, rid, request["scope"])
         ctx.inflight += 1
         ctx.metrics.inflight.inc()
         ctx.budget.note_request(ctx.clock())
@@ -75,28 +91,12 @@ def generation(chat: bool) -> Callable[[web.Request], Awaitable[web.StreamRespon
             outcome = relay.outcome(resp)
             return resp
         finally:
-            ctx.cancelled.discard(rid)
+            ctx.cancelled.discard(relay.rkey)
             ctx.inflight -= 1
             ctx.metrics.inflight.dec()
             ctx.metrics.client_requests.labels(outcome).inc()
 
     return handle
-
-
-async def heartbeat(request: web.Request) -> web.Response:
-    ctx = request.app[ROUTER]
-    key = ctx.cfg.fleet_key
-    if key and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
-                                       f"Bearer {key}".encode()):
-        return error_response(401, "invalid fleet key", "invalid_api_key")
-    try:
-        payload = orjson.loads(await request.read())
-        if not isinstance(payload, dict):
-            raise TypeError("a heartbeat is a JSON object")
-        accepted = ctx.registry.beat(payload, ctx.clock())
-    except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
-        return error_response(400, str(exc), "invalid_heartbeat")
-    return json_response({"accepted": accepted})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -109,10 +109,12 @@ async def ready(request: web.Request) -> web.Response:
     reg = request.app[ROUTER].registry
     ok = any(reg.routable(r) for r in reg)
     return json_response({"ready": ok, "reason": "ready" if ok else "no routable replica"},
-                         200 if ok else 503)
+                         status=200 if ok else 503)
 
 
 async def state(request: web.Request) -> web.Response:
+    """Capacity summed over routable replicas. Anyone may read it, so it names no replica
+    address (the admin listener's /admin/status does)."""
     ctx = request.app[ROUTER]
     reg = ctx.registry
     live = [r.state for r in reg if reg.routable(r) and r.state is not None]
@@ -124,7 +126,7 @@ async def state(request: web.Request) -> web.Response:
         "running": sum(s.running for s in live), "waiting": sum(s.waiting for s in live),
         "version": ",".join(versions), "draining": False, "healthy": bool(live),
         "in_flight": ctx.inflight, "router": True, "weights": ctx.rollout.weights,
-        "replicas": reg.snapshot(ctx.clock())})
+        "replicas": len(reg), "routable": len(live)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -143,22 +145,34 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The union of the routable replicas' models, asked with the caller's key: when no replica
+    answers 200, the caller gets the first refusal (a bad key is a 401, as on a replica)."""
     ctx = request.app[ROUTER]
     reps = [r for r in ctx.registry if ctx.registry.routable(r)]
 
-    async def one(url: str) -> list[dict[str, Any]]:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+    async def one(url: str) -> tuple[int, bytes]:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with ctx.session.get(url + "/v1/models", headers=_auth(request),
                                        timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
-                if resp.status == 200:
-                    return list(orjson.loads(await resp.read()).get("data") or [])
-        return []
+                return resp.status, await resp.read()
+        return 0, b""
 
     merged: dict[str, dict[str, Any]] = {}
-    for items in await asyncio.gather(*(one(r.url) for r in reps)):
-        for m in items:
-            if isinstance(m, dict) and isinstance(m.get("id"), str):
-                merged.setdefault(m["id"], m)
+    refusal: tuple[int, bytes] | None = None
+    for status, raw in await asyncio.gather(*(one(r.url) for r in reps)):
+        if status != 200:
+            if 400 <= status < 500 and refusal is None:
+                refusal = (status, raw)
+            continue
+        with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+            for m in orjson.loads(raw).get("data") or ():
+                if isinstance(m, dict) and isinstance(m.get("id"), str):
+                    merged.setdefault(m["id"], m)
+    if not merged and refusal is not None:
+        return web.Response(status=refusal[0], body=refusal[1],
+                            content_type="application/json")
+    if not reps:
+        raise ApiError(503, "no replica is ready to serve", code="no_replica", retry_after=1)
     return json_response({"object": "list", "data": list(merged.values())})
 
 
@@ -166,35 +180,48 @@ def _auth(request: web.Request) -> dict[str, str]:
     return {k: v for k in PASS_HEADERS if (v := request.headers.get(k)) is not None}
 
 
-async def probe(request: web.Request) -> web.StreamResponse:
+async def probe(request: web.Request) -> web.Response:
+    """The health checker's latest deep probes, for an operator (admin or fleet key). Nothing is
+    sent upstream: the router probes replicas on its own schedule."""
     ctx = request.app[ROUTER]
-    rep = ctx.pick(1, None, set())
-    if rep is None:
-        return error_response(503, "no replica is ready", "no_replica", retry_after=1)
-    try:
-        async with ctx.session.post(f"{rep.url}/v1/probe?{request.query_string}",
-                                    timeout=aiohttp.ClientTimeout(total=65.0)) as resp:
-            body = await resp.read()
-            return web.Response(status=resp.status, body=body, content_type=resp.content_type)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return error_response(503, f"the probe failed: {type(exc).__name__}", "probe_failed")
+    keys = [k for k in (ctx.cfg.admin_key, ctx.cfg.fleet_key) if k]
+    # Every key is compared, so the time taken does not say which one matched.
+    if not sum(bearer_matches(request.headers, k) for k in keys):
+        raise ApiError(401, "the probe needs the router's admin or fleet key",
+                       code="invalid_api_key")
+    records = ctx.health.records if ctx.health is not None else {}
+    reg = ctx.registry
+    passing = [r.replica_id for r in reg if reg.routable(r)
+               and ((rec := records.get(r.replica_id)) is None or rec.last_probe_ok is not False)]
+    body = {"ok": bool(passing), "routable": sum(1 for r in reg if reg.routable(r)),
+            "passing": len(passing)}
+    return json_response(body, status=200 if passing else 503)
 
 
 async def cancel(request: web.Request) -> web.StreamResponse:
+    """Cancel the caller's own request. An id the caller does not own is asked of a replica
+    with the caller's key, so the answer (401 for a bad key, else 404) is the replica's and says
+    nothing about other callers' ids."""
     ctx = request.app[ROUTER]
     rid = request.match_info["id"]
-    owner = ctx.registry.get(ctx.owners.get(rid, ""))
+    rkey = (request["scope"], rid)
+    owner = ctx.registry.get(ctx.owners.get(rkey, ""))
     if owner is None:
-        return error_response(404, f"no request '{rid}' in flight", "request_not_found")
+        owner = next((r for r in ctx.registry if ctx.registry.routable(r)), None)
+        if owner is None:
+            raise ApiError(404, f"no request '{rid}' in flight", param="id",
+                           code="request_not_found")
     try:
-        async with ctx.session.delete(f"{owner.url}/v1/requests/{rid}", headers=_auth(request),
+        path = "/v1/requests/" + urllib.parse.quote(rid, safe="", errors="surrogateescape")
+        async with ctx.session.delete(owner.url + path, headers=_auth(request),
                                       timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
-            if resp.status == 200 and rid in ctx.owners:
-                ctx.cancelled.add(rid)  # its error is the answer, not a reason to fail over
+            if resp.status == 200 and rkey in ctx.owners:
+                ctx.cancelled.add(rkey)  # its error is the answer, not a reason to fail over
             return web.Response(status=resp.status, body=await resp.read(),
                                 content_type=resp.content_type)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return error_response(503, f"the cancel failed: {type(exc).__name__}", "cancel_failed")
+        raise ApiError(503, f"the cancel failed: {type(exc).__name__}", code="cancel_failed",
+                       retry_after=1) from None
 
 
 def create_router_app(ctx: RouterContext) -> web.Application:
@@ -210,22 +237,21 @@ def create_router_app(ctx: RouterContext) -> web.Application:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10.0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout))
         ctx.health = HealthChecker(ctx.registry, cfg.health, ctx.session, ctx.on_evict,
-                                   ctx.on_readmit, ctx.stalled, ctx.clock)
+                                   ctx.on_readmit, ctx.stalled, ctx.clock,
+                                   probe_key=cfg.replica_admin_key or cfg.fleet_key)
         ctx.health.start()
         yield
         await ctx.health.close()
         await ctx.session.close()
 
     app.cleanup_ctx.append(lifetime)
-    app.router.add_post("/v1/completions", generation(chat=False))
-    app.router.add_post("/v1/chat/completions", generation(chat=True))
-    app.router.add_post("/v1/embeddings", generation(chat=False))
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/v1/state", state)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/probe", probe)
-    app.router.add_delete("/v1/requests/{id}", cancel)
-    app.router.add_post("/internal/heartbeat", heartbeat)
+    routes = [("POST", "/v1/completions", generation(chat=False)),
+              ("POST", "/v1/chat/completions", generation(chat=True)),
+              ("POST", "/v1/embeddings", generation(chat=False)),
+              ("GET", "/v1/models", models), ("GET", "/health", health), ("GET", "/ready", ready),
+              ("GET", "/v1/state", state), ("GET", "/metrics", metrics),
+              ("POST", "/v1/probe", probe), ("DELETE", "/v1/requests/{id}", cancel)]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler, expect_handler=expect_continue)
+    add_fallback_route(app)
     return app

@@ -1,9 +1,15 @@
 """Soft state per replica, fed by heartbeats, piggybacked `X-Replica-State` headers and polls.
 
 Contract (no I/O; every method takes `now`, the router's own monotonic clock):
-- `beat(payload, now)` keeps the newest `(epoch, seq)` per replica and ignores older or replayed
-  beats. Integer epochs (boot time) are ordered; any other epoch is a new start when it was not
-  seen before for that replica.
+- `beat(payload, now, trusted)` keeps the newest `(epoch, seq)` per replica and ignores older or
+  replayed beats. Integer epochs (boot time) are ordered; any other epoch is a new start when it
+  was not seen before for that replica.
+- A replica id is bound to the URL it first announced (or was configured with): a beat that
+  would move a live replica to another URL raises `BeatRefused` and changes nothing. Only a
+  replica that stopped beating (suspect) or was evicted may come back at a new URL, and never a
+  configured one. New ids beyond `max_replicas` are refused; known replicas are never displaced.
+- An `admin_url` is taken only from a `trusted` beat (one that carried the fleet key): the
+  router sends the replicas' admin key there.
 - A replica is *suspect* when its last beat is older than `suspect_beats * beat_interval`. A
   replica that never heartbeats (added with `--replica URL`) is kept fresh by the health
   checker's `/v1/state` polls instead (`poll=True`).
@@ -21,35 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from batcher.engine_state import EngineSnapshot
+
 _RETIRED_EPOCHS = 8  # string epochs remembered per replica, so a replayed old start is refused
+MAX_REPLICAS = 256
 
 
-@dataclass(slots=True)
-class ReplicaState:
-    """The `/v1/state` fields the router depends on."""
+class BeatRefused(Exception):
+    """A well-formed beat the registry will not apply (`status`: the HTTP answer)."""
 
-    free_blocks: int
-    total_blocks: int
-    block_size: int
-    running: int
-    waiting: int
-    version: str
-    draining: bool
-    healthy: bool
-    last_step_age: float | None = None  # seconds since the engine's last step, when reported
-
-    @classmethod
-    def parse(cls, d: Mapping[str, Any]) -> ReplicaState:
-        """From `/v1/state` JSON; ValueError when a field is missing or mistyped."""
-        try:
-            age = d.get("last_step_age")
-            st = cls(int(d["free_blocks"]), int(d["total_blocks"]), max(1, int(d["block_size"])),
-                     int(d["running"]), int(d["waiting"]), str(d["version"]),
-                     bool(d["draining"]), bool(d["healthy"]),
-                     float(age) if isinstance(age, (int, float)) else None)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad replica state: {exc!r}") from None
-        return st
+    def __init__(self, message: str, status: int = 409):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(slots=True)
@@ -66,7 +55,7 @@ class Replica:
     replica_id: str
     url: str
     admin_url: str | None = None
-    state: ReplicaState | None = None
+    state: EngineSnapshot | None = None
     state_at: float = float("-inf")
     beat_at: float | None = None
     epoch: int | str | None = None
@@ -102,10 +91,11 @@ class Registry:
     """All replicas known to one router."""
 
     def __init__(self, beat_interval: float = 1.0, suspect_beats: float = 3.0,
-                 forget_after: float = 60.0):
+                 forget_after: float = 60.0, max_replicas: int = MAX_REPLICAS):
         self.beat_interval = beat_interval
         self.suspect_after = beat_interval * suspect_beats
         self.forget_after = forget_after
+        self.max_replicas = max_replicas
         self.replicas: dict[str, Replica] = {}
         self._tokens = itertools.count(1)
 
@@ -143,33 +133,53 @@ class Registry:
         return gone
 
     # state updates ---------------------------------------------------------------------------
-    def beat(self, payload: Mapping[str, Any], now: float) -> bool:
+    def beat(self, payload: Mapping[str, Any], now: float, trusted: bool = False) -> bool:
         """Apply a heartbeat. Returns False when it is older than one already applied (or
-        replayed). ValueError when the payload is malformed."""
+        replayed). ValueError when the payload is malformed; BeatRefused when it would repoint
+        a live replica or register one past the cap."""
         rid, url = payload.get("replica_id"), payload.get("url")
         epoch, seq = payload.get("epoch"), payload.get("seq")
         if not isinstance(rid, str) or not rid or not isinstance(url, str) or not url:
             raise ValueError("a heartbeat needs 'replica_id' and 'url' strings")
+        if len(rid) > 128 or len(url) > 2048:
+            raise ValueError("'replica_id' or 'url' is too long")
         if isinstance(epoch, bool) or not isinstance(epoch, (int, str)) or (
                 isinstance(seq, bool) or not isinstance(seq, int)):
             raise ValueError(  # noqa: TRY004 (the caller answers 400 to any ValueError)
                 "a heartbeat needs an 'epoch' (int or str) and an int 'seq'")
-        state = ReplicaState.parse(payload)
+        state = EngineSnapshot.from_wire(payload)
+        url = url.rstrip("/")
         rep = self.replicas.get(rid)
         if rep is None:
-            rep = self.replicas[rid] = Replica(rid, url.rstrip("/"))
+            if len(self.replicas) >= self.max_replicas:
+                raise BeatRefused(f"the router holds {self.max_replicas} replicas already", 503)
+            rep = self.replicas[rid] = Replica(rid, url)
         if not self._newer(rep, epoch, seq):
             return False
+        if url != rep.url:
+            self._check_move(rep, epoch, now)
         if rep.epoch is not None and rep.epoch != epoch and isinstance(rep.epoch, str):
             rep.retired_epochs = [*rep.retired_epochs, rep.epoch][-_RETIRED_EPOCHS:]
         rep.epoch, rep.seq, rep.beats = epoch, seq, True
-        rep.url = url.rstrip("/")
+        rep.url = url
         admin_url = payload.get("admin_url")
-        if isinstance(admin_url, str) and admin_url:
+        if trusted and isinstance(admin_url, str) and admin_url and not (
+                rep.static and rep.admin_url):
             rep.admin_url = admin_url.rstrip("/")
         rep.beat_at = now
         rep.state, rep.state_at = state, now
         return True
+
+    def _check_move(self, rep: Replica, epoch: int | str, now: float) -> None:
+        """A beat names another URL than the one `rep` is bound to: allowed only for a new
+        start of a dynamic replica that is no longer live (it moved)."""
+        if rep.static:
+            raise BeatRefused(f"replica {rep.replica_id!r} is configured at another URL")
+        if epoch == rep.epoch:
+            raise BeatRefused(f"replica {rep.replica_id!r} cannot change its URL mid-run")
+        if not rep.evicted and not self.suspect(rep, now):
+            raise BeatRefused(f"replica {rep.replica_id!r} is live at another URL")
+        rep.admin_url = None  # announced for the old address; the new one must announce again
 
     @staticmethod
     def _newer(rep: Replica, epoch: int | str, seq: int) -> bool:
@@ -181,7 +191,7 @@ class Registry:
             return epoch > rep.epoch
         return isinstance(epoch, str) and epoch not in rep.retired_epochs
 
-    def observe(self, replica_id: str, state: Mapping[str, Any] | ReplicaState, now: float,
+    def observe(self, replica_id: str, state: Mapping[str, Any] | EngineSnapshot, now: float,
                 poll: bool = False) -> bool:
         """A state seen on a response (piggyback) or fetched by a poll. A poll counts as a
         beat only for replicas that never heartbeat. Returns False when unusable."""
@@ -189,7 +199,7 @@ class Registry:
         if rep is None:
             return False
         try:
-            st = state if isinstance(state, ReplicaState) else ReplicaState.parse(state)
+            st = state if isinstance(state, EngineSnapshot) else EngineSnapshot.from_wire(state)
         except ValueError:
             return False
         if now < rep.state_at:

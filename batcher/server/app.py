@@ -18,11 +18,13 @@ from batcher.server import embeddings_route
 from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import Gateway
 from batcher.server.openai_routes import GenerationHandler
+from batcher.server.probe import ProbeGuard
 
 log = logging.getLogger(__name__)
 
 HANDLERS = web.AppKey("handlers", dict)
-# Routes anyone on the network may call: liveness, readiness, capacity, metrics, the probe.
+PROBE = web.AppKey("probe", ProbeGuard)
+# Routes without a tenant key: liveness, readiness, capacity, metrics; the probe checks its own.
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
 
 
@@ -90,6 +92,8 @@ async def metrics(request: web.Request) -> web.Response:
 async def probe(request: web.Request) -> web.Response:
     """One-token generation ahead of the queue, with a deadline (`?timeout=` seconds)."""
     gw = request.app[GATEWAY]
+    guard = request.app[PROBE]
+    guard.check(request.headers)  # an operator's tool: admin or fleet key, rate-limited
     try:
         timeout = float(request.query.get("timeout", "5"))
     except ValueError:
@@ -98,7 +102,7 @@ async def probe(request: web.Request) -> web.Response:
         raise ApiError(400, "timeout must be a number of seconds", param="timeout")
     timeout = min(60.0, max(0.01, timeout))
     try:
-        latency = await gw.engine.probe(timeout)
+        latency = await guard.run(lambda: gw.engine.probe(timeout), timeout)
     except TimeoutError:
         return json_response({"ok": False, "error": f"no token within {timeout:g}s"}, 503)
     except Exception as exc:  # the probe exists to report failures, not raise them
@@ -124,10 +128,11 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int,
-               ) -> web.Application:
+               probe_keys: tuple[str | None, ...] = ()) -> web.Application:
     """The public app. `gw_factory` builds the gateway (model, engine) at startup; cleanup
-    stops the engine."""
+    stops the engine. `/v1/probe` takes any of `probe_keys` (the admin and fleet keys)."""
     app = web.Application(middlewares=[gateway_middleware], client_max_size=max_body_bytes)
+    app[PROBE] = ProbeGuard(probe_keys)
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         gw = await gw_factory()

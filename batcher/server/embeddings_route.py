@@ -46,7 +46,7 @@ async def handle(request: web.Request) -> web.Response:
         raise ApiError(404, "this server has no embedding model", code="model_not_found")
     model, items, fmt = _inputs(await read_json(request))
     if model != gw.embedder_name:
-        raise invalid(f"model '{model}' is not served here; available: "
+        raise invalid(f"model '{model[:64]}' is not served here; available: "
                       f"['{gw.embedder_name}']", "model", "model_not_found")
     batcher = gw.embedder
     if len(items) > batcher.max_queue:  # could never fit: a 503 would be retried for ever

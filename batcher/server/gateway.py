@@ -88,6 +88,10 @@ class Gateway:
 
     # steps of a generation request ------------------------------------------------------------
     async def tokenize(self, spec: GenerationSpec) -> list[list[int]]:
+        # NOTE: count before tokenizing: 800k one-letter prompts are 3 MiB of JSON but seconds
+        # of tokenizer time, all to be refused.
+        self.check_choices(len(spec.prompts) or 1, spec.n)
+
         def work() -> list[list[int]]:
             if spec.chat:
                 return [self.tokenizer.apply_chat_template(spec.messages)]
@@ -120,13 +124,17 @@ class Gateway:
                            f"({need} in all)", param="max_tokens",
                            code="context_length_exceeded")
 
+    @staticmethod
+    def check_choices(prompts: int, copies: int) -> None:
+        if prompts * copies > MAX_CHOICES:
+            raise invalid(f"one request may ask for at most {MAX_CHOICES} completions "
+                          f"(prompts x n); this one asks for {prompts * copies}", "n")
+
     def admit(self, tenant: TenantConfig, spec: GenerationSpec, prompts: list[list[int]],
               client_id: str) -> Job:
         key = (tenant.name, client_id)
         copies = spec.n
-        if len(prompts) * copies > MAX_CHOICES:
-            raise invalid(f"one request may ask for at most {MAX_CHOICES} completions "
-                          f"(prompts x n); this one asks for {len(prompts) * copies}", "n")
+        self.check_choices(len(prompts), copies)
         engine_ids = [f"{tenant.name}:{client_id}:{i}" for i in range(len(prompts) * copies)]
         # NOTE: a cancelled or disconnected request leaves `jobs` at once but stays in the engine
         # until its abort is applied at the next step; reusing its ID in that window must be a

@@ -127,7 +127,9 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required", "model", "missing")
     if model not in served_models:
-        raise invalid(f"model '{model}' is not served here; available: {sorted(served_models)}",
+        # Quote at most 64 characters of it: an echo of a 1 MiB name helps nobody.
+        raise invalid(f"model '{model[:64]}' is not served here; available: "
+                      f"{sorted(served_models)}",
                       "model", "model_not_found")
     spec = GenerationSpec(chat=chat, model=model)
     if chat:

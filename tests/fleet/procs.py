@@ -22,6 +22,9 @@ import orjson
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key"
+# Every router and replica here shares it: heartbeats are authenticated, as in production.
+FLEET_KEY = "test-fleet-key"
+FLEET = {"Authorization": f"Bearer {FLEET_KEY}"}
 FAKE = ["--model", "fake", "--embedding-model", "none", "--log-level", "warning"]
 
 
@@ -34,13 +37,17 @@ def free_port() -> int:
 class Proc:
     """One child process with its log in a temporary file."""
 
-    def __init__(self, argv: list[str], port: int, name: str, admin_port: int | None = None):
+    def __init__(self, argv: list[str], port: int, name: str, admin_port: int | None = None,
+                 internal_port: int | None = None, env: dict[str, str] | None = None):
         self.port, self.name, self.admin_port = port, name, admin_port
         self.url = f"http://127.0.0.1:{port}"
         self.admin_url = f"http://127.0.0.1:{admin_port}" if admin_port else None
+        # A router's heartbeat listener (the replicas' `--router`).
+        self.internal_url = f"http://127.0.0.1:{internal_port}" if internal_port else None
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed by stop())
             prefix=f"fleet-{name}-", suffix=".log", delete=False)
-        env = dict(os.environ, BATCHER_ADMIN_KEY=ADMIN_KEY, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, BATCHER_ADMIN_KEY=ADMIN_KEY, BATCHER_FLEET_KEY=FLEET_KEY,
+                   PYTHONUNBUFFERED="1", **(env or {}))
         self.p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
                                   stdout=self.log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL)
@@ -86,19 +93,20 @@ def replica(name: str, *flags: str, port: int | None = None, router: str | None 
     return Proc(argv, port, name, admin_port)
 
 
-def router(*flags: str, replicas: tuple[Proc | str, ...] = (), port: int | None = None
-           ) -> Proc:
+def router(*flags: str, replicas: tuple[Proc | str, ...] = (), port: int | None = None,
+           env: dict[str, str] | None = None) -> Proc:
     port = port or free_port()
-    admin_port = free_port()
+    admin_port, internal_port = free_port(), free_port()
     argv = ["-m", "batcher.fleet.cli", "router", "--port", str(port), "--admin-port",
             str(admin_port), "--admin-key", ADMIN_KEY, "--replica-admin-key", ADMIN_KEY,
-            "--log-level", "warning", "--shutdown-timeout", "2", *flags]
+            "--internal-port", str(internal_port), "--log-level", "warning",
+            "--shutdown-timeout", "2", *flags]
     for r in replicas:
         if isinstance(r, str):
             argv += ["--replica", r]
         else:
             argv += ["--replica", f"{r.url},{r.admin_url}" if r.admin_url else r.url]
-    return Proc(argv, port, "router", admin_port)
+    return Proc(argv, port, "router", admin_port, internal_port, env)
 
 
 def wait_http(url: str, timeout: float = 40.0, procs: tuple[Proc, ...] = ()) -> None:

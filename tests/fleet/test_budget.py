@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tests.fleet.procs import free_port, router, running, wait_http, wait_routable
+from tests.fleet.procs import FLEET, free_port, router, running, wait_http, wait_routable
 
 
 class Stub:
@@ -131,9 +131,14 @@ async def test_router_answers_for_itself_without_replicas():
             async with s.post(f"{rt.url}/v1/completions", data=b"{nope") as resp:
                 assert resp.status == 400 and "X-Request-Id" in resp.headers
             async with s.post(f"{rt.url}/internal/heartbeat", data=b"[]") as resp:
+                assert resp.status == 404  # heartbeats are on the internal listener only
+            async with s.post(f"{rt.internal_url}/internal/heartbeat", data=b"[]") as resp:
+                assert resp.status == 401  # the fleet key comes first
+            async with s.post(f"{rt.internal_url}/internal/heartbeat", data=b"[]",
+                              headers=FLEET) as resp:
                 assert resp.status == 400
             async with s.get(f"{rt.url}/v1/state") as resp:
                 st = await resp.json()
-                assert st["healthy"] is False and st["replicas"][0]["routable"] is False
+                assert st["healthy"] is False and st["replicas"] == 1 and st["routable"] == 0
             async with s.get(f"{rt.url}/metrics") as resp:
                 assert "batcher_router_client_requests_total" in await resp.text()

@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from batcher.engine_state import EngineSnapshot
 from batcher.fleet.discovery import (
     Discovery,
     DnsSource,
@@ -22,7 +23,7 @@ from batcher.fleet.discovery import (
     parse_source,
     resolve_all,
 )
-from batcher.fleet.registry import Registry, ReplicaState
+from batcher.fleet.registry import Registry
 from tests.fleet.procs import (
     admin,
     completion,
@@ -36,7 +37,7 @@ from tests.fleet.procs import (
     wait_routable,
 )
 
-STATE = ReplicaState(free_blocks=100, total_blocks=100, block_size=16, running=0, waiting=0,
+STATE = EngineSnapshot(free_blocks=100, total_blocks=100, block_size=16, running=0, waiting=0,
                      version="v1", draining=False, healthy=True)
 
 
@@ -118,7 +119,7 @@ class Prober:
         self.failing: set[str] = set()
         self.calls: list[str] = []
 
-    async def __call__(self, t: Target) -> ReplicaState | str:
+    async def __call__(self, t: Target) -> EngineSnapshot | str:
         self.calls.append(t.url)
         return "refused" if t.url in self.failing else STATE
 
@@ -335,7 +336,7 @@ async def test_two_routers_share_only_what_replicas_tell_them():
     """Two routers over the same heartbeating replicas: both route, and a drain made through
     one router, an eviction and a re-admission are seen by both."""
     ra, rb = router(), router()
-    reps = [replica(f"r{i}", "--router", ra.url, router=rb.url, decode_ms=5) for i in range(3)]
+    reps = [replica(f"r{i}", "--router", ra.internal_url, router=rb.internal_url, decode_ms=5) for i in range(3)]
     with running(ra, rb, *reps):
         for p in (ra, rb):
             wait_http(p.url + "/health", procs=(p,))

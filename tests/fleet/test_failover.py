@@ -33,7 +33,7 @@ TOKENS = 40
 def fleet(n: int, *router_flags: str, **replica_kw):
     port = free_port()
     rt = router(*router_flags, port=port)
-    reps = [replica(f"r{i}", router=rt.url, **replica_kw) for i in range(n)]
+    reps = [replica(f"r{i}", router=rt.internal_url, **replica_kw) for i in range(n)]
     return rt, reps
 
 
@@ -148,8 +148,8 @@ async def test_wedged_engine_is_caught_by_the_deep_probe():
     port = free_port()
     rt = router("--probe-interval", "1", "--probe-deadline", "0.5", port=port)
     wedged = replica("wedged", "--fake-fault", "hang", "--fake-fault-after-steps", "3",
-                     router=rt.url, num_blocks=2048)
-    good = replica("good", router=rt.url)
+                     router=rt.internal_url, num_blocks=2048)
+    good = replica("good", router=rt.internal_url)
     with running(rt, wedged, good):
         wait_http(rt.url + "/health", procs=(rt,))
         async with aiohttp.ClientSession() as s:

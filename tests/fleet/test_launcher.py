@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -36,11 +37,12 @@ def test_serve_flags_pass_only_changed_replica_flags():
 
 
 def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
 
 
 @pytest.mark.slow
@@ -71,10 +73,40 @@ async def test_fleet_launches_supervises_and_restarts():
                 assert time.monotonic() < deadline, st
                 await asyncio.sleep(0.2)
             assert r0["exit_codes"] == [-signal.SIGKILL] and r0["pid"] != pids["r0"]
-            assert view["health"]["evictions"] >= 1
+            # The router saw it go: evicted, or (when the restart came within `evict_after`
+            # health rounds) at least its failed liveness checks.
+            assert view["health"]["evictions"] >= 1 or "/health" in view["health"]["last_error"]
             # Heartbeats (with the fleet key the launcher made) reach the router.
             assert all(r["epoch"] is not None and r["seq"] >= 1 for r in st["replicas"])
             assert (await completion(s, fleet.url, "again", 4))[0] == 200
             pids = [p["pid"] for p in st["processes"]]
         assert fleet.stop(timeout=20) == 0
     assert not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+async def test_replicas_die_with_a_killed_launcher():
+    """`kill -9` of `batcher fleet` gives it no chance to stop anything: the replicas must still
+    go (the kernel signals them), or they would keep heartbeating and holding their memory."""
+    port, admin_port = free_port(), free_port()
+    fleet = Proc(["-m", "batcher.fleet.cli", "fleet", "--replicas", "2", *FAKE,
+                  "--num-blocks", "64", "--port", str(port), "--admin-port", str(admin_port),
+                  "--admin-key", ADMIN_KEY, "--shutdown-timeout", "2"], port, "fleet",
+                 admin_port)
+    with running(fleet):
+        wait_http(fleet.url + "/health", procs=(fleet,))
+        async with aiohttp.ClientSession() as s:
+            await wait_routable(s, fleet, 2, timeout=60)
+            pids = [p["pid"] for p in (await admin(s, fleet, "/admin/status"))["processes"]]
+        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        fleet.signal(signal.SIGKILL)
+        fleet.p.wait(10)
+        deadline = time.monotonic() + 15  # SIGTERM: each drains (nothing running) and exits
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        left = [pid for pid in pids if alive(pid)]
+        for pid in left:  # never leave them behind, whatever the verdict
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        print(f"launcher killed: replicas gone in {15 - (deadline - time.monotonic()):.1f}s")
+        assert not left, f"replicas {left} outlived their launcher"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from batcher.fleet.registry import Registry, ReplicaState, replica_id_for
+from batcher.engine_state import EngineSnapshot
+from batcher.fleet.registry import BeatRefused, Registry, replica_id_for
 
 
 def beat(rid: str = "a", epoch: int | str = 1, seq: int = 1, **state) -> dict:
@@ -65,7 +66,7 @@ def test_static_replicas_are_kept_fresh_by_polls_until_they_beat():
     assert reg.suspect(rep, 0.0) and not reg.routable(rep)  # no state yet
     assert reg.observe(rep.replica_id, beat(), now=10.0, poll=True)
     assert not reg.suspect(rep, 12.0) and reg.routable(rep)
-    reg.beat(beat(rep.replica_id), now=11.0)  # it starts beating: polls stop counting
+    reg.beat(dict(beat(rep.replica_id), url=rep.url), now=11.0)  # polls stop counting now
     reg.observe(rep.replica_id, beat(), now=20.0, poll=True)
     assert rep.beat_at == 11.0 and reg.suspect(rep, 20.0)
 
@@ -114,4 +115,55 @@ def test_forget_only_evicted_silent_dynamic_replicas():
 
 def test_state_parse_rejects_missing_fields():
     with pytest.raises(ValueError):
-        ReplicaState.parse({"free_blocks": 1})
+        EngineSnapshot.from_wire({"free_blocks": 1})
+
+
+def test_a_live_replica_cannot_be_repointed():
+    reg = Registry(beat_interval=1.0, suspect_beats=3)
+    assert reg.beat(beat("a", epoch=5, seq=1), 0.0)
+    for hijack in (dict(beat("a", epoch=5, seq=2), url="http://evil:1"),  # same start
+                   dict(beat("a", epoch=6, seq=1), url="http://evil:1"),  # "a restart"
+                   dict(beat("a", epoch="x", seq=1), url="http://evil:1")):
+        with pytest.raises(BeatRefused) as err:
+            reg.beat(hijack, 1.0)
+        assert err.value.status == 409
+    rep = reg.get("a")
+    assert rep.url == "http://a:1" and rep.epoch == 5 and rep.seq == 1
+    # The real replica keeps beating as before.
+    assert reg.beat(beat("a", epoch=5, seq=2), 2.0) and rep.url == "http://a:1"
+    # Once it stopped beating (suspect), a new start may come back at a new address.
+    moved = dict(beat("a", epoch=7, seq=1), url="http://a2:1")
+    with pytest.raises(BeatRefused):
+        reg.beat(moved, 4.9)
+    assert reg.beat(moved, 5.1) and rep.url == "http://a2:1"
+    # ... but never the same start at another address.
+    with pytest.raises(BeatRefused):
+        reg.beat(dict(beat("a", epoch=7, seq=2), url="http://a3:1"), 99.0)
+
+
+def test_configured_replicas_keep_their_address():
+    reg = Registry()
+    rep = reg.add_static("http://10.0.0.1:8000", "r0", "http://10.0.0.1:9000")
+    with pytest.raises(BeatRefused):
+        reg.beat(dict(beat("r0"), url="http://evil:1"), 1000.0)
+    assert reg.beat(dict(beat("r0"), url="http://10.0.0.1:8000",
+                         admin_url="http://evil:2"), 1000.0, trusted=True)
+    assert rep.url == "http://10.0.0.1:8000" and rep.admin_url == "http://10.0.0.1:9000"
+
+
+def test_admin_urls_only_from_trusted_beats():
+    reg = Registry()
+    reg.beat(dict(beat("a"), admin_url="http://evil:2"), 0.0)
+    assert reg.get("a").admin_url is None
+    reg.beat(dict(beat("a", seq=2), admin_url="http://a:2"), 0.1, trusted=True)
+    assert reg.get("a").admin_url == "http://a:2"
+
+
+def test_replica_count_is_capped_and_known_replicas_stay():
+    reg = Registry(max_replicas=3)
+    for i in range(3):
+        assert reg.beat(beat(f"r{i}"), 0.0)
+    with pytest.raises(BeatRefused) as err:
+        reg.beat(beat("flood"), 0.1)
+    assert err.value.status == 503 and len(reg) == 3 and reg.get("flood") is None
+    assert reg.beat(beat("r0", seq=2), 0.2)  # known replicas keep beating

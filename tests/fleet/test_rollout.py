@@ -51,8 +51,8 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 async def test_canary_promote_rollback_and_drain():
     rt = router(port=free_port())
-    stable = replica("stable", "--version", "v1", router=rt.url, decode_ms=10)
-    canary = replica("canary", "--version", "v2", router=rt.url, decode_ms=10)
+    stable = replica("stable", "--version", "v1", router=rt.internal_url, decode_ms=10)
+    canary = replica("canary", "--version", "v2", router=rt.internal_url, decode_ms=10)
     with running(rt, stable, canary):
         wait_http(rt.url + "/health", procs=(rt,))
         async with aiohttp.ClientSession() as s:
@@ -81,8 +81,8 @@ async def test_canary_promote_rollback_and_drain():
                        for i in range(12)]
             while (await admin(s, rt, "/admin/replicas/stable"))["router_inflight"] < 2:
                 await asyncio.sleep(0.02)
-            drained = await admin(s, rt, "/admin/drain", {"replica": "stable",
-                                                          "admin_url": stable.admin_url})
+            # The admin URL is the one the replica announced with the fleet key.
+            drained = await admin(s, rt, "/admin/drain", {"replica": "stable"})
             assert drained["router_draining"] and drained["replica_admin"] == {"status": 200}
             assert not drained["idle"]
             before = await served_by(s, rt)

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from tests.fleet.procs import (
+    FLEET,
     completion,
     free_port,
     replica,
@@ -36,8 +37,8 @@ async def test_spread_by_free_kv_streams_ids_and_cancellation():
     rport = free_port()
     rt = router(port=rport)
     url = f"http://127.0.0.1:{rport}"
-    big = replica("big", router=url, num_blocks=1024, decode_ms=10)
-    small = replica("small", router=url, num_blocks=48, decode_ms=10)
+    big = replica("big", router=rt.internal_url, num_blocks=1024, decode_ms=10)
+    small = replica("small", router=rt.internal_url, num_blocks=48, decode_ms=10)
     with running(rt, big, small):
         wait_http(url + "/health", procs=(rt,))
         async with aiohttp.ClientSession() as s:
@@ -104,8 +105,8 @@ async def test_stale_heartbeats_are_no_longer_preferred_after_three_seconds():
                     seqs[name] = seq = seqs[name] + 1
                 payload = dict(await replica_state(s, url), replica_id=name, url=url,
                                epoch=7, seq=seq)
-                async with s.post(f"{rt.url}/internal/heartbeat",
-                                  data=orjson.dumps(payload)) as resp:
+                async with s.post(f"{rt.internal_url}/internal/heartbeat",
+                                  data=orjson.dumps(payload), headers=FLEET) as resp:
                     return (await resp.json())["accepted"]
 
             async def beats(names: tuple[str, ...], seconds: float) -> None:

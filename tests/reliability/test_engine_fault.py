@@ -26,6 +26,9 @@ FAULT_STEPS = 30
 ERROR_FLAGS = (*FAKE, "--fake-decode-step-ms", "10", "--max-num-seqs", "4",
                "--fake-fault", "error", "--fake-fault-after-steps", str(FAULT_STEPS))
 FAULT_TEXT = "injected model fault"
+# The deep probe is an operator's tool: it needs the replica's admin or fleet key.
+PROBE_ENV = {"BATCHER_FLEET_KEY": "engine-fault-fleet-key"}
+PROBE = {"Authorization": f"Bearer {PROBE_ENV['BATCHER_FLEET_KEY']}"}
 
 
 async def whole(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]
@@ -37,7 +40,7 @@ async def whole(session: aiohttp.ClientSession, url: str, path: str, body: dict[
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 async def test_model_error_fails_every_caller_then_restart_serves() -> None:
-    with serve(*ERROR_FLAGS, check_log=False) as server:
+    with serve(*ERROR_FLAGS, check_log=False, env=PROBE_ENV) as server:
         url = server.url
         async with aiohttp.ClientSession() as session:
             long = {"model": "fake", "prompt": "a long answer please", "max_tokens": 500,
@@ -74,7 +77,7 @@ async def test_model_error_fails_every_caller_then_restart_serves() -> None:
             status, body, headers = await whole(session, url, "/v1/completions", long)
             assert status == 503 and "Retry-After" in headers and FAULT_TEXT in str(body)
             assert time.monotonic() - start < 1.0
-            async with session.post(url + "/v1/probe?timeout=1") as resp:
+            async with session.post(url + "/v1/probe?timeout=1", headers=PROBE) as resp:
                 assert resp.status == 503 and not (await resp.json())["ok"]
         start = time.monotonic()
         assert server.stop() == 0
@@ -100,7 +103,8 @@ async def test_model_error_fails_every_caller_then_restart_serves() -> None:
 async def test_model_hang_probe_fails_within_deadline_and_stop_still_works() -> None:
     shutdown_s = 2.0
     with serve(*FAKE, "--fake-decode-step-ms", "10", "--fake-fault", "hang",
-               "--fake-fault-after-steps", "5", shutdown_timeout=shutdown_s) as server:
+               "--fake-fault-after-steps", "5", shutdown_timeout=shutdown_s,
+               env=PROBE_ENV) as server:
         url = server.url
         async with aiohttp.ClientSession() as session:
             stuck = asyncio.create_task(stream_request(
@@ -109,7 +113,7 @@ async def test_model_hang_probe_fails_within_deadline_and_stop_still_works() -> 
             await wait_state(session, url, lambda st: st["steps"] >= 5 and st["running"] == 1)
             await asyncio.sleep(0.2)  # the 6th step is now stuck in the model
             start = time.monotonic()
-            async with session.post(url + "/v1/probe?timeout=1") as resp:
+            async with session.post(url + "/v1/probe?timeout=1", headers=PROBE) as resp:
                 probe_s = time.monotonic() - start
                 body = await resp.json()
                 assert resp.status == 503 and body["ok"] is False, body

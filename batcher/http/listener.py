@@ -1,0 +1,122 @@
+"""What every listener of replica and router needs around its handlers: `Expect` handling, a
+fallback route for unknown paths, reading a body a client may have broken, idle and header
+timeouts, and a server log that never quotes what a client sent.
+
+- `expect_continue`: the `expect_handler` of every route.
+- `add_fallback_route(app)`: unknown path -> 404, wrong method -> 405 with `Allow`, both through
+  the app's middlewares (OpenAI's shape).
+- `read_body(request)` / `read_json(request)`: the body, `ApiError` 413 / 400 when it is too large,
+  cannot be decoded (bad gzip/deflate, broken chunking) or is not JSON.
+- `KEEPALIVE_TIMEOUT_S`, `keepalive_timeout()`: the idle and header timeout (env
+  `BATCHER_KEEPALIVE_TIMEOUT` overrides it).
+- `QuietServerLog`: aiohttp's server logger minus the raw bytes of requests a client broke.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import orjson
+from aiohttp import HttpVersion11, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from batcher.http.errors import ApiError, invalid
+
+# aiohttp closes a connection that has not sent a complete request within `keepalive_timeout`
+# of connecting or of its previous response. Partial data does not reset that timer, so it is
+# both the idle timeout and the header timeout that cuts off slow-loris clients (headers
+# trickled byte by byte); aiohttp's default is an hour. Clients that pool connections should
+# drop idle ones sooner than this.
+KEEPALIVE_TIMEOUT_S = 20.0
+
+
+def keepalive_timeout() -> float:
+    """`BATCHER_KEEPALIVE_TIMEOUT` seconds, else `KEEPALIVE_TIMEOUT_S`; SystemExit when bad."""
+    raw = os.environ.get("BATCHER_KEEPALIVE_TIMEOUT")
+    if raw is None:
+        return KEEPALIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise SystemExit(f"BATCHER_KEEPALIVE_TIMEOUT must be seconds > 0, got {raw!r}")
+    return value
+
+
+async def expect_continue(request: web.Request) -> None:
+    """`Expect: 100-continue` is answered as aiohttp does; any other expectation is ignored (RFC
+    9110 lets a server do so). aiohttp's own handler would answer it 417 outside the middleware
+    (no request ID, not OpenAI's shape), and a 500 when the value is not UTF-8."""
+    if (request.version >= HttpVersion11
+            and request.headers.get("Expect", "").lower() == "100-continue"):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not started
+
+
+def add_fallback_route(app: web.Application) -> None:
+    """Route every unknown path or method through the middlewares (404 / 405 with Allow) with
+    `expect_continue`, instead of aiohttp's built-in answers, whose `Expect` handling runs before
+    any middleware."""
+
+    async def no_route(request: web.Request) -> web.StreamResponse:
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource is not fallback:
+                allowed |= (await resource.resolve(request))[1]
+        if allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()
+
+    # [\s\S], not ".": a path may decode to a newline ("/%0A").
+    fallback = app.router.add_route("*", r"/{tail:[\s\S]*}", no_route,
+                                    expect_handler=expect_continue).resource
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body. ApiError 413 over the app's limit, 400 (and the connection closed) when it
+    cannot be read as sent."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, "the request body is too large", code="body_too_large") from exc
+    except web.RequestPayloadError as exc:
+        why = getattr(exc.__cause__, "message", None) or "bad framing or encoding"
+        # Mark the body consumed, or aiohttp re-reads it after the response, logs the error as
+        # unhandled and resets the connection, and the client may never see this 400. The
+        # connection itself cannot be trusted for another request: close it.
+        request.content.feed_eof()
+        err = invalid(f"the request body could not be read: {why}", None, "invalid_body")
+        err.headers["Connection"] = "close"
+        raise err from None
+
+
+async def read_json(request: web.Request, raw: bytes | None = None) -> Any:
+    """The body parsed as JSON (`raw` when already read); ApiError 400 when it is not JSON."""
+    data = await read_body(request) if raw is None else raw
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+
+
+class QuietServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger, except for what a client broke: a request that is not valid HTTP,
+    or a body that cannot be decoded (bad gzip, broken chunking) which aiohttp drains after the
+    answer was sent. aiohttp logs each at ERROR with a traceback, the first quoting the raw line
+    it could not parse (possibly the client's Authorization header: a key in the log), and any
+    client can repeat them to flood the log. Those get one line at DEBUG naming the error class;
+    the client still gets its answer (aiohttp's 400 for bad HTTP)."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True,
+                  **kw: object) -> None:
+        if isinstance(exc_info, HttpProcessingError | web.RequestPayloadError):
+            self.debug("malformed request from a client: %s", type(exc_info).__name__)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kw)  # type: ignore[arg-type]
+
+
+def server_log() -> QuietServerLog:
+    return QuietServerLog(logging.getLogger("aiohttp.server"), {})
