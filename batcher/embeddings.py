@@ -1,7 +1,7 @@
-"""Sentence embeddings with the bundled all-MiniLM-L6-v2, ready to sit behind a `Batcher`.
+"""Sentence embeddings with the bundled all-MiniLM-L6-v2, ready to sit behind a `Flusher`.
 
 `EmbeddingModel.embed` is a plain synchronous batch function (texts in, one vector per text out, in
-order), so `Batcher` runs it in its worker thread; `make_embedding_batcher` wires the two together.
+order), so `Flusher` runs it in its worker thread; `make_embedding_batcher` wires the two together.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 from batcher.bundled import minilm_dir
-from batcher.flusher import Batcher, FlusherMetrics
+from batcher.flusher import Flusher, FlusherMetrics
 
 MAX_INPUT_TOKENS = 256  # the length all-MiniLM-L6-v2 was trained at; longer inputs are truncated
 _DTYPES = {
@@ -56,8 +56,8 @@ class EmbeddingModel:
     """all-MiniLM-L6-v2: mean pooling over the attention mask, L2-normalised, 384 dimensions.
 
     Loaded from a local folder only (never the network). The encoder runs in `dtype`; pooling and
-    normalisation run in float32. Thread-compatible: one `embed` call at a time (the `Batcher` worker
-    thread); inference does not mutate the module.
+    normalisation run in float32. Thread-compatible: one `embed` call at a time (the `Flusher`
+    worker thread); inference does not mutate the module.
     """
 
     def __init__(
@@ -121,12 +121,12 @@ def make_embedding_batcher(
     max_queue: int | None = None,
     timeout_s: float | None = None,
     metrics: FlusherMetrics | None = None,
-) -> Batcher:
-    """A `Batcher` whose items are single texts and whose results are their vectors.
+) -> Flusher:
+    """A `Flusher` whose items are single texts and whose results are their vectors.
 
     A request with a list input submits one item per text and gathers the results in order.
     """
-    return Batcher(
+    return Flusher(
         model.embed,
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,

@@ -1,6 +1,6 @@
-"""The size-or-timeout batcher for fixed-shape work (embeddings, classifiers).
+"""The size-or-timeout flusher for fixed-shape work (embeddings, classifiers).
 
-Callers `await batcher.submit(item)`; a background task flushes pending items into one call of
+Callers `await flusher.submit(item)`; a background task flushes pending items into one call of
 `fn(items) -> results` when `max_batch_size` items wait or the oldest has waited `max_wait_ms`,
 whichever comes first, and resolves each caller's future with the result at its item's position.
 
@@ -61,8 +61,8 @@ class BatchError(RuntimeError):
 
 
 class FlusherMetrics:
-    """Prometheus metrics for Batchers. Several Batchers may share one instance; a registry accepts
-    each name once. `registry` defaults to a fresh one, so Batchers built in tests never collide."""
+    """Prometheus metrics for Flushers. Several Flushers may share one instance; a registry accepts
+    each name once. `registry` defaults to a fresh one, so Flushers built in tests never collide."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = reg = registry if registry is not None else CollectorRegistry()
@@ -103,8 +103,8 @@ class _Entry:
     enqueued_at: float
 
 
-class Batcher:
-    """Size-or-timeout batcher around `fn`; the module docstring states the contract.
+class Flusher:
+    """Size-or-timeout flusher around `fn`; the module docstring states the contract.
 
     Bound to the event loop of its first `submit`.
     """
@@ -367,3 +367,7 @@ def _as_results(raw: Any, expected: int) -> Sequence[Any]:
     if len(results) != expected:
         raise BatchError(f"batch function returned {len(results)} results for {expected} items")
     return results
+
+
+# The name the README's library example imports; the same class.
+Batcher = Flusher

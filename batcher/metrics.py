@@ -67,8 +67,6 @@ class Metrics:
                                 "engine", ["reason"], registry=r)
         self.goodput = Counter("batcher_goodput_requests", "Requests finished within both the "
                                "TTFT and the TPOT SLO", registry=r)
-        self.retries = Counter("batcher_retries", "Retried attempts", registry=r)
-        self.failovers = Counter("batcher_failovers", "Failovers", ["kind"], registry=r)
         self.info = Gauge("batcher_info", "Server identity", ["version", "model"], registry=r)
         # Leak watch (the soak test): tasks on the event loop, counted when scraped; and the
         # standard process_* series (open fds, resident memory, CPU), where the OS offers them.

@@ -1,6 +1,6 @@
 """Request-ID registry: one future (whole answer) or one queue (stream) per in-flight ID.
 
-The producer side (the engine's output loop, the `Batcher`'s batch task) resolves, fails, pushes to
+The producer side (the engine's output loop, the `Flusher`'s batch task) resolves, fails, pushes to
 or closes an entry by request ID; the consumer side (an HTTP handler) awaits the future or reads the
 queue. Contracts:
 
@@ -153,11 +153,6 @@ class RequestRegistry:
             return False
         queue.put_nowait(STREAM_END)
         return True
-
-    def fail_all(self, exc: BaseException) -> int:
-        """Fail every in-flight request (shutdown); returns how many were failed."""
-        ids = list(self._futures) + list(self._streams)
-        return sum(self.fail(request_id, exc) for request_id in ids)
 
     # -- inspection ------------------------------------------------------------------------------
 

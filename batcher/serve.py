@@ -30,10 +30,10 @@ from batcher.server.app import GATEWAY, create_app
 from batcher.server.auth import Authenticator
 from batcher.server.embeddings_route import MAX_INPUTS
 from batcher.server.gateway import Gateway, GatewayConfig
+from batcher.tenants import load_tenants
 
 log = logging.getLogger("batcher.serve")
 EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
-from batcher.tenants import load_tenants
 # aiohttp (3.14) closes a connection that has not sent a complete request within
 # `keepalive_timeout` of connecting or of its previous response. Partial data does not reset that
 # timer, so it is both the idle timeout and the header timeout that cuts off slow-loris clients
@@ -114,8 +114,7 @@ def gateway_factory(args: argparse.Namespace):
         cfg = GatewayConfig(model_name=args.served_model_name or name,
                             max_model_len=engine.scheduler.config.max_model_len,
                             default_max_tokens=args.default_max_tokens,
-                            max_body_bytes=args.max_body_bytes,
-                            shutdown_timeout=args.shutdown_timeout, version=args.version)
+                            max_body_bytes=args.max_body_bytes)
         return Gateway(cfg, engine, Authenticator(tenants), admission, metrics, embedder,
                        EMBEDDING_MODEL_NAME, counter)
 

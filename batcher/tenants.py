@@ -9,9 +9,10 @@ budget and limits:
     burst = 20000                           # bucket capacity in tokens (default: tokens_per_minute)
     max_concurrent = 16                     # requests in flight at once
     priorities = ["interactive", "batch"]   # allowed classes (default: both)
-    admin = false                           # may call the admin routes (default: false)
 
-Every problem in the file raises `ValueError` naming the tenant and the field. This module is a low
+Every problem in the file raises `ValueError` naming the tenant and the field. Tenants are callers
+of the public API only: operator routes (drain, per-replica status) take the admin key on the
+admin listener, never a tenant key. This module is a low
 layer: admission and the HTTP layers read it; it imports nothing from `batcher`.
 """
 
@@ -34,7 +35,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 # Tenant names become metric labels and log fields: keep them plain.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _FIELDS = frozenset(
-    {"keys_sha256", "tokens_per_minute", "burst", "max_concurrent", "priorities", "admin"}
+    {"keys_sha256", "tokens_per_minute", "burst", "max_concurrent", "priorities"}
 )
 
 
@@ -59,7 +60,6 @@ class TenantConfig:
     burst: int = 0
     max_concurrent: int
     priorities: frozenset[str] = PRIORITIES
-    admin: bool = False
 
     def __post_init__(self) -> None:
         def bad(fld: str, why: str) -> ValueError:
@@ -84,8 +84,6 @@ class TenantConfig:
             raise bad("max_concurrent", f"must be an integer >= 1, got {mc!r}")
         if not self.priorities or not self.priorities <= PRIORITIES:
             raise bad("priorities", f"must be a non-empty subset of {sorted(PRIORITIES)}")
-        if not isinstance(self.admin, bool):
-            raise bad("admin", f"must be true or false, got {self.admin!r}")
 
     @property
     def unlimited(self) -> bool:
@@ -93,7 +91,7 @@ class TenantConfig:
         return math.isinf(self.tokens_per_minute)
 
 
-# Auth off: the one caller. Not admin: with no keys there is nobody to trust with drain.
+# Auth off: the one caller, with an unlimited budget.
 DEFAULT_TENANT = TenantConfig(
     name="default", tokens_per_minute=math.inf, max_concurrent=sys.maxsize
 )
@@ -104,6 +102,9 @@ def _tenant_from_toml(name: str, raw: Any) -> TenantConfig:
     if not isinstance(raw, dict):
         # ValueError, not TypeError: every problem in the file is a ValueError by contract.
         raise ValueError(f"{where}: must be a table ([tenants.{name}])")  # noqa: TRY004
+    if "admin" in raw:
+        raise ValueError(f"{where}: 'admin' is not a tenant field; operator routes take the admin "
+                         f"key (--admin-key) on the admin listener")
     unknown = sorted(set(raw) - _FIELDS)
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(_FIELDS)}")
@@ -127,7 +128,6 @@ def _tenant_from_toml(name: str, raw: Any) -> TenantConfig:
         burst=burst,
         max_concurrent=raw["max_concurrent"],
         priorities=frozenset(prios),
-        admin=raw.get("admin", False),
     )
 
 

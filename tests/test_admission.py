@@ -240,7 +240,6 @@ def test_auth_off() -> None:
         assert auth.authenticate(None) is DEFAULT_TENANT
         assert auth.authenticate("Bearer anything") is DEFAULT_TENANT
     assert DEFAULT_TENANT.name == "default" and DEFAULT_TENANT.unlimited
-    assert not DEFAULT_TENANT.admin
 
 
 def test_cli_prints_hash(capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,7 +261,6 @@ keys_sha256 = ["{hash_key('jobs-key')}"]
 tokens_per_minute = 1200.5
 max_concurrent = 2
 priorities = ["batch"]
-admin = true
 """
 
 
@@ -272,7 +270,6 @@ def test_load_tenants(tmp_path: Path) -> None:
     t = load_tenants(p)
     assert t["acme"].burst == 20000 and t["acme"].key_sha256 == (hash_key("acme-key"),)
     assert t["jobs"].burst == 1200 and t["jobs"].priorities == frozenset({"batch"})
-    assert t["jobs"].admin and not t["acme"].admin
     assert Authenticator(t).authenticate("Bearer acme-key") is t["acme"]
     assert "key_sha256" not in repr(t["acme"])
 
@@ -308,8 +305,8 @@ BASE = f'[tenants.a]\nkeys_sha256=["{H}"]\ntokens_per_minute=1\nmax_concurrent=1
      "'a': burst must be"),
     (BASE + 'priorities=["urgent"]\n', "'a': priorities must be"),
     (BASE + "priorities=[]\n", "'a': priorities must be"),
-    (f'[tenants.a]\nkeys_sha256=["{H}"]\ntokens_per_minute=1\nmax_concurrent=1\nadmin="yes"\n',
-     "'a': admin must be"),
+    (f'[tenants.a]\nkeys_sha256=["{H}"]\ntokens_per_minute=1\nmax_concurrent=1\nadmin=true\n',
+     "'a': 'admin' is not a tenant field; operator routes take the admin key"),
     (f'[tenants.a]\nkeys_sha256=["{H}"]\ntokens_per_minute=1\nmax_concurent=1\n',
      "'a': unknown field"),
     (f'[tenants."a b"]\nkeys_sha256=["{H}"]\ntokens_per_minute=1\nmax_concurrent=1\n',

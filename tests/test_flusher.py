@@ -1,4 +1,4 @@
-"""The size-or-timeout Batcher, driven by a hand-advanced clock (no real waiting, no timed asserts)."""
+"""The size-or-timeout Flusher, driven by a hand-advanced clock (no real waiting, no timed asserts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from batcher.flusher import Batcher, BatchError, Closed, FlusherMetrics, Overloaded
+from batcher.flusher import BatchError, Closed, Flusher, FlusherMetrics, Overloaded
 from batcher.request_registry import DuplicateRequestId
 
 
@@ -69,12 +69,12 @@ class Recorder:
             self.running -= 1
 
 
-def make(rec: Recorder, clock: FakeClock, **kw: Any) -> Batcher:
+def make(rec: Recorder, clock: FakeClock, **kw: Any) -> Flusher:
     kw.setdefault("max_wait_ms", 20)
-    return Batcher(rec, clock=clock, sleep=clock.sleep, **kw)
+    return Flusher(rec, clock=clock, sleep=clock.sleep, **kw)
 
 
-def spawn(b: Batcher, items: list[Any], **kw: Any) -> list[asyncio.Task[Any]]:
+def spawn(b: Flusher, items: list[Any], **kw: Any) -> list[asyncio.Task[Any]]:
     return [asyncio.create_task(b.submit(x, **kw)) for x in items]
 
 
@@ -181,7 +181,7 @@ async def test_full_queue_rejects_at_once_with_positive_retry_after() -> None:
 
 
 async def test_retry_after_is_positive_with_zero_wait() -> None:
-    b = Batcher(Recorder(), max_wait_ms=0)
+    b = Flusher(Recorder(), max_wait_ms=0)
     assert b.retry_after() > 0
     await b.close()
 
@@ -256,7 +256,7 @@ async def test_failing_fn_fails_only_its_batch_and_the_next_succeeds() -> None:
             raise RuntimeError("model exploded")
         return [s.upper() for s in items]
 
-    b = Batcher(fn, max_batch_size=2, max_wait_ms=1)  # sync: runs in the worker thread
+    b = Flusher(fn, max_batch_size=2, max_wait_ms=1)  # sync: runs in the worker thread
     tasks = [asyncio.create_task(b.submit(s)) for s in ["boom", "x", "y", "z"]]
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert [type(r) for r in results[:2]] == [RuntimeError, RuntimeError]
@@ -295,7 +295,7 @@ async def test_a_thousand_concurrent_callers_each_get_their_own_answer() -> None
         seen_threads.add(threading.get_ident())
         return [x * 2 + 1 for x in items]
 
-    async with Batcher(fn, max_batch_size=100, max_wait_ms=1, max_queue=1000) as b:
+    async with Flusher(fn, max_batch_size=100, max_wait_ms=1, max_queue=1000) as b:
         results = await asyncio.gather(*(b.submit(i) for i in range(1000)))
     assert results == [i * 2 + 1 for i in range(1000)]
     assert b.stats.items_flushed == 1000 and b.stats.batches >= 10
@@ -350,4 +350,10 @@ async def test_metrics_record_batches_waits_and_reasons() -> None:
 def test_bad_settings_are_refused() -> None:
     for kw in ({"max_batch_size": 0}, {"max_wait_ms": -1}, {"max_queue": 0}, {"timeout_s": 0}):
         with pytest.raises(ValueError):
-            Batcher(Recorder(), **kw)
+            Flusher(Recorder(), **kw)
+
+
+def test_documented_import_name_is_the_flusher() -> None:
+    from batcher.flusher import Batcher
+
+    assert Batcher is Flusher

@@ -133,16 +133,3 @@ async def test_stream_cancel_wakes_a_waiting_reader() -> None:
         await reader
     assert isinstance(StreamFailure(RuntimeError()), StreamFailure)
     assert repr(STREAM_END) == "STREAM_END"
-
-
-async def test_fail_all_fails_futures_and_streams() -> None:
-    reg = RequestRegistry()
-    futs = [reg.create_future(f"f{i}") for i in range(3)]
-    queue = reg.create_stream("s")
-    assert reg.fail_all(RuntimeError("shutdown")) == 4
-    assert len(reg) == 0
-    for fut in futs:
-        with pytest.raises(RuntimeError):
-            await fut
-    item = queue.get_nowait()
-    assert isinstance(item, StreamFailure) and isinstance(item.error, RuntimeError)

@@ -12,7 +12,8 @@ class ScheduledSeq:
     """One sequence's work in a step: compute KV for `token_ids` at positions
     `start_pos .. start_pos + len(token_ids) - 1`, reading and writing through `block_ids`
     (the whole block table, covering at least `start_pos + len(token_ids)` tokens).
-    If `sample` is true, the last row's logits are sampled (the chunk reaches the sequence's end)."""
+    If `sample` is true, the last row's logits are sampled (the chunk reaches the sequence's
+    end)."""
 
     request_id: str
     token_ids: list[int]
@@ -32,16 +33,26 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.start_pos > 0
+        """One new token: the same computation as a decode whatever its position (a one-token
+        prompt, or the last prompt token after a full prefix-cache hit)."""
+        return len(self.token_ids) == 1
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """Sequences to run this step. Decodes (one token each) come first, then prefill chunks."""
+    """Sequences to run this step: the `num_decodes` decode rows first, then prefill chunks, each
+    part in the order given. This is the one place that order is made; the runner relies on it."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     # IDs finished or preempted since the previous step: the runner may drop per-request state.
     freed_ids: list[str] = field(default_factory=list)
+    num_decodes: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        decodes = [s for s in self.seqs if s.is_decode]
+        self.num_decodes = len(decodes)
+        if 0 < len(decodes) < len(self.seqs):  # stable partition
+            self.seqs = decodes + [s for s in self.seqs if not s.is_decode]
 
     @property
     def num_batched_tokens(self) -> int:

@@ -242,12 +242,7 @@ class Scheduler:
             seqs.append(self._seq(req, num_new))
             budget -= num_new
 
-        # NOTE: stable partition; ScheduledSeq.is_decode also covers a 1-token tail chunk after a
-        # full prefix hit, which is the same computation as a decode.
-        out = SchedulerOutput(
-            seqs=[s for s in seqs if s.is_decode] + [s for s in seqs if not s.is_decode],
-            freed_ids=self._freed_ids,
-        )
+        out = SchedulerOutput(seqs=seqs, freed_ids=self._freed_ids)  # puts decodes first
         self._freed_ids = []
         self.stats.steps += 1
         if self.debug_checks:

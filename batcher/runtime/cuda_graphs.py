@@ -81,7 +81,7 @@ class DecodeGraphs:
 
     def can_run(self, sched: SchedulerOutput) -> bool:
         seqs = sched.seqs
-        if not seqs or any(len(s.token_ids) != 1 for s in seqs):
+        if not seqs or sched.num_decodes != len(seqs):
             return False
         if pick_size(len(seqs), self.sizes) is None:
             return False

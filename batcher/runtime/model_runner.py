@@ -79,10 +79,10 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput):
         bs, dev = self.block_size, self.device
+        nd = sched.num_decodes  # the scheduler's output puts its decode rows first
         # Longest context first: decode rows are grouped by similar context length.
-        decodes = sorted((s for s in sched.seqs if len(s.token_ids) == 1),
-                         key=lambda s: -s.start_pos)
-        prefills = [s for s in sched.seqs if len(s.token_ids) > 1]
+        decodes = sorted(sched.seqs[:nd], key=lambda s: -s.start_pos)
+        prefills = sched.seqs[nd:]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

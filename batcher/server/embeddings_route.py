@@ -1,4 +1,4 @@
-"""POST /v1/embeddings through the size-or-timeout `Batcher`: a list input becomes several items
+"""POST /v1/embeddings through the size-or-timeout `Flusher`: a list input becomes several items
 in the batcher and one response."""
 
 from __future__ import annotations

@@ -37,8 +37,6 @@ class GatewayConfig:
     max_model_len: int
     default_max_tokens: int = 1024
     max_body_bytes: int = 4 * 2**20
-    shutdown_timeout: float = 30.0
-    version: str = "v1"
 
 
 @dataclass(slots=True)
@@ -62,7 +60,7 @@ class Gateway:
         self.auth = auth
         self.admission = admission
         self.metrics = metrics
-        self.embedder = embedder  # a Batcher over the embedding model, or None
+        self.embedder = embedder  # a Flusher over the embedding model, or None
         self.embedder_name = embedder_name
         self.embedder_tokens = embedder_tokens  # texts -> token counts
         self.jobs: dict[tuple[str, str], Job] = {}

@@ -33,9 +33,6 @@ class GenerationSpec:
     logprobs: int | None = None  # number of top alternatives; None = off
     priority: str = "interactive"
     timeout: float | None = None
-    user: str | None = None
-    failover: str = "error"
-    echo: bool = False
     # Extension: each choice carries its token ids (and the first stream chunk the prompt's),
     # so a router can resume a broken stream elsewhere token-exactly.
     return_token_ids: bool = False
@@ -145,8 +142,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
     else:
         spec.prompts = _prompts(body, vocab_size)
         spec.logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-        spec.echo = _bool(body, "echo", False)
-        if spec.echo:
+        if _bool(body, "echo", False):
             raise invalid("'echo' is not supported", "echo", "unsupported")
     mt = body.get("max_completion_tokens") if chat else None
     key = "max_completion_tokens" if mt is not None else "max_tokens"
@@ -161,12 +157,12 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
             raise invalid("'stream_options' must be an object", "stream_options", "invalid_type")
         spec.include_usage = _bool(so, "include_usage", False)
     spec.priority = _choice(body, "priority", PRIORITY_NAMES)
-    spec.failover = _choice(body, "failover", FAILOVER)
+    # Validated for the router, which reads it; a replica has nothing to fail over to.
+    _choice(body, "failover", FAILOVER)
     spec.timeout = _num(body, "timeout", None, 0.001, 86400.0)
-    user = body.get("user")
+    user = body.get("user")  # accepted as OpenAI's API does; not used
     if user is not None and not isinstance(user, str):
         raise invalid("'user' must be a string", "user", "invalid_type")
-    spec.user = user
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise invalid("'seed' must be an integer", "seed", "invalid_type")
