@@ -124,6 +124,7 @@ class _V:
     fresh: bool = True
     age: float = 0.0
     inflight: int = 0
+    others: int = 0
     prefill_tokens: int = 0
     oldest_pending_s: float = 0.0
     prefill_rate: float | None = None

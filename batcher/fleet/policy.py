@@ -55,7 +55,7 @@ class PolicyConfig:
     prefill_rate_prior: float = 2000.0  # prompt tokens/s assumed until a replica is measured
     step_s_prior: float = 0.05  # decode step seconds assumed until a replica is measured
     choices: int = 0  # candidates scored per request; 0 = every one (see the module note)
-    seqs_per_step: float = 64.0  # running sequences that double a step's time (decode share)
+    seqs_per_step: float = 8.0  # running sequences that double the time a prefill takes
     kv_scarce_s: float = 2.0  # wait added as free KV after the request goes headroom -> 0
     chars_per_token: float = 4.0
     default_max_tokens: int = 16  # completions' default when the client sends none
@@ -92,6 +92,7 @@ class Candidate:
     fresh: bool = True
     running: int = 0  # reported
     inflight: int = 0  # the router's own requests there
+    others: int = 0  # reported sequences beyond the router's own that the report could show
     prefill_tokens: int = 0  # prompt tokens of those still without a first token
     oldest_pending_s: float = 0.0  # age of the oldest of those
     prefill_rate: float | None = None  # measured prompt tokens/s to first token; None: unknown
@@ -199,11 +200,13 @@ def predicted_wait(c: Candidate, prompt_tokens: int, tokens: int, cfg: PolicyCon
     first token on `c`."""
     rate = c.prefill_rate or priors.prefill_rate
     step = c.step_s or priors.step_s
-    # The replica's queue counts requests of every router; the router's own count is exact for
-    # what it sent. Unknown prompts in the reported queue are assumed to be this one's size.
-    ahead = max(c.prefill_tokens, c.waiting * prompt_tokens) + prompt_tokens
-    seqs = max(c.inflight, c.running + c.waiting)
-    wait = ahead / rate + step * (1.0 + seqs / cfg.seqs_per_step)
+    # The router's own count is exact for what it sent; what the replica reports beyond it
+    # (`others`) is other routers' work, of unknown size: assume this request's.
+    ahead = c.prefill_tokens + min(c.others, c.waiting) * prompt_tokens + prompt_tokens
+    # Running sequences take their decode rows out of every step's token budget first, so
+    # they slow the prefill ahead and the new request's own.
+    seqs = c.inflight + c.others
+    wait = ahead / rate * (1.0 + seqs / cfg.seqs_per_step) + step
     wait = max(wait, c.oldest_pending_s)
     if c.total_blocks > 0 and cfg.hot_headroom > 0:
         left = (c.free_blocks - blocks_for(tokens, c.block_size)) / c.total_blocks

@@ -5,9 +5,9 @@ the fleet router's own (`batcher.fleet.policy.RetryBudget`)."""
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from batcher.fleet.load import ReplicaLoad
 from batcher.sim.engine_sim import SimReplica
 
 
@@ -100,14 +100,27 @@ class FleetConfig:
 
 class View:
     """The router's belief about one replica (the `ReplicaView` protocol): the last reported
-    state, plus what the router knows exactly (what it sent there and has not seen finish, the
-    prompt tokens of those still without a first token) and what it measured (prefill rate to
-    first token, decode step time), as the fleet router's registry keeps them."""
+    state with the router's unreflected requests applied, plus the fleet router's own
+    `ReplicaLoad` account (its requests in flight there, their prompt tokens still without a
+    first token, and the rates it measured)."""
 
-    __slots__ = ("block_size", "clock", "fresh", "index", "inflight", "measured_at", "pending",
-                 "prefill_rate", "prefill_tokens", "received_at", "replica_id", "reported_free",
-                 "reported_waiting", "reserved", "running", "step_s", "total_blocks",
-                 "unreflected", "zone")
+    __slots__ = (
+        "block_size",
+        "clock",
+        "fresh",
+        "index",
+        "load",
+        "measured_at",
+        "received_at",
+        "replica_id",
+        "reported_free",
+        "reported_waiting",
+        "reserved",
+        "running",
+        "total_blocks",
+        "unreflected",
+        "zone",
+    )
 
     def __init__(self, rep: SimReplica, clock: SimClock) -> None:
         self.index, self.replica_id, self.zone = rep.index, rep.replica_id, rep.zone
@@ -115,12 +128,7 @@ class View:
         self.clock = clock
         self.update(rep, 0.0, 0.0)
         self.fresh = True
-        self.inflight = 0
-        self.prefill_tokens = 0
-        # record index -> (sent at, prompt tokens, prefill tokens ahead when sent), oldest first
-        self.pending: OrderedDict[int, tuple[float, int, int]] = OrderedDict()
-        self.prefill_rate: float | None = None
-        self.step_s: float | None = None
+        self.load = ReplicaLoad()
 
     def update(self, rep: SimReplica | tuple[int, int, int], measured: float, now: float) -> None:
         if isinstance(rep, SimReplica):
@@ -128,7 +136,12 @@ class View:
                 rep.free_blocks, rep.running, rep.waiting)
         else:
             self.reported_free, self.running, self.reported_waiting = rep
-        self.measured_at, self.received_at, self.reserved, self.unreflected = measured, now, 0, 0
+        # requests sent since this state was measured and still in flight (the registry's
+        # `unreflected`): the state cannot show them yet
+        self.measured_at, self.received_at, self.reserved = measured, now, 0
+        self.unreflected: set[int] = set()  # sent since `measured_at` and still in flight
+        if hasattr(self, "load"):
+            self.load.state_seen(measured)
 
     @property
     def free_blocks(self) -> int:
@@ -136,47 +149,45 @@ class View:
 
     @property
     def waiting(self) -> int:
-        return self.reported_waiting + self.unreflected
+        return self.reported_waiting + len(self.unreflected)
 
     @property
     def age(self) -> float:
         return self.clock.now - self.measured_at
 
     @property
+    def inflight(self) -> int:
+        return self.load.inflight
+
+    @property
+    def others(self) -> int:
+        """Reported sequences beyond the router's own requests that the report could show."""
+        return self.load.others(self.running, self.reported_waiting)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.load.prefill_tokens
+
+    @property
+    def prefill_rate(self) -> float | None:
+        return self.load.prefill_rate
+
+    @property
+    def step_s(self) -> float | None:
+        return self.load.step_s
+
+    @property
     def oldest_pending_s(self) -> float:
-        if not self.pending:
-            return 0.0
-        return self.clock.now - next(iter(self.pending.values()))[0]
+        return self.load.oldest_pending_s(self.clock.now)
 
-    # the router's own accounting ------------------------------------------------------------
     def sent(self, rec: int, prompt: int, blocks: int, now: float) -> None:
-        self.inflight += 1
         self.reserved += blocks
-        self.unreflected += 1
-        self.pending[rec] = (now, prompt, self.prefill_tokens)
-        self.prefill_tokens += prompt
+        self.unreflected.add(rec)
+        self.load.sent(rec, prompt, now)
 
-    def first_token(self, rec: int, now: float) -> None:
-        item = self.pending.pop(rec, None)
-        if item is None:
-            return
-        sent, prompt, ahead = item
-        self.prefill_tokens -= prompt
-        if now > sent:
-            self.prefill_rate = _ewma(self.prefill_rate, (ahead + prompt) / (now - sent))
-
-    def done(self, rec: int, tpot: float | None) -> None:
-        """The attempt ended (finished, failed or lost)."""
-        self.inflight -= 1
-        item = self.pending.pop(rec, None)
-        if item is not None:
-            self.prefill_tokens -= item[1]
-        if tpot is not None and tpot > 0:
-            self.step_s = _ewma(self.step_s, tpot)
-
-
-def _ewma(old: float | None, x: float, alpha: float = 0.2) -> float:
-    return x if old is None else old + alpha * (x - old)
+    def done(self, rec: int) -> None:
+        self.unreflected.discard(rec)
+        self.load.done(rec)
 
 
 class SimClock:
@@ -233,6 +244,10 @@ class LiveView:
     @property
     def inflight(self) -> int:
         return self.rep.running + self.rep.waiting
+
+    @property
+    def others(self) -> int:
+        return 0
 
     @property
     def prefill_tokens(self) -> int:

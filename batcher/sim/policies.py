@@ -54,6 +54,8 @@ class ReplicaView(Protocol):
     @property
     def inflight(self) -> int: ...  # the router's own requests there
     @property
+    def others(self) -> int: ...  # reported sequences beyond the router's own
+    @property
     def prefill_tokens(self) -> int: ...  # prompt tokens of those without a first token
     @property
     def oldest_pending_s(self) -> float: ...  # age of the oldest of those
@@ -175,7 +177,7 @@ def _candidate(make: Callable[..., Any], v: Any, version: str = "v1") -> Any:
     """A fleet `Candidate` from a simulator view (router view or live view)."""
     return make(replica_id=v.replica_id, free_blocks=v.free_blocks,
                 total_blocks=v.total_blocks, block_size=v.block_size, waiting=v.waiting,
-                version=version, fresh=v.fresh, running=v.running, inflight=v.inflight,
+                version=version, fresh=v.fresh, running=v.running, inflight=v.inflight, others=v.others,
                 prefill_tokens=v.prefill_tokens, oldest_pending_s=v.oldest_pending_s,
                 prefill_rate=v.prefill_rate, step_s=v.step_s)
 

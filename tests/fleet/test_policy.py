@@ -57,14 +57,14 @@ def test_abundant_kv_does_not_decide_the_prefill_queue_does():
     busy_empty_kv = cand("a", free=990, prefill_tokens=4000)
     idle_fuller_kv = cand("b", free=300)
     assert picks([busy_empty_kv, idle_fuller_kv]) == {"b": 200}
-    # The replica's reported queue counts when the router knows of nothing it sent there.
-    assert picks([cand("c", waiting=5), cand("d")]) == {"d": 200}
+    # What the replica reports beyond the router's own requests (other routers' work) counts.
+    assert picks([cand("c", waiting=5, others=5), cand("d", waiting=5)]) == {"d": 200}
 
 
 def test_measured_rates_make_a_slow_replica_take_less_work():
     fast = cand("fast", prefill_rate=4000.0, step_s=0.02, prefill_tokens=1000, inflight=3)
-    slow = cand("slow", prefill_rate=1000.0, step_s=0.08, prefill_tokens=200, inflight=1)
-    assert picks([fast, slow]) == {"fast": 200}  # 0.26 s + 0.02 s vs 0.25 s + 0.08 s
+    slow = cand("slow", prefill_rate=1000.0, step_s=0.08, prefill_tokens=400, inflight=2)
+    assert picks([fast, slow]) == {"fast": 200}  # 0.36 s + 0.02 s vs 0.56 s + 0.08 s
     idle_slow = cand("slow", prefill_rate=1000.0, step_s=0.08)
     assert picks([fast, idle_slow]) == {"slow": 200}
     # Unmeasured replicas are assumed to be like the fleet's measured mean, not the default.

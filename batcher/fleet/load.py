@@ -1,0 +1,119 @@
+"""The router's own account of the work it sent each replica, and the rates it measured there.
+
+The router knows exactly what it sent where and what finished; a replica's heartbeat is up to a
+few seconds old. So per replica it keeps (no I/O, every method takes `now`):
+- `inflight`: its attempts there that have not ended;
+- `prefill_tokens`: prompt tokens of those still without a first token, and `oldest_pending_s`,
+  the age of the oldest of them (a stalled replica shows up before any heartbeat says so);
+- `prefill_rate`: prompt tokens per second to a first token, measured as (prompt tokens it had
+  queued there + this prompt) / time to this first token; a time-decayed mean, so mixed steps,
+  slot waits and a slower machine all lower it as they lower the real time to first token;
+- `step_s`: seconds per decode step, from the gaps between a stream's tokens;
+- `others(running, waiting)`: what the replica's last report shows beyond the router's own
+  requests it could include (those sent before it was measured, still in flight or ended
+  since): other routers' work. Without this a report a second old double counts the router's
+  own requests that finished since.
+
+`batcher.fleet.policy.predicted_wait` turns these into a wait; the simulator keeps the same
+account with the same class.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+EWMA_ALPHA = 0.2  # weight of the newest sample: about the last five requests count
+
+
+def _ewma(old: float | None, x: float) -> float:
+    return x if old is None else old + EWMA_ALPHA * (x - old)
+
+
+@dataclass(slots=True)
+class _Pending:
+    sent: float
+    prompt: int
+    ahead: int  # prompt tokens already queued there when it was sent
+
+
+@dataclass(slots=True)
+class _Started:
+    first: float
+    last: float
+    tokens: int = 1
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """One replica's account; keys are whatever identifies an attempt to the caller."""
+
+    inflight: int = 0
+    prefill_tokens: int = 0
+    prefill_rate: float | None = None
+    step_s: float | None = None
+    pending: OrderedDict[Hashable, _Pending] = field(default_factory=OrderedDict)
+    started: dict[Hashable, _Started] = field(default_factory=dict)
+    sent_at: dict[Hashable, float] = field(default_factory=dict)  # every attempt in flight
+    state_at: float = float("-inf")  # when the replica measured the state last seen
+    unreflected: int = 0  # attempts in flight sent after that measurement
+    ended_since: int = 0  # attempts sent before it that have ended since
+
+    def state_seen(self, measured_at: float) -> None:
+        """The replica reported a state measured at `measured_at`."""
+        if measured_at <= self.state_at:
+            return
+        self.state_at = measured_at
+        self.unreflected = sum(1 for t in self.sent_at.values() if t >= measured_at)
+        self.ended_since = 0
+
+    def others(self, running: int, waiting: int) -> int:
+        """Sequences in the last report beyond the router's own requests it could include:
+        other routers' work."""
+        mine = self.inflight - self.unreflected + self.ended_since
+        return max(0, running + waiting - mine)
+
+    def oldest_pending_s(self, now: float) -> float:
+        if not self.pending:
+            return 0.0
+        return max(0.0, now - next(iter(self.pending.values())).sent)
+
+    def sent(self, key: Hashable, prompt_tokens: int, now: float) -> None:
+        self.inflight += 1
+        self.sent_at[key] = now
+        self.unreflected += now >= self.state_at
+        self.pending[key] = _Pending(now, prompt_tokens, self.prefill_tokens)
+        self.prefill_tokens += prompt_tokens
+
+    def token(self, key: Hashable, now: float, count: int = 1) -> None:
+        """`count` tokens (or chunks of the stream) of attempt `key` arrived, the last at
+        `now`."""
+        st = self.started.get(key)
+        if st is not None:
+            st.last = now
+            st.tokens += count
+            return
+        p = self.pending.pop(key, None)
+        if p is None:
+            return
+        self.prefill_tokens -= p.prompt
+        if now > p.sent:
+            self.prefill_rate = _ewma(self.prefill_rate, (p.ahead + p.prompt) / (now - p.sent))
+        self.started[key] = _Started(now, now, count)
+
+    def done(self, key: Hashable) -> None:
+        """Attempt `key` ended (finished, failed or cancelled)."""
+        self.inflight -= 1
+        sent = self.sent_at.pop(key, None)
+        if sent is not None:
+            if sent >= self.state_at:
+                self.unreflected -= 1
+            else:
+                self.ended_since += 1
+        p = self.pending.pop(key, None)
+        if p is not None:
+            self.prefill_tokens -= p.prompt
+        st = self.started.pop(key, None)
+        if st is not None and st.tokens > 2 and st.last > st.first:
+            self.step_s = _ewma(self.step_s, (st.last - st.first) / (st.tokens - 1))
