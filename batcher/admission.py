@@ -1,4 +1,5 @@
-"""Admission control: per-tenant token buckets, concurrency caps and a bounded, SLO-aware queue.
+"""Admission control: per-tenant token buckets, concurrency caps and a bounded queue that admits a
+request only when it can be served within the TTFT and TPOT SLOs.
 
 Each request is charged `prompt_tokens + max_tokens` from its tenant's bucket when admitted and
 refunded what it did not generate on `release`. `admit` checks, in this order:
@@ -10,15 +11,23 @@ refunded what it did not generate on `release`. `admit` checks, in this order:
 5. bucket short of `cost` tokens  -> 429 `tenant_tokens`, retry_after exact from the refill rate
 6. queue at its bound             -> 503 `queue_full`; interactive may fill `max_waiting`, batch
                                      only `batch_share` of it, so batch is shed first
-7. estimated wait over the SLO    -> 503 `queue_slo`; wait = waiting_tokens / measured prefill
-                                     rate; batch is refused above 1x the TTFT SLO, interactive
-                                     above 2x (it is served before batch, so the estimate
-                                     over-states its wait); no check until a rate is measured
+7. predicted TTFT over the SLO    -> 503 `queue_slo`; the prediction (`TtftPredictor`) counts all
+                                     unserved prefill ahead of the request (waiting and running,
+                                     by priority) at the prefill rate the scheduler achieves,
+                                     corrected by the TTFTs it delivered; batch must fit within
+                                     `BATCH_SLO_SHARE` of the SLO, so batch is shed first
+8. predicted TPOT over the SLO    -> 503 `tpot_slo`: one more decode row would make the running
+                                     streams' step (`decode_step_s`) slower than `slo_tpot_s`
 
-A 503's retry_after is the estimated time (at the measured prefill rate, at least 1 s) for the queue
-to drain far enough that the check would pass: the whole queue when draining, the excess over the
-bound when full, the excess wait over the SLO limit. A concurrency 429 waits one mean service time
-(1 s until measured). Budget is charged only on admission: a 429 or 503 never costs tokens.
+Checks 7 and 8 never refuse a request that nothing is ahead of (an idle server): it could not be
+served sooner by waiting. A prompt whose own prefill takes more than half the SLO is admitted when
+the work ahead of it takes at most half the SLO, so a long prompt is not starved by short ones.
+
+A 503's retry_after is the predicted time (at least 1 s) for the queue to drain far enough that the
+check would pass: the whole queue when draining, the excess over the bound when full, the excess
+prediction over the SLO; a TPOT refusal waits one mean service time. A concurrency 429 waits one
+mean service time (1 s until measured). Budget is charged only on admission: a 429 or 503 never
+costs tokens.
 
 All state lives on the event loop (no locks); `clock` is injectable so tests drive time by hand.
 """
@@ -32,8 +41,10 @@ from dataclasses import dataclass, field
 
 from batcher.core.refusals import Refused
 from batcher.tenants import PRIORITIES, TenantConfig
+from batcher.ttft_predictor import Backlog, TtftPredictor
 
-REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "draining")
+REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "tpot_slo",
+           "draining")
 # A 503 tells the client to come back no sooner than this: sooner would only add load.
 _MIN_503_RETRY_S = 1.0
 # Used for a 429 on concurrency until a service time has been measured.
@@ -41,7 +52,16 @@ _DEFAULT_SERVICE_S = 1.0
 # Refill round-off: waiting exactly the returned time must always succeed.
 _TAKE_TOLERANCE = 1e-9
 _EWMA_ALPHA = 0.2
-_INTERACTIVE_SLO_FACTOR = 2.0
+# Batch must be predicted within this share of the TTFT SLO: interactive requests admitted after it
+# are served first and delay it past its prediction, and under overload batch is shed first.
+BATCH_SLO_SHARE = 0.5
+# Interactive requests are admitted up to this share of the TTFT SLO: the prediction is a high
+# quantile of recent history, and the rest absorbs what changes between admission and first token
+# (a burst of steps slowed by another process, a preemption).
+SLO_HEADROOM = 0.9
+# Predicted seconds of one engine step carrying `rows` decode rows, the longest at context `ctx`
+# (the shared step-time model), or None while it has no estimate.
+DecodeStepFn = Callable[[int, int], "float | None"]
 
 
 class Rejected(Exception):
@@ -124,6 +144,11 @@ class Ticket:
     max_tokens: int
     priority: str = "interactive"
     released: bool = False
+    admitted_at: float = 0.0
+    # Uncorrected TTFT prediction at admission (None: no estimate yet), compared with the actual
+    # first token to correct later predictions.
+    predicted_ttft_s: float | None = None
+    first_token_seen: bool = False
 
 
 @dataclass(slots=True)
@@ -146,7 +171,8 @@ class Admission:
 
     `tenants=None` (or empty) means auth is off; the lone default tenant is unlimited, but the queue
     and drain checks still protect the server. `batch_share`: the fraction of `max_waiting` that
-    batch requests may fill.
+    batch requests may fill. `slo_tpot_s` is enforced once `decode_step_s` is given;
+    `max_num_seqs` caps the decode rows a step can carry (more requests wait for a slot).
     """
 
     tenants: dict[str, TenantConfig] | None
@@ -154,14 +180,14 @@ class Admission:
     slo_ttft_s: float | None = None
     clock: Callable[[], float] = time.monotonic
     batch_share: float = 0.5
+    slo_tpot_s: float | None = None
+    decode_step_s: DecodeStepFn | None = None
+    max_num_seqs: int = 1 << 30
+    predictor: TtftPredictor = field(default_factory=TtftPredictor)
     draining: bool = field(default=False, init=False)
     # Rejections by reason, for the `requests_rejected{reason}` metric.
     rejections: dict[str, int] = field(init=False)
     _state: dict[str, _TenantState] = field(default_factory=dict, init=False, repr=False)
-    # Prefill rate = EWMA(tokens) / EWMA(seconds): weighted by work, so one tiny prefill cannot
-    # swing the estimate the way an average of per-sample rates would.
-    _prefill_tokens: _Ewma = field(default_factory=_Ewma, init=False, repr=False)
-    _prefill_seconds: _Ewma = field(default_factory=_Ewma, init=False, repr=False)
     _service_s: _Ewma = field(default_factory=_Ewma, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -170,16 +196,31 @@ class Admission:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.slo_ttft_s is not None and not self.slo_ttft_s > 0:
             raise ValueError(f"slo_ttft_s must be > 0, got {self.slo_ttft_s}")
+        if self.slo_tpot_s is not None and not self.slo_tpot_s > 0:
+            raise ValueError(f"slo_tpot_s must be > 0, got {self.slo_tpot_s}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not 0 < self.batch_share <= 1:
             raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
 
     # -- measurements -------------------------------------------------------------------------
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """Feed one measured prefill (`tokens` computed in `seconds`); empty samples are ignored."""
-        if tokens > 0 and seconds > 0:
-            self._prefill_tokens.add(float(tokens))
-            self._prefill_seconds.add(seconds)
+    def observe_step(self, seconds: float, prefill_tokens: int, pending_after: bool,
+                     decode_rows: int = 0) -> None:
+        """Feed one engine step that just ended: its model time, the prompt tokens it computed,
+        the decodes beside them, and whether work is still pending (see
+        `TtftPredictor.observe_step`)."""
+        self.predictor.observe_step(self.clock(), seconds, prefill_tokens, pending_after,
+                                    decode_rows)
+
+    def observe_first_token(self, ticket: Ticket) -> None:
+        """The admitted request's first token is out: compare with its prediction (once)."""
+        if ticket.first_token_seen:
+            return
+        ticket.first_token_seen = True
+        if ticket.predicted_ttft_s is not None:
+            now = self.clock()
+            self.predictor.observe_ttft(now, ticket.predicted_ttft_s, now - ticket.admitted_at)
 
     def observe_service(self, seconds: float) -> None:
         """Feed one finished request's service time (admission to last token)."""
@@ -188,9 +229,8 @@ class Admission:
 
     @property
     def prefill_rate(self) -> float | None:
-        """Measured prefill tokens per second, or None before the first measurement."""
-        t, s = self._prefill_tokens.value, self._prefill_seconds.value
-        return None if t is None or s is None else t / s
+        """Achieved prefill tokens per second, or None before the first measurement."""
+        return self.predictor.prefill_rate
 
     @property
     def service_time_s(self) -> float | None:
@@ -216,23 +256,23 @@ class Admission:
         return st
 
     def _drain_s(self, tokens: float) -> float:
-        """Seconds to prefill `tokens` at the measured rate; at least the 503 floor."""
-        rate = self.prefill_rate
-        return _MIN_503_RETRY_S if rate is None else max(_MIN_503_RETRY_S, tokens / rate)
+        """Predicted seconds to prefill `tokens`; at least the 503 floor."""
+        wait = self.predictor.drain_s(self.clock(), tokens)
+        return _MIN_503_RETRY_S if wait is None else max(_MIN_503_RETRY_S, wait)
 
     def _reject(self, status: int, retry_after: float, reason: str, message: str) -> Rejected:
         self.rejections[reason] += 1
         return Rejected(status, retry_after, reason, message)
 
     def admit(self, tenant: TenantConfig, priority: str, prompt_tokens: int, max_tokens: int,
-              waiting_requests: int, waiting_tokens: int) -> Ticket:
+              backlog: Backlog, requests: int = 1) -> Ticket:
         """Admit the request (charging its tenant) and return its Ticket, or raise `Rejected`
         (429/503, nothing charged) or `Refused` (a request that is wrong, not merely early).
-        `waiting_requests` / `waiting_tokens`: requests and prompt tokens queued now, all
-        priorities together."""
+        `backlog`: the engine's unserved work now; `requests`: engine requests this one becomes
+        (prompts x n), `prompt_tokens` and `max_tokens` being their totals."""
         assert not self.tenants or tenant.name in self.tenants, "unknown tenant"
         if self.draining:
-            raise self._reject(503, self._drain_s(waiting_tokens), "draining",
+            raise self._reject(503, self._drain_s(backlog.ahead_batch), "draining",
                                "server is draining; retry on another replica")
         if priority not in PRIORITIES:
             raise Refused(f"priority must be one of {sorted(PRIORITIES)}, got {priority!r}",
@@ -240,7 +280,7 @@ class Admission:
         if priority not in tenant.priorities:
             raise Refused(f"priority {priority!r} is not allowed for this API key",
                           param="priority")
-        if prompt_tokens < 0 or max_tokens < 0:
+        if prompt_tokens < 0 or max_tokens < 0 or requests < 1:
             raise Refused("prompt_tokens and max_tokens must be >= 0", param="max_tokens")
         cost = prompt_tokens + max_tokens
         if cost > tenant.burst:
@@ -262,23 +302,57 @@ class Admission:
         bound = self.max_waiting
         if priority == "batch":
             bound = max(1, int(self.max_waiting * self.batch_share))
-        if waiting_requests >= bound:
+        waiting = backlog.waiting + requests - 1
+        if waiting >= bound:
             # Time until enough of the queue has drained to fall under the bound.
-            excess = waiting_tokens * (waiting_requests - bound + 1) / max(1, waiting_requests)
-            msg = f"queue is full ({waiting_requests} waiting; {priority} bound {bound})"
+            excess = backlog.ahead_batch * (waiting - bound + 1) / max(1, waiting)
+            msg = f"queue is full ({waiting} waiting; {priority} bound {bound})"
             raise self._reject(503, self._drain_s(excess), "queue_full", msg)
-        rate = self.prefill_rate
-        if self.slo_ttft_s is not None and rate is not None:
-            limit = self.slo_ttft_s * (_INTERACTIVE_SLO_FACTOR if priority == "interactive" else 1)
-            est = waiting_tokens / rate
-            if est > limit:
-                raise self._reject(503, max(_MIN_503_RETRY_S, est - limit), "queue_slo",
-                                   f"estimated queue wait {est:.1f} s exceeds {limit:.1f} s")
+        now = self.clock()
+        ahead = backlog.ahead(priority)
+        raw = self.predictor.predict_raw(backlog, priority, prompt_tokens)
+        alone = ahead == 0 and backlog.queued_ahead(priority) == 0 and backlog.free_slots > 0
+        if self.slo_ttft_s is not None and raw is not None and not alone:
+            self._check_ttft(now, priority, prompt_tokens, raw)
+        if self.slo_tpot_s is not None and self.decode_step_s is not None:
+            self._check_tpot(backlog, requests, (prompt_tokens + max_tokens) // requests)
         if st.bucket is not None:
             taken = st.bucket.try_take(cost)
             assert taken == 0.0, "bucket changed between check and take"
         st.in_flight += 1
-        return Ticket(tenant=tenant.name, priority=priority, cost=cost, max_tokens=max_tokens)
+        return Ticket(tenant=tenant.name, priority=priority, cost=cost, max_tokens=max_tokens,
+                      admitted_at=now, predicted_ttft_s=raw)
+
+    def _check_ttft(self, now: float, priority: str, own: int, raw: float) -> None:
+        """Refuse (503 `queue_slo`) when the predicted TTFT is over this priority's limit."""
+        assert self.slo_ttft_s is not None
+        corr = self.predictor.correction(now)
+        limit = self.slo_ttft_s * (BATCH_SLO_SHARE if priority == "batch" else SLO_HEADROOM)
+        predicted = raw * corr
+        own_s = self.predictor.drain_s(now, own) or 0.0
+        if own_s > limit / 2:
+            # A long prompt: hold only its wait behind others to half the limit.
+            predicted, limit = predicted - own_s, limit / 2
+        if predicted > limit:
+            raise self._reject(503, max(_MIN_503_RETRY_S, predicted - limit), "queue_slo",
+                               f"predicted time to first token {predicted:.2f} s exceeds the "
+                               f"{limit:.2f} s this server admits for {priority} requests")
+
+    def _check_tpot(self, backlog: Backlog, requests: int, context: int) -> None:
+        """Refuse (503 `tpot_slo`) when the decode rows this request adds would make the running
+        streams' step slower than the TPOT SLO. Rows past `max_num_seqs` wait for a slot and
+        slow nobody's step; a request alone on the server is never refused."""
+        assert self.slo_tpot_s is not None and self.decode_step_s is not None
+        before = min(self.max_num_seqs, backlog.running + backlog.waiting)
+        rows = min(self.max_num_seqs, before + requests)
+        if rows == before or before == 0:
+            return
+        step = self.decode_step_s(rows, max(backlog.max_context, context))
+        if step is not None and step > self.slo_tpot_s:
+            wait = self._service_s.value or _DEFAULT_SERVICE_S
+            raise self._reject(503, max(_MIN_503_RETRY_S, wait), "tpot_slo",
+                               f"{rows} streams would take {step * 1000:.0f} ms per token, over "
+                               f"the {self.slo_tpot_s * 1000:.0f} ms this server admits")
 
     def release(self, ticket: Ticket, generated_tokens: int) -> None:
         """End an admitted request: refund `max_tokens - generated_tokens`, free its concurrency

@@ -30,6 +30,7 @@ from batcher.request import Request, RequestStatus
 from batcher.request_registry import RequestRegistry, iter_stream
 from batcher.sampling import SamplingParams
 from batcher.tokenizer import IncrementalDetokenizer, Tokenizer
+from batcher.ttft_predictor import Backlog
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,10 @@ class AsyncEngine:
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._live
+
+    def backlog(self) -> Backlog:
+        """The unserved work admission predicts a new request's wait from."""
+        return Backlog.of_scheduler(self.scheduler)
 
     async def probe(self, timeout: float = 5.0) -> float:
         """One-token generation ahead of the queue; returns its latency (s). Raises on failure."""

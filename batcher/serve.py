@@ -23,6 +23,9 @@ from batcher.config import (
     SchedulerConfig,
     parse_bytes,
 )
+from batcher.core.outputs import SchedulerOutput
+from batcher.core.scheduler import Scheduler
+from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.engine import AsyncEngine
 from batcher.metrics import Metrics
 from batcher.server.admin import create_admin_app
@@ -107,8 +110,11 @@ def gateway_factory(args: argparse.Namespace):
         if tenants is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("no --tenants file: authentication is off on a non-loopback address")
         admission = Admission(tenants, max_waiting=args.max_waiting,
-                              slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None)
-        engine.step_listeners.append(_prefill_observer(admission))
+                              slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
+                              slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
+                              max_num_seqs=engine.scheduler.config.max_num_seqs,
+                              decode_step_s=_decode_step(engine.step_time_model))
+        engine.step_listeners.append(_prefill_observer(admission, engine.scheduler))
         name = "fake" if args.model == "fake" else engine_model_name(args.model)
         metrics.info.labels(args.version, name).set(1)
         cfg = GatewayConfig(model_name=args.served_model_name or name,
@@ -154,13 +160,22 @@ def keepalive_timeout() -> float:
     return value
 
 
-def _prefill_observer(admission: Admission):
-    def observe(sched, seconds: float) -> None:
-        # NOTE: a mixed step's time includes its decodes, so this rate errs low: the queue's
-        # SLO check sheds a little early rather than late.
+def _decode_step(model: OnlineStepTimeModel):
+    def predict(rows: int, ctx: int) -> float:
+        return model.predict(StepShape(rows, ctx))
+
+    return predict
+
+
+def _prefill_observer(admission: Admission, scheduler: Scheduler):
+    def observe(sched: SchedulerOutput, seconds: float) -> None:
+        # Every step counts, decodes and all: admission predicts from the prefill rate the
+        # scheduler achieves in the steps it really runs.
         prefill = sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1)
-        if prefill:
-            admission.observe_prefill(prefill, seconds)
+        pending = bool(scheduler.waiting) or any(
+            r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running)
+        admission.observe_step(seconds, prefill, pending,
+                               sum(1 for s in sched.seqs if len(s.token_ids) == 1))
 
     return observe
 

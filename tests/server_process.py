@@ -115,7 +115,7 @@ def _wait_ready(server: Server, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def serve(*flags: str, num_blocks: int = 256, admin_key: str | None = None,
+def serve(*flags: str, num_blocks: int | None = 256, admin_key: str | None = None,
           shutdown_timeout: float = 5.0, ready_timeout: float = READY_TIMEOUT_S,
           env: dict[str, str] | None = None, check_log: bool = True) -> Iterator[Server]:
     """Start `batcher serve --model tiny` with `flags` and yield it once ready; stop it on exit.
@@ -144,15 +144,17 @@ def serve(*flags: str, num_blocks: int = 256, admin_key: str | None = None,
         log_path.unlink(missing_ok=True)
 
 
-def _start(flags: Sequence[str], num_blocks: int, admin_key: str | None,
+def _start(flags: Sequence[str], num_blocks: int | None, admin_key: str | None,
            shutdown_timeout: float, ready_timeout: float, env: dict[str, str] | None,
            log_path: Path, attempts: int = 3) -> Server:
     """Start the server and wait until it is ready; a fresh port on a lost port race."""
     for attempt in range(attempts):
         port = free_port()
         cmd = [sys.executable, "-m", "batcher.cli", "serve", "--model", MODEL,
-               "--num-blocks", str(num_blocks), "--embedding-model", "none", "--host", HOST,
+               "--embedding-model", "none", "--host", HOST,
                "--port", str(port), "--shutdown-timeout", f"{shutdown_timeout:g}"]
+        if num_blocks is not None:  # None: the KV pool sized as `batcher serve` sizes it
+            cmd += ["--num-blocks", str(num_blocks)]
         admin_url = None
         if admin_key is not None:
             admin_port = free_port()

@@ -11,8 +11,19 @@ from pathlib import Path
 import pytest
 
 from batcher.admission import Admission, Rejected, Ticket, TokenBucket
+from batcher.request import Priority, Request
+from batcher.sampling import SamplingParams
 from batcher.server.auth import Authenticator, AuthError, main
 from batcher.tenants import DEFAULT_TENANT, TenantConfig, hash_key, load_tenants
+from batcher.ttft_predictor import CORRECTION_MIN, CORRECTION_SAMPLES, Backlog
+
+IDLE = Backlog()
+
+
+def queued(n: int, tokens: int) -> Backlog:
+    """`n` interactive requests waiting with `tokens` prompt tokens between them."""
+    return Backlog(waiting=n, waiting_interactive=n, ahead_interactive=tokens,
+                   ahead_batch=tokens)
 
 
 class FakeClock:
@@ -72,20 +83,20 @@ def test_bucket_caps_at_capacity_and_refund() -> None:
 def test_charge_refund_and_exact_429() -> None:
     acme = tenant(tpm=600, burst=100)  # 10 tokens/s
     adm, clock = make(acme)
-    t1 = adm.admit(acme, "interactive", 30, 50, 0, 0)
+    t1 = adm.admit(acme, "interactive", 30, 50, IDLE)
     assert (t1.tenant, t1.cost, t1.max_tokens, t1.released) == ("acme", 80, 50, False)
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 10, 30, 0, 0)  # 20 left, 40 needed
+        adm.admit(acme, "interactive", 10, 30, IDLE)  # 20 left, 40 needed
     assert (e.value.status, e.value.reason) == (429, "tenant_tokens")
     assert e.value.retry_after == pytest.approx(2.0)
     assert e.value.retry_after_header == "2"
     assert adm.rejections["tenant_tokens"] == 1
     clock.advance(e.value.retry_after)
-    t2 = adm.admit(acme, "interactive", 10, 30, 0, 0)
+    t2 = adm.admit(acme, "interactive", 10, 30, IDLE)
     adm.release(t1, generated_tokens=10)  # refunds 40 unused
     with pytest.raises(Rejected):
-        adm.admit(acme, "interactive", 0, 41, 0, 0)
-    adm.admit(acme, "interactive", 0, 40, 0, 0)
+        adm.admit(acme, "interactive", 0, 41, IDLE)
+    adm.admit(acme, "interactive", 0, 40, IDLE)
     adm.release(t2, generated_tokens=999)  # over-reporting never charges extra
     assert adm.in_flight("acme") == 1
 
@@ -93,46 +104,46 @@ def test_charge_refund_and_exact_429() -> None:
 def test_release_is_idempotent() -> None:
     acme = tenant(tpm=600, burst=100)
     adm, _ = make(acme)
-    t = adm.admit(acme, "interactive", 0, 100, 0, 0)
+    t = adm.admit(acme, "interactive", 0, 100, IDLE)
     adm.release(t, 0)
     adm.release(t, 0)
     assert t.released and adm.in_flight("acme") == 0
-    adm.admit(acme, "interactive", 0, 100, 0, 0)  # refunded exactly once, to full
+    adm.admit(acme, "interactive", 0, 100, IDLE)  # refunded exactly once, to full
     with pytest.raises(Rejected):
-        adm.admit(acme, "interactive", 0, 1, 0, 0)
+        adm.admit(acme, "interactive", 0, 1, IDLE)
 
 
 def test_cost_over_burst_is_a_value_error() -> None:
     acme = tenant(tpm=600, burst=100)
     adm, _ = make(acme)
     with pytest.raises(ValueError, match=r"101 tokens \(prompt 1 \+ max_tokens 100\).*100"):
-        adm.admit(acme, "interactive", 1, 100, 0, 0)
+        adm.admit(acme, "interactive", 1, 100, IDLE)
     assert sum(adm.rejections.values()) == 0
 
 
 def test_concurrency_limit() -> None:
     acme = tenant(tpm=60000, mc=2)
     adm, _ = make(acme)
-    a = adm.admit(acme, "interactive", 1, 1, 0, 0)
-    adm.admit(acme, "batch", 1, 1, 0, 0)
+    a = adm.admit(acme, "interactive", 1, 1, IDLE)
+    adm.admit(acme, "batch", 1, 1, IDLE)
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 1, 1, 0, 0)
+        adm.admit(acme, "interactive", 1, 1, IDLE)
     assert (e.value.status, e.value.reason, e.value.retry_after) == (429, "tenant_concurrency", 1.0)
     adm.observe_service(3.0)
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 1, 1, 0, 0)
+        adm.admit(acme, "interactive", 1, 1, IDLE)
     assert e.value.retry_after == 3.0
     adm.release(a, 1)
-    adm.admit(acme, "interactive", 1, 1, 0, 0)
+    adm.admit(acme, "interactive", 1, 1, IDLE)
 
 
 def test_tenants_are_isolated() -> None:
     a, b = tenant("a", tpm=60, burst=10), tenant("b", tpm=60, burst=10)
     adm, _ = make(a, b)
-    adm.admit(a, "interactive", 5, 5, 0, 0)
+    adm.admit(a, "interactive", 5, 5, IDLE)
     with pytest.raises(Rejected):
-        adm.admit(a, "interactive", 0, 1, 0, 0)
-    adm.admit(b, "interactive", 5, 5, 0, 0)
+        adm.admit(a, "interactive", 0, 1, IDLE)
+    adm.admit(b, "interactive", 5, 5, IDLE)
 
 
 # -- admission: queue, SLO, drain, priority -------------------------------------------------------
@@ -140,37 +151,17 @@ def test_tenants_are_isolated() -> None:
 def test_queue_bound_sheds_batch_first() -> None:
     acme = tenant(tpm=1e6)
     adm, _ = make(acme, max_waiting=10)
-    adm.admit(acme, "batch", 1, 1, 4, 400)
+    adm.admit(acme, "batch", 1, 1, queued(4, 400))
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "batch", 1, 1, 5, 500)
+        adm.admit(acme, "batch", 1, 1, queued(5, 500))
     assert (e.value.status, e.value.reason) == (503, "queue_full")
     assert e.value.retry_after >= 1.0
-    adm.admit(acme, "interactive", 1, 1, 9, 900)
+    adm.admit(acme, "interactive", 1, 1, queued(9, 900))
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 1, 1, 10, 1000)
+        adm.admit(acme, "interactive", 1, 1, queued(10, 1000))
     assert e.value.reason == "queue_full"
     assert adm.rejections["queue_full"] == 2
     assert adm.in_flight("acme") == 2  # 503s charge nothing and hold no slot
-
-
-def test_slo_shedding_only_after_prefill_rate_is_measured() -> None:
-    acme = tenant(tpm=1e6, burst=1000, mc=100)
-    adm, _ = make(acme, slo_ttft_s=1.0)
-    adm.admit(acme, "batch", 10, 10, 5, 10**6)  # no rate yet: no SLO shedding
-    adm.observe_prefill(0, 1.0)  # ignored: not a measurement
-    assert adm.prefill_rate is None
-    adm.observe_prefill(1000, 1.0)
-    assert adm.prefill_rate == pytest.approx(1000.0)
-    adm.admit(acme, "batch", 10, 10, 5, 1000)  # 1.0 s: at the limit
-    with pytest.raises(Rejected) as e:
-        adm.admit(acme, "batch", 10, 10, 5, 1500)  # 1.5 s > 1x SLO
-    assert (e.value.status, e.value.reason) == (503, "queue_slo")
-    assert e.value.retry_after == 1.0  # floor; excess is 0.5 s
-    adm.admit(acme, "interactive", 10, 10, 5, 1500)  # 1.5 s < 2x SLO
-    with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 10, 10, 5, 5000)  # 5 s > 2 s
-    assert e.value.retry_after == pytest.approx(3.0)
-    adm.admit(acme, "batch", 0, 940, 0, 0)  # 3 x 20 admitted; the 503s took no budget
 
 
 def test_draining_is_503_and_checked_first() -> None:
@@ -178,29 +169,29 @@ def test_draining_is_503_and_checked_first() -> None:
     adm, _ = make(acme)
     adm.set_draining(True)
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 0, 10**6, 0, 0)  # otherwise a ValueError twice over
+        adm.admit(acme, "interactive", 0, 10**6, IDLE)  # otherwise a ValueError twice over
     assert (e.value.status, e.value.reason, e.value.retry_after) == (503, "draining", 1.0)
     assert adm.rejections["draining"] == 1
     adm.set_draining(False)
-    adm.admit(acme, "batch", 5, 5, 0, 0)
+    adm.admit(acme, "batch", 5, 5, IDLE)
 
 
 def test_priority_not_allowed_is_a_value_error() -> None:
     acme = tenant(prios=("batch",))
     adm, _ = make(acme)
     with pytest.raises(ValueError, match="'interactive' is not allowed"):
-        adm.admit(acme, "interactive", 1, 1, 0, 0)
+        adm.admit(acme, "interactive", 1, 1, IDLE)
     with pytest.raises(ValueError, match="priority must be one of"):
-        adm.admit(acme, "urgent", 1, 1, 0, 0)
+        adm.admit(acme, "urgent", 1, 1, IDLE)
 
 
 @pytest.mark.parametrize("tenants", [None, {}])
 def test_auth_off_default_tenant_is_unlimited(tenants: dict[str, TenantConfig] | None) -> None:
     adm = Admission(tenants, max_waiting=4, clock=FakeClock())
-    tickets = [adm.admit(DEFAULT_TENANT, "interactive", 10**5, 10**5, 0, 0) for _ in range(100)]
+    tickets = [adm.admit(DEFAULT_TENANT, "interactive", 10**5, 10**5, IDLE) for _ in range(100)]
     assert all(isinstance(t, Ticket) for t in tickets)
     with pytest.raises(Rejected):  # the queue still protects the server
-        adm.admit(DEFAULT_TENANT, "interactive", 1, 1, 4, 4)
+        adm.admit(DEFAULT_TENANT, "interactive", 1, 1, queued(4, 4))
     for t in tickets:
         adm.release(t, 1)
     assert adm.in_flight("default") == 0
@@ -325,7 +316,151 @@ def test_infinite_rate_tenant_has_no_bucket() -> None:
     big = TenantConfig(name="internal", tokens_per_minute=math.inf, max_concurrent=1)
     assert big.unlimited and big.burst == sys.maxsize
     adm, _ = make(big)
-    t = adm.admit(big, "interactive", 10**7, 10**7, 0, 0)
+    t = adm.admit(big, "interactive", 10**7, 10**7, IDLE)
     with pytest.raises(Rejected, match="concurrent"):  # its concurrency cap still holds
-        adm.admit(big, "interactive", 1, 1, 0, 0)
+        adm.admit(big, "interactive", 1, 1, IDLE)
     adm.release(t, 0)
+
+
+# -- TTFT prediction and the SLO checks -----------------------------------------------------------
+
+def _req(rid: str, prompt: int, computed: int = 0, output: int = 0, max_tokens: int = 16,
+         priority: Priority = Priority.INTERACTIVE) -> Request:
+    r = Request(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens),
+                priority=priority)
+    r.token_ids += [7] * output
+    r.num_computed_tokens = computed
+    return r
+
+
+def test_backlog_counts_running_prefill_and_the_queue_by_priority() -> None:
+    running = [_req("decoding", 100, computed=105, output=6, max_tokens=16),  # 10 steps left
+               _req("chunked", 500, computed=320, max_tokens=4)]  # 180 prompt tokens left
+    waiting = [_req("i1", 50), _req("b1", 70, priority=Priority.BATCH),
+               _req("i2", 30, max_tokens=8)]
+    bl = Backlog.of(sorted(waiting, key=lambda r: r.priority), running, max_num_seqs=2)
+    assert bl.ahead("interactive") == 180 + 50 + 30  # batch waits behind a new interactive
+    assert bl.ahead("batch") == 180 + 50 + 30 + 70
+    assert (bl.waiting, bl.waiting_interactive, bl.running, bl.free_slots) == (3, 2, 2, 0)
+    assert bl.steps_left == (4, 10)
+    assert bl.new_steps == pytest.approx((16 + 16 + 8) / 3)
+    assert bl.max_context == 500
+    # Slots: two interactive requests queued ahead take the two slots that open first (after 4
+    # and 10 steps); the third one round later waits for a newcomer's whole generation too.
+    assert bl.steps_to_slot("interactive") == pytest.approx(4 + bl.new_steps)
+    assert bl.steps_to_slot("batch") == pytest.approx(10 + bl.new_steps)
+    assert Backlog.of([], running, max_num_seqs=3).steps_to_slot("batch") == 0  # a free slot
+
+
+def _measured(adm: Admission, clock: FakeClock, rate: float, step_s: float = 0.1,
+              steps: int = 50) -> None:
+    """Steps that each prefill `rate * step_s` tokens in `step_s`, work pending throughout."""
+    for _ in range(steps):
+        clock.advance(step_s)
+        adm.observe_step(step_s, round(rate * step_s), True)
+
+
+def test_ttft_check_predicts_from_all_work_ahead_and_sheds_batch_first() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    busy = Backlog(running=1, ahead_interactive=10**6, ahead_batch=10**6)
+    adm.admit(acme, "interactive", 100, 10, busy)  # no rate measured yet: no SLO shedding
+    _measured(adm, clock, rate=1000.0)
+    assert adm.prefill_rate == pytest.approx(1000.0)
+    assert adm.predictor.step_s == pytest.approx(0.1)
+
+    def ahead(tokens: int, batch: int = 0) -> Backlog:
+        return Backlog(running=1, ahead_interactive=tokens, ahead_batch=tokens + batch)
+
+    # 0.1 s step + (690 + 100) / 1000 = 0.89 s: in (interactive may take 90% of the SLO);
+    # 1000 ahead -> 1.2 s: out, for 0.3 s more.
+    t = adm.admit(acme, "interactive", 100, 10, ahead(690, batch=10**5))  # batch is not ahead
+    assert t.predicted_ttft_s == pytest.approx(0.89)
+    with pytest.raises(Rejected) as e:
+        adm.admit(acme, "interactive", 100, 10, ahead(1000))
+    assert (e.value.status, e.value.reason, e.value.retry_after) == (503, "queue_slo", 1.0)
+    assert "1.20 s exceeds the 0.90 s" in e.value.message
+    with pytest.raises(Rejected) as e:
+        adm.admit(acme, "interactive", 100, 10, ahead(3900))  # 4.1 s: retry after 3.2 s
+    assert e.value.retry_after == pytest.approx(3.2)
+    # Batch gets half the SLO: 0.1 + 390 / 1000 = 0.49 s in, 0.6 s out.
+    adm.admit(acme, "batch", 100, 10, ahead(290))
+    with pytest.raises(Rejected):
+        adm.admit(acme, "batch", 100, 10, ahead(400))
+    assert adm.rejections["queue_slo"] == 3
+
+
+def test_slots_bound_the_prediction_when_every_slot_is_held() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    _measured(adm, clock, rate=1000.0)
+    full = Backlog(running=4, free_slots=0, steps_left=(5, 20, 20, 20), new_steps=20)
+    t = adm.admit(acme, "interactive", 100, 10, full)  # 0.1 + 5 steps x 0.1 + 0.1 = 0.7 s
+    assert t.predicted_ttft_s == pytest.approx(0.7)
+    with pytest.raises(Rejected):  # one queued ahead takes that slot: 20 steps for the next
+        adm.admit(acme, "interactive", 100, 10, Backlog(
+            waiting=1, waiting_interactive=1, running=4, free_slots=0, ahead_interactive=50,
+            ahead_batch=50, steps_left=(5, 20, 20, 20), new_steps=20))
+
+
+def test_an_idle_server_and_a_long_prompt_are_never_starved() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    _measured(adm, clock, rate=1000.0)
+    # Alone on the server, a 5 s prompt is admitted: waiting would not make it sooner.
+    adm.admit(acme, "interactive", 5000, 10, IDLE)
+    adm.admit(acme, "batch", 5000, 10, Backlog(running=3))  # only decodes ahead of it
+    # Behind others, its wait is held to half its limit (0.45 s): 340 tokens ahead (0.44 s with
+    # the step) is in, 500 out.
+    adm.admit(acme, "interactive", 5000, 10, Backlog(running=1, ahead_interactive=340))
+    with pytest.raises(Rejected):
+        adm.admit(acme, "interactive", 5000, 10, Backlog(running=1, ahead_interactive=500))
+
+
+def test_correction_follows_delivered_ttfts() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    _measured(adm, clock, rate=1000.0)
+    light = Backlog(running=1, ahead_interactive=100, ahead_batch=100)
+    # Predicted 0.3 s each, delivered in 0.6 s: the model under-states by 2x.
+    for _ in range(CORRECTION_MIN):
+        t = adm.admit(acme, "interactive", 100, 10, light)
+        assert t.predicted_ttft_s == pytest.approx(0.3)
+        clock.advance(0.6)
+        adm.observe_first_token(t)
+        adm.observe_first_token(t)  # once per request
+        adm.release(t, 10)
+    assert adm.predictor.num_ttft_observations == CORRECTION_MIN
+    assert adm.predictor.correction(clock()) == pytest.approx(2.0)
+    with pytest.raises(Rejected) as e:  # 0.5 s raw x 2 = 1.0 s, over the 0.9 s limit
+        adm.admit(acme, "interactive", 100, 10, Backlog(running=1, ahead_interactive=300))
+    assert "1.00 s" in e.value.message
+    # The old evidence ages out: delivered as predicted for a while, the correction returns.
+    for _ in range(CORRECTION_SAMPLES):
+        t = adm.admit(acme, "interactive", 100, 10, light)
+        clock.advance(0.3)
+        adm.observe_first_token(t)
+        adm.release(t, 10)
+    assert adm.predictor.correction(clock()) == pytest.approx(1.0)
+
+
+def test_tpot_check_refuses_the_stream_that_would_slow_the_others() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, _ = make(acme, slo_tpot_s=0.1, max_num_seqs=12,
+                  decode_step_s=lambda rows, ctx: 0.01 * rows + max(0, ctx - 1000) / 1e5)
+    adm.admit(acme, "interactive", 10, 10, Backlog(running=9))  # 10 rows: 0.1 s
+    with pytest.raises(Rejected) as e:
+        adm.admit(acme, "interactive", 10, 10, Backlog(running=10))  # 11 rows: 0.11 s
+    assert (e.value.status, e.value.reason, e.value.retry_after) == (503, "tpot_slo", 1.0)
+    assert "11 streams would take 110 ms per token" in e.value.message
+    with pytest.raises(Rejected):  # the longer context of the new stream counts too
+        adm.admit(acme, "interactive", 5000, 5000, Backlog(running=8))
+    adm.admit(acme, "interactive", 10, 10, Backlog(running=8, waiting=4))  # slots full: it waits
+    adm.admit(acme, "interactive", 10, 10, IDLE)  # alone: never refused
+
+
+def test_slo_flags_are_validated() -> None:
+    with pytest.raises(ValueError, match="slo_tpot_s"):
+        Admission(None, slo_tpot_s=0.0)
+    with pytest.raises(ValueError, match="slo_ttft_s"):
+        Admission(None, slo_ttft_s=-1.0)

@@ -142,11 +142,10 @@ class Gateway:
                            param="X-Request-Id", code="duplicate_request_id", retry_after=1)
         prompt_tokens = sum(len(p) for p in prompts) * copies
         max_tokens = spec.sampling.max_tokens * len(prompts) * copies
-        snap = self.engine.snapshot()
+        backlog = self.engine.backlog()
         try:
             ticket = self.admission.admit(tenant, spec.priority, prompt_tokens, max_tokens,
-                                          snap.waiting + len(prompts) * copies - 1,
-                                          snap.waiting_prefill_tokens)
+                                          backlog, len(prompts) * copies)
         except Rejected as rej:
             self.metrics.observe_rejected(rej.reason)
             raise ApiError(rej.status, rej.message, code=rej.reason,
@@ -187,6 +186,8 @@ class Gateway:
         aborts every choice still running."""
         if len(job.requests) == 1:
             async for ev in self.engine.generate(job.requests[0]):
+                if ev.token_ids:
+                    self.admission.observe_first_token(job.ticket)
                 yield 0, ev
             return
         merged: asyncio.Queue[tuple[int, EngineEvent | BaseException]] = asyncio.Queue()
@@ -205,6 +206,8 @@ class Gateway:
                 i, item = await merged.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.token_ids:
+                    self.admission.observe_first_token(job.ticket)
                 if item.finished:
                     done += 1
                 yield i, item

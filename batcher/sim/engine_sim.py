@@ -18,13 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from batcher.admission import Admission, Ticket
 from batcher.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_time import CPU_PRIOR, OnlineStepTimeModel, StepShape
-from batcher.request import Request, RequestStatus
+from batcher.request import Priority, Request, RequestStatus
 from batcher.sim.stepmodel import LinearStepModel, StepModel
+from batcher.tenants import DEFAULT_TENANT
+from batcher.ttft_predictor import Backlog
 
 SYNTHETIC_TOKEN = 7  # any id works: the simulator never stops on EOS
 
@@ -81,6 +84,10 @@ class SimReplica:
         self.busy_seconds = 0.0
         self._pending: SchedulerOutput | None = None
         self.on_token: Callable[[Timing, float], None] | None = None
+        # The server's own admission control, when the driver turns it on (`use_admission`).
+        self.admission: Admission | None = None
+        self._tickets: dict[str, Ticket] = {}
+        self._step_started = 0.0
 
     def _clock(self) -> float:
         return self.now
@@ -130,6 +137,26 @@ class SimReplica:
         self.scheduler.add_request(request)
         self.timings[request.request_id] = timing
 
+    def use_admission(self, **config: object) -> Admission:
+        """Admit through `Admission(**config)` on this replica's clock, fed this replica's steps
+        and first tokens as `batcher serve` feeds it; `offer` then refuses as the server would."""
+        self.admission = Admission(None, clock=self._clock, **config)  # type: ignore[arg-type]
+        return self.admission
+
+    def offer(self, request: Request, timing: Timing, now: float) -> Ticket | None:
+        """`add` through the replica's admission control, if any, returning its ticket: raises
+        `Rejected` (the server's 503 with its retry_after) when the server would refuse."""
+        ticket = None
+        if self.admission is not None:
+            self.now = now
+            prio = "batch" if request.priority == Priority.BATCH else "interactive"
+            ticket = self.admission.admit(
+                DEFAULT_TENANT, prio, request.num_prompt_tokens, request.sampling.max_tokens,
+                Backlog.of_scheduler(self.scheduler))
+            self._tickets[request.request_id] = ticket
+        self.add(request, timing, now)
+        return ticket
+
     def start_step(self, now: float) -> float | None:
         """Schedule one step; the time it ends, or None when there is no work."""
         assert not self.busy and self.alive
@@ -145,6 +172,7 @@ class SimReplica:
                 return None
         self._pending = sched
         self.busy = True
+        self._step_started = now
         dt = self.step_model.step_seconds(sched)
         self.step_time_model.observe(StepShape.of(sched, self.kv.block_size), dt)
         self.busy_seconds += dt
@@ -161,10 +189,13 @@ class SimReplica:
         ids = [s.request_id for s in sched.seqs if s.sample]
         out = RunnerOutput(ids, [SYNTHETIC_TOKEN] * len(ids), [])
         done: list[Timing] = []
+        computed = self.scheduler.stats.prompt_tokens_computed
         for u in self.scheduler.update(sched, out):
             t = self.timings[u.request_id]
             if t.first_token is None:
                 t.first_token = now
+                if u.request_id in self._tickets and self.admission is not None:
+                    self.admission.observe_first_token(self._tickets[u.request_id])
             t.last_token = now
             t.tokens += 1
             if self.on_token is not None:
@@ -173,8 +204,21 @@ class SimReplica:
                 t.finished = now
                 t.status = u.status.value
                 del self.timings[u.request_id]
+                self._release(u.request_id, t.tokens)
                 done.append(t)
+        if self.admission is not None:
+            sch = self.scheduler
+            pending = bool(sch.waiting) or any(
+                r.num_tokens - r.num_computed_tokens > 1 for r in sch.running)
+            self.admission.observe_step(now - self._step_started,
+                                        sch.stats.prompt_tokens_computed - computed, pending,
+                                        sum(1 for s in sched.seqs if len(s.token_ids) == 1))
         return done
+
+    def _release(self, request_id: str, tokens: int) -> None:
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None and self.admission is not None:
+            self.admission.release(ticket, tokens)
 
     def fail(self, now: float) -> list[Timing]:
         """A crash: every request on the replica is lost; their timings are returned (the driver
@@ -184,6 +228,7 @@ class SimReplica:
         for t in lost:
             self.scheduler.finish(t.request_id, RequestStatus.FINISHED_ERROR)
             t.status = "error"
+            self._release(t.request_id, t.tokens)
         self.timings.clear()
         self.alive = False
         self.busy = False

@@ -1,0 +1,280 @@
+"""Time to first token for a request arriving now, predicted from the prefill work ahead of it and
+corrected online by the TTFTs the server actually delivers.
+
+    predicted = correction x (step_s + (ahead + own) / rate)
+
+- `ahead`: prompt tokens not yet computed of every request the scheduler will prefill before the
+  new one: all running requests (they are served first, whatever their priority), then waiting
+  requests of the same or a higher priority (the queue is ordered by priority, then arrival).
+  A running request that is still prefilling in chunks counts with what it has left; a preempted
+  one counts its whole recompute.
+- `rate`: prefill tokens the scheduler really computes per second of wall time in steps that carry
+  prefill, measured separately for each number of decode rows riding along (in power-of-two
+  buckets): the scheduler shrinks prefill chunks to protect running streams, so the rate with 40
+  streams decoding is a fraction of the rate on a quiet server. The request is predicted at the
+  rate for the streams that will be decoding while it waits (those running and those queued ahead
+  of it). The event loop's own time between steps counts too. Time-decayed sums over the last few
+  seconds (`RATE_TAU_S`), so a slower machine, a bigger model or a new batch shape shows up within
+  seconds.
+- `step_s`: the mean step (a new request waits for the step in progress).
+- `correction`: a high quantile of actual / predicted TTFT over recently admitted requests, each
+  compared at its first token with what was predicted when it was admitted. Whatever the simple
+  model misses (decode rows slowing steps, slots held by long generations, a shared CPU) is learned
+  here instead of being tuned by hand; a quantile, not the mean, because the promise is a tail.
+
+Pure Python (no torch): the server and the simulator feed it the same observations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from batcher.config import SchedulerConfig
+from batcher.request import Priority, Request
+
+# Time constant (s) of the prefill-rate and step-time averages: long enough to span a few steps of
+# a slow CPU step, short enough to follow a change of machine or load within a few seconds.
+RATE_TAU_S = 2.0
+# Recent TTFT observations the correction is taken from: at most this many, none older than
+# CORRECTION_WINDOW_S unless fewer than CORRECTION_MIN remain (a quiet server keeps its evidence).
+CORRECTION_SAMPLES = 64
+CORRECTION_WINDOW_S = 10.0
+CORRECTION_MIN = 16
+CORRECTION_QUANTILE = 0.95
+# One observation may move the model at most this far either way: a request that stalled on
+# something else (a preemption, a paused process) must not make the next hundred look free or
+# hopeless.
+RATIO_CLAMP = (0.25, 4.0)
+
+
+class _Sched(Protocol):
+    waiting: list[Request]
+    running: list[Request]
+
+    @property
+    def config(self) -> SchedulerConfig: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """The engine's unserved work as admission sees it, read once per admission decision.
+
+    `waiting`: requests queued (not yet started); `waiting_interactive` of them interactive (or
+    higher). `running`: requests holding a slot; `free_slots`: slots open now. `ahead_*`:
+    uncomputed prefill tokens a new request of that priority would wait behind.
+    `steps_left`: decode steps each running request has left at most (max_tokens minus its
+    output), ascending: when slots free up. `new_steps`: mean max_tokens of the waiting requests
+    (how long a slot they take holds it). `max_context`: the longest running sequence (tokens).
+    """
+
+    waiting: int = 0
+    waiting_interactive: int = 0
+    running: int = 0
+    decoding: int = 0
+    free_slots: int = 1 << 30
+    ahead_interactive: int = 0
+    ahead_batch: int = 0
+    steps_left: tuple[int, ...] = ()
+    new_steps: float = 0.0
+    max_context: int = 0
+
+    @classmethod
+    def of(cls, waiting: Iterable[Request], running: Iterable[Request],
+           max_num_seqs: int = 1 << 30) -> Backlog:
+        """From the scheduler's queues (running first, then waiting in queue order)."""
+        run_tokens = max_ctx = decoding = 0
+        steps: list[int] = []
+        for r in running:
+            left = r.num_tokens - r.num_computed_tokens
+            # NOTE: one token left is a decode (the last sampled token is not yet fed back).
+            if left > 1:
+                run_tokens += left
+            else:
+                decoding += 1
+            steps.append(max(1, r.sampling.max_tokens - r.num_output_tokens))
+            max_ctx = max(max_ctx, r.num_tokens)
+        high = low = n_wait = n_high = new_steps = 0
+        for r in waiting:
+            n_wait += 1
+            new_steps += max(1, r.sampling.max_tokens - r.num_output_tokens)
+            if r.priority <= Priority.INTERACTIVE:
+                n_high += 1
+                high += r.num_tokens - r.num_computed_tokens
+            else:
+                low += r.num_tokens - r.num_computed_tokens
+        steps.sort()
+        mean_new = new_steps / n_wait if n_wait else (sum(steps) / len(steps) if steps else 0.0)
+        return cls(waiting=n_wait, waiting_interactive=n_high, running=len(steps),
+                   decoding=decoding,
+                   free_slots=max(0, max_num_seqs - len(steps)),
+                   ahead_interactive=run_tokens + high, ahead_batch=run_tokens + high + low,
+                   steps_left=tuple(steps), new_steps=mean_new, max_context=max_ctx)
+
+    @classmethod
+    def of_scheduler(cls, sched: _Sched) -> Backlog:
+        return cls.of(sched.waiting, sched.running, sched.config.max_num_seqs)
+
+    def ahead(self, priority: str) -> int:
+        """Prefill tokens ahead of a new request of this priority."""
+        return self.ahead_batch if priority == "batch" else self.ahead_interactive
+
+    def queued_ahead(self, priority: str) -> int:
+        """Waiting requests ahead of a new request of this priority."""
+        return self.waiting if priority == "batch" else self.waiting_interactive
+
+    def decoding_while_waiting(self, priority: str) -> int:
+        """Streams decoding while a new request of this priority waits for its prefill: those
+        running now, and those queued ahead of it once they start, as far as slots allow."""
+        return min(self.running + self.free_slots, self.running + self.queued_ahead(priority))
+
+    def steps_to_slot(self, priority: str) -> float:
+        """Decode steps until a slot frees for a new request of this priority: the requests
+        queued ahead take the slots that open first, in the order running requests end; past
+        one round of those, each further round waits for the newcomers' own generations."""
+        need = self.queued_ahead(priority) + 1 - self.free_slots
+        if need <= 0 or not self.steps_left:
+            return 0.0
+        k = need - 1
+        n = len(self.steps_left)
+        return self.steps_left[k % n] + (k // n) * self.new_steps
+
+
+@dataclass(slots=True)
+class _Decayed:
+    """Sum of values with weights decaying as exp(-age / tau)."""
+
+    tau: float
+    value: float = 0.0
+    last: float | None = None
+
+    def add(self, now: float, x: float) -> None:
+        if self.last is not None and now > self.last:
+            self.value *= math.exp(-(now - self.last) / self.tau)
+        self.last = now if self.last is None else max(now, self.last)
+        self.value += x
+
+
+@dataclass(slots=True)
+class TtftPredictor:
+    """Feed it every engine step (`observe_step`) and every admitted request's first token
+    (`observe_ttft`); ask it `predict(now, backlog, priority, own_tokens)`. Times are on the
+    caller's clock."""
+
+    _tokens: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
+    _seconds: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
+    # By bucket of decode rows in the step (`_bucket`): (tokens, seconds).
+    _by_rows: dict[int, tuple[_Decayed, _Decayed]] = field(default_factory=dict, repr=False)
+    _step_sum: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
+    _step_n: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
+    _last_end: float | None = field(default=None, repr=False)
+    _pending: bool = field(default=False, repr=False)
+    _ratios: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=CORRECTION_SAMPLES), repr=False)
+    num_ttft_observations: int = 0
+
+    # -- observations --------------------------------------------------------------------------
+
+    def observe_step(self, now: float, seconds: float, prefill_tokens: int,
+                     pending_after: bool, decode_rows: int = 0) -> None:
+        """One engine step ended at `now` after `seconds` of model time, having computed
+        `prefill_tokens` prompt tokens next to `decode_rows` decodes; `pending_after`: work is
+        still queued or running. While
+        work was pending since the previous step, the whole wall time between the two step ends
+        counts as this step's (the event loop's share delays first tokens too)."""
+        if seconds <= 0:
+            return
+        wall = seconds
+        if self._pending and self._last_end is not None and now > self._last_end:
+            wall = max(seconds, now - self._last_end)
+        self._step_sum.add(now, wall)
+        self._step_n.add(now, 1.0)
+        if prefill_tokens > 0:
+            self._tokens.add(now, float(prefill_tokens))
+            self._seconds.add(now, wall)
+            b = _bucket(decode_rows)
+            pair = self._by_rows.get(b)
+            if pair is None:
+                pair = self._by_rows[b] = (_Decayed(RATE_TAU_S), _Decayed(RATE_TAU_S))
+            pair[0].add(now, float(prefill_tokens))
+            pair[1].add(now, wall)
+        self._last_end = now
+        self._pending = pending_after
+
+    def observe_ttft(self, now: float, predicted_s: float, actual_s: float) -> None:
+        """An admitted request's first token came `actual_s` after admission, where
+        `predicted_s` had been predicted (uncorrected, see `predict_raw`)."""
+        if not (predicted_s > 0 and actual_s > 0):
+            return
+        lo, hi = RATIO_CLAMP
+        self._ratios.append((now, min(hi, max(lo, actual_s / predicted_s))))
+        self.num_ttft_observations += 1
+
+    # -- estimates -----------------------------------------------------------------------------
+
+    @property
+    def prefill_rate(self) -> float | None:
+        """Prefill tokens per wall second of the steps that carried prefill (decodes riding
+        along included), or None before any."""
+        if self._tokens.value <= 0 or self._seconds.value <= 0:
+            return None
+        return self._tokens.value / self._seconds.value
+
+    def prefill_rate_with(self, decoding: int) -> float | None:
+        """The prefill rate in steps carrying about `decoding` decode rows: that bucket's when
+        measured, else the nearest measured bucket with more rows (a lower rate, the safe side),
+        else the nearest with fewer; None before any measurement."""
+        want = _bucket(decoding)
+        if not self._by_rows:
+            return None
+        above = [b for b in self._by_rows if b >= want]
+        b = min(above) if above else max(self._by_rows)
+        tokens, seconds = self._by_rows[b]
+        return tokens.value / seconds.value if seconds.value > 0 else self.prefill_rate
+
+    @property
+    def step_s(self) -> float:
+        """Mean wall time of a recent step (0 before any)."""
+        return self._step_sum.value / self._step_n.value if self._step_n.value > 0 else 0.0
+
+    def correction(self, now: float) -> float:
+        """The CORRECTION_QUANTILE of recent actual / predicted ratios; 1 before CORRECTION_MIN."""
+        ratios = self._ratios
+        while len(ratios) > CORRECTION_MIN and now - ratios[0][0] > CORRECTION_WINDOW_S:
+            ratios.popleft()
+        if len(ratios) < CORRECTION_MIN:
+            return 1.0
+        ordered = sorted(r for _, r in ratios)
+        return ordered[min(len(ordered) - 1, int(CORRECTION_QUANTILE * len(ordered)))]
+
+    def predict_raw(self, backlog: Backlog, priority: str, own_tokens: int) -> float | None:
+        """Seconds until a request of `priority` with `own_tokens` of prompt, arriving now, gets
+        its first token, before correction; None until a prefill rate is measured. The later of
+        two bounds: prefill (everything ahead, then its own prompt, at the achieved rate) and
+        slots (a free slot, then its own prompt)."""
+        rate = self.prefill_rate_with(backlog.decoding_while_waiting(priority))
+        if rate is None:
+            return None
+        own = max(0, own_tokens) / rate
+        by_prefill = backlog.ahead(priority) / rate + own
+        by_slot = backlog.steps_to_slot(priority) * self.step_s + own
+        return self.step_s + max(by_prefill, by_slot)
+
+    def predict(self, now: float, backlog: Backlog, priority: str, own_tokens: int
+                ) -> float | None:
+        """`predict_raw` times the correction learned from delivered TTFTs."""
+        raw = self.predict_raw(backlog, priority, own_tokens)
+        return None if raw is None else raw * self.correction(now)
+
+    def drain_s(self, now: float, tokens: float) -> float | None:
+        """Predicted seconds to prefill `tokens` (the Retry-After arithmetic)."""
+        rate = self.prefill_rate
+        return None if rate is None else self.correction(now) * max(0.0, tokens) / rate
+
+
+def _bucket(rows: int) -> int:
+    """0 for no rows, then one bucket per power of two: 1, 2-3, 4-7, 8-15, ..."""
+    return max(0, rows).bit_length()
