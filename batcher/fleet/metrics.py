@@ -20,7 +20,7 @@ class RouterMetrics:
                                 registry=r)
         self.client_requests = Counter("batcher_router_client_requests", "Client requests by "
                                        "final outcome", ["outcome"], registry=r)
-        self.retries = Counter("batcher_router_retries", "Retries before the first byte by "
+        self.retries = Counter("batcher_retries", "Retries before the first byte by "
                                "reason", ["reason"], registry=r)
         self.budget_exhausted = Counter("batcher_router_retry_budget_exhausted",
                                         "Retries refused by the fleet retry budget", registry=r)
@@ -28,7 +28,7 @@ class RouterMetrics:
                                  ["replica"], registry=r)
         self.readmissions = Counter("batcher_router_readmissions", "Evicted replicas "
                                     "re-admitted", ["replica"], registry=r)
-        self.failovers = Counter("batcher_router_failovers", "Failovers by kind: retry (before "
+        self.failovers = Counter("batcher_failovers", "Failovers by kind: retry (before "
                                  "the first byte), resume, error (stream ended with an error)",
                                  ["kind"], registry=r)
         self.routing = Histogram("batcher_router_routing_seconds", "Time to pick a replica",

@@ -74,6 +74,9 @@ async def test_kill9_with_requests_in_flight():
                 for i in range(N)))
             expected = {i: body["choices"][0]["text"] for i, (_, body) in enumerate(fault_free)}
             exhausted = await router_samples(s, rt, "batcher_router_retry_budget_exhausted_total")
+            failovers = {lb["kind"]: v for lb, v in await router_samples(
+                s, rt, "batcher_failovers_total")}
+            retries = sum(v for _, v in await router_samples(s, rt, "batcher_retries_total"))
             budget = (await admin(s, rt, "/admin/status"))["retry_budget"]
 
     resumed = errored = same_after_resume = 0
@@ -110,6 +113,9 @@ async def test_kill9_with_requests_in_flight():
     assert resumed + errored >= 1, "the kill hit no stream"
     print(f"resumed {resumed} (identical {same_after_resume}), ended with the error {errored}")
     assert exhausted == [({}, 0.0)], budget
+    # Counted where they happen: each resumed or broken stream once, retries as failovers too.
+    assert failovers.get("resume", 0) >= resumed and failovers.get("error", 0) >= errored
+    assert failovers.get("retry", 0) == retries, (failovers, retries)
 
 
 async def test_sigstop_evicted_within_3_5s_and_readmitted_after_two_probes():
