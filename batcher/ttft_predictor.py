@@ -99,6 +99,8 @@ class Backlog:
             max_ctx = max(max_ctx, r.num_tokens)
         high = low = n_wait = n_high = new_steps = 0
         for r in waiting:
+            if r.priority < 0:
+                continue  # the operator's deep probe: one token, never in tenants' queue bound
             n_wait += 1
             new_steps += max(1, r.sampling.max_tokens - r.num_output_tokens)
             if r.priority <= Priority.INTERACTIVE:

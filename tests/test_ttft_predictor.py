@@ -164,3 +164,13 @@ def test_prediction_follows_within_a_few_seconds(scale_after: float) -> None:
     # Slower: about what the machine can still do. Faster: at least what it did before (the
     # scheduler's own chunk sizing takes longer to use all of the new speed).
     assert run.goodput(24.0, 40.0) >= 0.8 * cap / max(1.0, scale_after)
+
+
+def test_the_deep_probe_is_not_in_the_queue_tenants_are_bounded_by() -> None:
+    from batcher.ttft_predictor import Backlog
+
+    probe = Request("probe-1", [1], SamplingParams(max_tokens=1), tenant="__probe__",
+                    priority=-1)
+    mine = Request("r-1", [1, 2, 3], SamplingParams(max_tokens=4))
+    backlog = Backlog.of([probe, mine], [])
+    assert backlog.waiting == 1 and backlog.ahead_interactive == 3
