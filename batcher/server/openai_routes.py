@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -54,13 +55,52 @@ def engine_refusal(exc: Exception) -> ApiError:
 class Choice:
     """Accumulates one choice's text, tokens and logprobs."""
 
-    __slots__ = ("text", "tokens", "logprobs", "final")
+    __slots__ = ("final", "logprobs", "text", "tokens")
 
     def __init__(self) -> None:
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs | None] = []
         self.final: EngineEvent | None = None
+
+
+class UsageTally:
+    """Token counts of a job's finished choices; the n copies of one prompt count it once."""
+
+    __slots__ = ("_seen", "cached", "completion", "n", "prompt")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prompt = self.completion = self.cached = 0
+        self._seen: set[int] = set()
+
+    def add(self, index: int, final: EngineEvent) -> None:
+        self.completion += final.num_output_tokens
+        prompt = index // self.n
+        if prompt not in self._seen:
+            self._seen.add(prompt)
+            self.prompt += final.num_prompt_tokens
+            self.cached += final.num_cached_tokens
+
+    def body(self) -> dict[str, Any]:
+        return usage(self.prompt, self.completion, self.cached)
+
+
+def final_error(ev: EngineEvent) -> ApiError | None:
+    """How a choice's last event ends the answer, streamed or whole: an engine failure ("error")
+    is a 503 (a status before any byte, an error event after); anything else, "abort" included,
+    is a normal end. NOTE: a request cancelled by its owner ends with its partial output and
+    finish_reason "abort": an error would make clients, and a router, retry a request nobody
+    wants."""
+    if ev.finish_reason != "error":
+        return None
+    return ApiError(503, ev.error or "the engine failed the request", code="engine_error",
+                    retry_after=1)
+
+
+def deadline_error(spec: GenerationSpec) -> ApiError:
+    return ApiError(504, f"the request's deadline of {spec.timeout:g}s passed", param="timeout",
+                    code="deadline_exceeded")
 
 
 class GenerationHandler:
@@ -104,22 +144,18 @@ class GenerationHandler:
                     if ev.finished:
                         c.final = ev
         except TimeoutError:
-            raise ApiError(504, f"the request's deadline of {spec.timeout:g}s passed",
-                           param="timeout", code="deadline_exceeded") from None
+            raise deadline_error(spec) from None
         except (ValueError, EngineError) as exc:
             raise engine_refusal(exc) from None
         for c in choices:
-            # NOTE: "abort" (cancelled by its owner) is answered with the partial output and
-            # finish_reason "abort": a 5xx would make clients retry a request nobody wants.
-            if c.final is not None and c.final.finish_reason == "error":
-                reason = c.final.error or "the request was cancelled"
-                raise ApiError(503, reason, code="engine_error", retry_after=1)
+            err = final_error(c.final) if c.final is not None else None
+            if err is not None:
+                raise err
         return choices
 
     def _whole(self, spec: GenerationSpec, rid: str, choices: list[Choice]) -> dict[str, Any]:
         out = []
-        prompt = completion = cached = 0
-        seen_prompts = set()
+        tally = UsageTally(spec.n)
         for i, c in enumerate(choices):
             fin = c.final
             assert fin is not None
@@ -136,73 +172,32 @@ class GenerationHandler:
             if spec.return_token_ids:
                 item["token_ids"] = c.tokens
             out.append(item)
-            completion += fin.num_output_tokens
-            p = i // spec.n
-            if p not in seen_prompts:  # n copies of one prompt count it once
-                seen_prompts.add(p)
-                prompt += fin.num_prompt_tokens
-                cached += fin.num_cached_tokens
+            tally.add(i, fin)
         return {"id": self.prefix + rid, "object": self.object, "created": now_s(),
-                "model": spec.model, "choices": out, "usage": usage(prompt, completion, cached)}
+                "model": spec.model, "choices": out, "usage": tally.body()}
 
     # streams -------------------------------------------------------------------------------
     async def _stream(self, request: web.Request, spec: GenerationSpec, job: Job
                       ) -> web.StreamResponse:
+        """Status and headers once the first event is in, then one SSE chunk per event; the
+        deadline, the engine's failure and the client's disconnect each end it explicitly."""
         rid = request["request_id"]
         resp = web.StreamResponse(headers={
             **SSE_HEADERS, "X-Request-Id": rid, "X-Replica-State": request["state_header"]()})
-        # NOTE: a request the engine refuses must fail with a status, before any byte is sent.
         events = self.gw.events(job)
-        first: tuple[int, EngineEvent] | None = None
         try:
             async with asyncio.timeout(spec.timeout) as deadline:
-                try:
-                    first = await anext(events)
-                except (ValueError, EngineError) as exc:
-                    raise engine_refusal(exc) from None
+                first = await self._first_event(events)
                 await resp.prepare(request)
                 base = {"id": self.prefix + rid, "object": self.object + ".chunk"
                         if self.chat else self.object, "created": now_s(), "model": spec.model}
-                if self.chat:
-                    for i in range(len(job.requests)):
-                        await resp.write(sse_event(self._chunk(base, i, role=True)))
-                totals = [0, 0, 0]
-                prompts_seen: set[int] = set()
-                prompts_sent: set[int] = set()
-                item: tuple[int, EngineEvent] | None = first
-                while item is not None:
-                    i, ev = item
-                    if ev.finish_reason in ("error", "abort"):
-                        await resp.write(sse_event(self._error(ev)))
-                        break
-                    lp = self._logprobs(spec, ev.token_ids, ev.logprobs, ev.text)
-                    ids = ev.token_ids if spec.return_token_ids else None
-                    if ev.text or ev.finished or lp or ids:
-                        chunk = self._chunk(base, i, text=ev.text, logprobs=lp,
-                                            finish=ev.finish_reason,
-                                            stop_reason=ev.stop_reason, token_ids=ids)
-                        if ids is not None and i not in prompts_sent:
-                            prompts_sent.add(i)  # once per choice: what a resume re-sends
-                            chunk["prompt_token_ids"] = job.requests[i].prompt_token_ids
-                        await resp.write(sse_event(chunk))
-                    if ev.finished:
-                        totals[1] += ev.num_output_tokens
-                        if i // spec.n not in prompts_seen:
-                            prompts_seen.add(i // spec.n)
-                            totals[0] += ev.num_prompt_tokens
-                            totals[2] += ev.num_cached_tokens
-                    item = await anext(events, None)
-                else:
-                    if spec.include_usage:
-                        await resp.write(sse_event(dict(base, choices=[],
-                                                        usage=usage(*totals))))
+                await self._relay(resp, spec, job, base, first, events)
                 deadline.reschedule(None)
         except TimeoutError:
             if not resp.prepared:
-                raise ApiError(504, f"the request's deadline of {spec.timeout:g}s passed",
-                               param="timeout", code="deadline_exceeded") from None
-            err = ApiError(504, f"the request's deadline of {spec.timeout:g}s passed",
-                           code="deadline_exceeded")
+                raise deadline_error(spec) from None
+            err = deadline_error(spec)
+            err.param = None
             with contextlib.suppress(ConnectionError):
                 await resp.write(sse_event(err.body()))
         except ConnectionError:
@@ -215,6 +210,55 @@ class GenerationHandler:
             await resp.write(DONE)
             await resp.write_eof()
         return resp
+
+    @staticmethod
+    async def _first_event(events: AsyncIterator[tuple[int, EngineEvent]]
+                           ) -> tuple[int, EngineEvent]:
+        """NOTE: a request the engine refuses must fail with a status, before any byte is sent."""
+        try:
+            return await anext(events)
+        except (ValueError, EngineError) as exc:
+            raise engine_refusal(exc) from None
+
+    async def _relay(self, resp: web.StreamResponse, spec: GenerationSpec, job: Job,
+                     base: dict[str, Any], first: tuple[int, EngineEvent],
+                     events: AsyncIterator[tuple[int, EngineEvent]]) -> None:
+        """Write every choice's events as chunks, then the usage chunk when asked for; an
+        engine failure ends the stream with an error event instead."""
+        if self.chat:
+            for i in range(len(job.requests)):
+                await resp.write(sse_event(self._chunk(base, i, role=True)))
+        tally = UsageTally(spec.n)
+        prompt_sent: set[int] = set()
+        item: tuple[int, EngineEvent] | None = first
+        while item is not None:
+            i, ev = item
+            err = final_error(ev)
+            if err is not None:
+                await resp.write(sse_event(self._error(err, ev)))
+                return
+            chunk = self._event_chunk(base, spec, job, i, ev, prompt_sent)
+            if chunk is not None:
+                await resp.write(sse_event(chunk))
+            if ev.finished:
+                tally.add(i, ev)
+            item = await anext(events, None)
+        if spec.include_usage:
+            await resp.write(sse_event(dict(base, choices=[], usage=tally.body())))
+
+    def _event_chunk(self, base: dict[str, Any], spec: GenerationSpec, job: Job, i: int,
+                     ev: EngineEvent, prompt_sent: set[int]) -> dict[str, Any] | None:
+        """The chunk for one event, or None when it carries nothing a client would see."""
+        lp = self._logprobs(spec, ev.token_ids, ev.logprobs, ev.text)
+        ids = ev.token_ids if spec.return_token_ids else None
+        if not (ev.text or ev.finished or lp or ids):
+            return None
+        chunk = self._chunk(base, i, text=ev.text, logprobs=lp, finish=ev.finish_reason,
+                            stop_reason=ev.stop_reason, token_ids=ids)
+        if ids is not None and i not in prompt_sent:
+            prompt_sent.add(i)  # once per choice: what a resume re-sends
+            chunk["prompt_token_ids"] = job.requests[i].prompt_token_ids
+        return chunk
 
     def _chunk(self, base: dict[str, Any], index: int, text: str = "", role: bool = False,
                logprobs: Any = None, finish: str | None = None,
@@ -235,10 +279,10 @@ class GenerationHandler:
         return dict(base, choices=[choice])
 
     @staticmethod
-    def _error(ev: EngineEvent) -> dict[str, Any]:
-        msg = ev.error or "the request was cancelled"
-        err = ApiError(503, f"{msg} after {ev.num_output_tokens} tokens", code="engine_error")
-        body = err.body()
+    def _error(err: ApiError, ev: EngineEvent) -> dict[str, Any]:
+        """The error event that ends a stream the engine failed, with how many tokens it got."""
+        body = ApiError(err.status, f"{err.message} after {ev.num_output_tokens} tokens",
+                        code=err.code).body()
         body["error"]["tokens_sent"] = ev.num_output_tokens
         return body
 

@@ -74,8 +74,9 @@ async def test_spread_by_free_kv_streams_ids_and_cancellation():
             (status, events), cancel_status = await asyncio.gather(
                 stream(s, url, "cancel me", 4000, rid="to-cancel"), cancel_soon())
             assert cancel_status == 200 and status == 200
-            assert "error" in events[-2] and events[-1] == "[DONE]"
-            assert "resumed" not in events[-2]
+            # Cancelled by its owner: ended with finish_reason "abort", never resumed elsewhere.
+            assert events[-2]["choices"][0]["finish_reason"] == "abort"
+            assert events[-1] == "[DONE]" and "resumed" not in events[-2]
             await assert_idle(s, (big.url, small.url))
 
 
