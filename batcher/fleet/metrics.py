@@ -10,8 +10,10 @@ OUTCOMES = ("ok", "rejected", "error", "client_error", "cancelled", "resumed", "
 
 
 class RouterMetrics:
-    """Names carry the `batcher_router_` prefix; requests are labelled by replica, version and
-    outcome so a canary's error rate can be compared with the stable version's."""
+    """Names carry the `batcher_router_` prefix, but `batcher_retries` and `batcher_failovers`
+    (the names the metrics contract gives them; only a router retries or fails over); requests
+    are labelled by replica, version and outcome so a canary's error rate can be compared with
+    the stable version's."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
