@@ -110,3 +110,30 @@ async def test_replicas_die_with_a_killed_launcher():
                 os.kill(pid, signal.SIGKILL)
         print(f"launcher killed: replicas gone in {15 - (deadline - time.monotonic()):.1f}s")
         assert not left, f"replicas {left} outlived their launcher"
+
+
+def test_a_router_taking_heartbeats_off_loopback_has_a_fleet_key(tmp_path, capsys):
+    import argparse
+
+    from batcher.fleet.cli import add_router_args, ensure_fleet_key, fleet_key, router_config
+    from batcher.fleet.context import RouterContext
+    from batcher.fleet.launcher import serve_router
+
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    key_file = tmp_path / "fleet.key"
+    key_file.write_text("from-a-file\n")
+    args = p.parse_args(["--fleet-key-file", str(key_file), "--fleet-key", "ignored"])
+    assert fleet_key(args) == "from-a-file"
+    for host, generated in (("127.0.0.1", False), ("::1", False), ("0.0.0.0", True)):
+        cfg = router_config(p.parse_args(["--internal-host", host]))
+        cfg.fleet_key = None  # whatever the environment holds
+        ensure_fleet_key(cfg, host)
+        assert (cfg.fleet_key is not None) == generated
+        if generated:
+            assert len(cfg.fleet_key) == 32 and cfg.fleet_key in capsys.readouterr().out
+    cfg = router_config(p.parse_args([]))
+    cfg.fleet_key = None
+    with pytest.raises(SystemExit, match="fleet key"):
+        asyncio.run(serve_router(RouterContext(cfg), "127.0.0.1", free_port(),
+                                 internal_port=free_port(), internal_host="0.0.0.0"))
