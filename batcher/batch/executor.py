@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # Re-check expiry, retries and capacity at least this often; steps and new batches wake it sooner.
 TICK_S = 0.05
 DEFAULT_LINE_MAX_TOKENS = 16
+# Refusals about the server's state (queue, SLO, drain), not a tenant's budget.
+SERVER_REFUSALS = frozenset({"queue_full", "queue_slo", "tpot_slo", "draining", "overloaded",
+                             "embedding queue full", "shutting down", "engine_error"})
 UNANSWERED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
               "expired": ("batch_expired",
                           "the batch's completion window ended before this request ran")}
@@ -95,6 +98,7 @@ class BatchExecutor:
         self.tick_s = tick_s
         self.batches: dict[str, _Batch] = {}
         self._paused: dict[str, float] = {}  # tenant -> monotonic time its lines may retry
+        self._hold_until = 0.0  # no line starts before (admission refused one for now)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -183,6 +187,8 @@ class BatchExecutor:
 
     def _start_lines(self) -> None:
         mono = time.monotonic()
+        if mono < self._hold_until:
+            return
         in_flight = self.in_flight
         for b in list(self.batches.values()):  # oldest batch first
             if b.ending is not None or self._paused.get(b.tenant, 0.0) > mono:
@@ -227,9 +233,14 @@ class BatchExecutor:
                     result = await self.runner.run(tenant, b.endpoint, line.body, rid)
                 except Deferred as d:
                     self.metrics.deferrals.labels(d.reason).inc()
-                    heapq.heappush(b.retry, (time.monotonic() + d.retry_after, line.index))
-                    if d.reason == "tenant_tokens":  # the tenant's other lines would fail too
-                        self._paused[b.tenant] = time.monotonic() + d.retry_after
+                    until = time.monotonic() + d.retry_after
+                    heapq.heappush(b.retry, (until, line.index))
+                    # The next line would be refused for the same reason: the tenant's budget
+                    # holds its other lines back; the server's queue or SLO holds back all.
+                    if d.reason in SERVER_REFUSALS:
+                        self._hold_until = max(self._hold_until, until)
+                    elif d.reason.startswith("tenant_"):
+                        self._paused[b.tenant] = max(self._paused.get(b.tenant, 0.0), until)
                     return
                 except asyncio.CancelledError:
                     raise
