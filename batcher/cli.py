@@ -16,6 +16,10 @@ from batcher.config import (
 )
 
 
+# Time-to-first-token a server started with no flags admits requests for (see --slo-ttft-ms).
+DEFAULT_SLO_TTFT_MS = 2000.0
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--model", default="smollm2-135m", help="smollm2-135m (bundled), tiny (random weights, "
@@ -80,10 +84,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "unless given")
     a("--admin-host", default="127.0.0.1", help="admin listener address (default: %(default)s)")
     a("--admin-key", default=None, help="admin key (default: env BATCHER_ADMIN_KEY)")
-    a("--slo-ttft-ms", type=float, default=None, help="time-to-first-token SLO in ms, for "
-      "goodput and queue admission (default: none)")
-    a("--slo-tpot-ms", type=float, default=None, help="time-per-output-token SLO in ms, for "
-      "goodput (default: none)")
+    a("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="time-to-first-token SLO "
+      "in ms: a request is admitted only when its predicted TTFT is within it (batch within "
+      "half of it), otherwise refused at once with 503 + Retry-After; also the goodput "
+      "threshold. The default keeps an interactive client's wait for its first token bounded "
+      "on a server started with no flags, instead of letting the queue (--max-waiting) grow "
+      "to minutes; 0 turns the check off (the queue is then bounded only by count) "
+      "(default: %(default)g)")
+    a("--slo-tpot-ms", type=float, default=None, help="time-per-output-token SLO in ms: new "
+      "work is refused (503) when one more stream would make the running streams' step "
+      "slower than this, as predicted from the measured step times; also the goodput "
+      "threshold (default: none, no TPOT check)")
     a("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
       "finish on SIGTERM (default: %(default)s)")
     a("--embedding-model", default="minilm", choices=["minilm", "none"],

@@ -100,6 +100,10 @@ def build_embedder(args: argparse.Namespace):
 
 
 def gateway_factory(args: argparse.Namespace):
+    for flag in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(args, flag)
+        if value is not None and not 0 <= value < float("inf"):
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 0 ms, got {value}")
     async def build() -> Gateway:
         loop = asyncio.get_running_loop()
         metrics = Metrics(slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
