@@ -2,8 +2,9 @@
 
 Only the model step is simulated: it sleeps for a time given by prefill and decode rates and
 returns tokens that depend only on (last token, position), so a request re-prefilled elsewhere
-(failover `resume`) continues with the same tokens. Fault switches let fleet tests make a replica
-hang, crash, slow down or fail. Many such replicas fit on two cores."""
+(failover `resume`) continues with the same tokens. A step-time factor makes one replica of a
+fleet slower than the others. Fault switches let fleet tests make a replica hang, crash, slow
+down or fail. Many such replicas fit on two cores."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class FakeSpeed:
     prefill_tokens_per_s: float = 20_000.0
     decode_step_s: float = 0.02  # one step with any number of decodes (memory-bound)
     per_seq_s: float = 0.0002  # extra per decoding sequence
+    step_factor: float = 1.0  # every step this many times as long (a slower machine)
 
 
 class FakeRunner:
@@ -32,6 +34,8 @@ class FakeRunner:
                  speed: FakeSpeed | None = None, fault: str = "none", fault_after_steps: int = 0):
         if fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}")
+        if speed is not None and not speed.step_factor > 0:
+            raise ValueError("the fake model's step factor must be > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -49,7 +53,8 @@ class FakeRunner:
         sp = self.speed
         prefill = sum(s.num_tokens for s in sched.seqs if s.num_tokens > 1)
         decodes = sum(1 for s in sched.seqs if s.num_tokens == 1)
-        return sp.decode_step_s + decodes * sp.per_seq_s + prefill / sp.prefill_tokens_per_s
+        return sp.step_factor * (sp.decode_step_s + decodes * sp.per_seq_s
+                                 + prefill / sp.prefill_tokens_per_s)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
@@ -81,7 +86,8 @@ def build_fake_engine(args, sched, cache, metrics):
 
     tok = load_tokenizer()
     speed = FakeSpeed(prefill_tokens_per_s=args.fake_prefill_rate,
-                      decode_step_s=args.fake_decode_step_ms / 1000)
+                      decode_step_s=args.fake_decode_step_ms / 1000,
+                      step_factor=getattr(args, "fake_step_factor", 1.0))
     runner = FakeRunner(cache.num_blocks or 4096, cache.block_size, tok.vocab_size, speed,
                         args.fake_fault, args.fake_fault_after_steps)
     sched.max_model_len = args.max_model_len

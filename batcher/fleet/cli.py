@@ -17,7 +17,7 @@ import sys
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.discovery import Discovery, HttpProber, Source, parse_source
 from batcher.fleet.health import HealthConfig
-from batcher.fleet.policy import PolicyConfig
+from batcher.fleet.policy import POLICIES, PolicyConfig
 
 # `batcher serve` flags the fleet launcher sets itself for each replica.
 _OWN_FLAGS = frozenset({"host", "port", "admin_port", "admin_host", "admin_key", "router",
@@ -27,10 +27,15 @@ _OWN_FLAGS = frozenset({"host", "port", "admin_port", "admin_host", "admin_key",
 def _policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing, retries and health")
     a = g.add_argument
+    a("--policy", default="predicted-wait", choices=list(POLICIES), help="predicted-wait: the "
+      "replica with the least predicted time to first token; round-robin: in turn, for "
+      "comparison (default: %(default)s)")
     a("--affinity-chars", type=int, default=256, help="leading prompt characters hashed for "
       "prefix affinity; 0 turns it off (default: %(default)s)")
-    a("--hot-headroom", type=float, default=0.1, help="the affine replica is skipped below "
-      "this share of free KV or with a queue (default: %(default)s)")
+    a("--hot-headroom", type=float, default=0.1, help="KV is scarce below this share free "
+      "after the request: it then adds to the predicted wait (default: %(default)s)")
+    a("--affinity-max-extra-ms", type=float, default=50.0, help="predicted extra wait prefix "
+      "affinity may cost at most (default: %(default)s)")
     a("--max-attempts", type=int, default=3, help="attempts per request (default: %(default)s)")
     a("--retry-ratio", type=float, default=0.1, help="retries allowed per request in the "
       "window (default: %(default)s)")
@@ -107,12 +112,16 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--restart", action="store_true", help="restart replicas that exit")
     g.add_argument("--versions", default=None, help="comma-separated version labels given to "
                    "the replicas in turn (default: --version for all)")
+    g.add_argument("--slow-replicas", default=None, metavar="K:F", help="with --model fake: "
+                   "the first K replicas step F times slower (a mixed fleet)")
     _policy_args(p)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        policy=PolicyConfig(affinity_chars=args.affinity_chars, hot_headroom=args.hot_headroom),
+        policy=PolicyConfig(affinity_chars=args.affinity_chars, hot_headroom=args.hot_headroom,
+                            affinity_max_extra_s=args.affinity_max_extra_ms / 1e3),
+        routing=args.policy,
         health=HealthConfig(interval=args.health_interval,
                             liveness_timeout=args.liveness_timeout,
                             probe_interval=args.probe_interval,
@@ -213,6 +222,21 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _slow(args: argparse.Namespace) -> tuple[int, float]:
+    """`--slow-replicas K:F` as (K, F); (0, 1.0) when not given."""
+    spec = getattr(args, "slow_replicas", None)
+    if not spec:
+        return 0, 1.0
+    k, _, f = spec.partition(":")
+    try:
+        out = int(k), float(f)
+    except ValueError:
+        raise SystemExit(f"--slow-replicas takes K:F (e.g. 1:2), not {spec!r}") from None
+    if out[0] < 0 or not out[1] > 0 or args.model != "fake":
+        raise SystemExit("--slow-replicas needs K >= 0, F > 0 and --model fake")
+    return out
+
+
 async def run_fleet(args: argparse.Namespace) -> int:
     from batcher.fleet.launcher import Supervisor, replica_specs, serve_router, wait_for_signal
 
@@ -229,6 +253,9 @@ async def run_fleet(args: argparse.Namespace) -> int:
     versions = args.versions.split(",") if args.versions else [args.version]
     specs = replica_specs(args.replicas, [*serve_flags(args), "--log-level", args.log_level],
                           routers, versions)
+    slow_k, slow_f = _slow(args)
+    for s in specs[:slow_k]:
+        s.argv += ["--fake-step-factor", str(slow_f)]
     for s in specs:
         ctx.registry.add_static(s.url, s.replica_id, s.admin_url)
     close = await serve_router(ctx, args.host, args.port, args.admin_port, args.admin_host,

@@ -15,8 +15,17 @@ import aiohttp
 
 from batcher.fleet.discovery import Discovery
 from batcher.fleet.health import HealthChecker, HealthConfig
+from batcher.fleet.load import ReplicaLoad
 from batcher.fleet.metrics import RouterMetrics
-from batcher.fleet.policy import Candidate, PolicyConfig, RetryBudget, blocks_for, choose
+from batcher.fleet.policy import (
+    POLICIES,
+    Candidate,
+    PolicyConfig,
+    RetryBudget,
+    blocks_for,
+    choose,
+    choose_round_robin,
+)
 from batcher.fleet.registry import Registry, Replica
 from batcher.fleet.rollout import Rollout
 
@@ -26,6 +35,7 @@ class RouterConfig:
     """Every router knob, validated once at start."""
 
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    routing: str = "predicted-wait"  # or "round-robin", the naive baseline for comparison
     health: HealthConfig = field(default_factory=HealthConfig)
     max_attempts: int = 3
     retry_ratio: float = 0.1
@@ -49,6 +59,8 @@ class RouterConfig:
     def validate(self) -> RouterConfig:
         self.policy.validate()
         self.health.validate()
+        if self.routing not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if min(self.beat_interval, self.suspect_beats, self.connect_timeout,
@@ -119,6 +131,8 @@ class RouterContext:
         self.inflight = 0
         self.processes: Callable[[], list[dict[str, Any]]] | None = None  # set by the launcher
         self.discovery: Discovery | None = None  # set by `batcher router --discover`
+        self.loads: dict[str, ReplicaLoad] = {}  # replica id -> the router's own account
+        self._turn = 0  # round-robin's position
 
     # routing -------------------------------------------------------------------------------
     def candidates(self, now: float) -> list[Candidate]:
@@ -128,30 +142,60 @@ class RouterContext:
             st = rep.state
             if st is None or not reg.routable(rep):
                 continue
+            load = self.loads.get(rep.replica_id)
+            if load is None:  # nothing sent there yet: all it reports is others' work
+                out.append(Candidate(rep.replica_id, st.free_blocks, st.total_blocks,
+                                     st.block_size, st.waiting, st.version,
+                                     fresh=not reg.suspect(rep, now), running=st.running,
+                                     others=st.running + st.waiting))
+                continue
+            load.state_seen(rep.state_at)
             out.append(Candidate(rep.replica_id, reg.effective_free(rep), st.total_blocks,
                                  st.block_size, reg.effective_waiting(rep), st.version,
-                                 fresh=not reg.suspect(rep, now)))
+                                 fresh=not reg.suspect(rep, now), running=st.running,
+                                 inflight=load.inflight,
+                                 others=load.others(st.running, st.waiting),
+                                 prefill_tokens=load.prefill_tokens,
+                                 oldest_pending_s=load.oldest_pending_s(now),
+                                 prefill_rate=load.prefill_rate, step_s=load.step_s))
         return out
 
-    def pick(self, tokens: int, key: str | None, exclude: set[str]) -> Replica | None:
+    def pick(self, tokens: int, key: str | None, exclude: set[str],
+             prompt_tokens: int | None = None) -> Replica | None:
         started = time.perf_counter()
         cands = self.candidates(self.clock())
-        c = choose(cands, tokens, key, self.cfg.policy, self.rng,
-                   self.rollout.weights or None, exclude)
+        weights = self.rollout.weights or None
+        if self.cfg.routing == "round-robin":
+            c = choose_round_robin(cands, self._turn, self.rng, weights, exclude)
+            self._turn += 1
+        else:
+            c = choose(cands, tokens, key, self.cfg.policy, self.rng, weights, exclude,
+                       prompt_tokens=prompt_tokens)
         self.metrics.routing.observe(time.perf_counter() - started)
         return None if c is None else self.registry.get(c.replica_id)
 
     # attempts ------------------------------------------------------------------------------
-    def begin(self, rep: Replica, tokens: int, stream: bool = False) -> Attempt:
+    def begin(self, rep: Replica, tokens: int, stream: bool = False,
+              prompt_tokens: int = 0) -> Attempt:
         st = rep.state
         blocks = blocks_for(tokens, st.block_size if st is not None else 16)
         now = self.clock()
         att = Attempt(rep, self.registry.reserve(rep, blocks, now), now, stream)
         self.attempts.setdefault(rep.replica_id, set()).add(att)
+        self.loads.setdefault(rep.replica_id, ReplicaLoad()).sent(att.token, prompt_tokens, now)
         return att
+
+    def progress(self, att: Attempt, now: float) -> None:
+        """A chunk of a streamed answer arrived: the first one ends the prefill."""
+        load = self.loads.get(att.replica.replica_id)
+        if load is not None:
+            load.token(att.token, now)
 
     def end(self, att: Attempt) -> None:
         self.registry.release(att.replica, att.token)
+        load = self.loads.get(att.replica.replica_id)
+        if load is not None:
+            load.done(att.token)
         live = self.attempts.get(att.replica.replica_id)
         if live is not None:
             live.discard(att)
@@ -182,6 +226,8 @@ class RouterContext:
         self.registry.remove(replica_id)
         if self.health is not None:
             self.health.forget(replica_id)
+        if not self.attempts.get(replica_id):
+            self.loads.pop(replica_id, None)
         if not self.attempts.get(replica_id, True):
             del self.attempts[replica_id]
 

@@ -30,7 +30,12 @@ import orjson
 from aiohttp import web
 
 from batcher.fleet.context import Attempt, RouterContext
-from batcher.fleet.policy import affinity_key, backoff, estimate_tokens
+from batcher.fleet.policy import (
+    affinity_key,
+    backoff,
+    estimate_prompt_tokens,
+    estimate_tokens,
+)
 from batcher.fleet.registry import Replica
 from batcher.fleet.stream_ledger import StreamLedger
 from batcher.http.errors import ApiError
@@ -91,8 +96,10 @@ class Relay:
         self.payload = raw
         policy = ctx.cfg.policy
         self.tokens, self.key = policy.default_max_tokens, None
+        self.prompt_tokens = 1
         if well_formed(body, chat):
             self.tokens = estimate_tokens(body, chat, policy)
+            self.prompt_tokens = estimate_prompt_tokens(body, chat, policy)
             key = affinity_key(body, chat, policy)
             # Affinity only within one caller: another tenant's prefix is never a reason to
             # land on the replica that caches it (prefix caches are per tenant too).
@@ -127,7 +134,7 @@ class Relay:
         ctx = self.ctx
         if self.attempts >= ctx.cfg.max_attempts:
             return self._give_up()
-        rep = ctx.pick(self.tokens, self.key, self.tried)
+        rep = ctx.pick(self.tokens, self.key, self.tried, self.prompt_tokens)
         if rep is None:
             return self._give_up()
         if self.attempts:
@@ -208,7 +215,7 @@ class Relay:
 
     async def _whole_attempt(self, rep: Replica) -> Failure | web.StreamResponse:
         ctx = self.ctx
-        att = ctx.begin(rep, self.tokens)
+        att = ctx.begin(rep, self.tokens, prompt_tokens=self.prompt_tokens)
         ctx.owners[self.rkey] = rep.replica_id
         outcome = "error"
         try:
@@ -265,7 +272,7 @@ class Relay:
 
     async def _stream_attempt(self, rep: Replica) -> Failure | web.StreamResponse | None:
         ctx = self.ctx
-        att = ctx.begin(rep, self.tokens, stream=True)
+        att = ctx.begin(rep, self.tokens, stream=True, prompt_tokens=self.prompt_tokens)
         ctx.owners[self.rkey] = rep.replica_id
         outcome = "error"
         buf = bytearray()
@@ -285,6 +292,7 @@ class Relay:
                             f"a replica answered {up.status} to a resumed stream")
                     async for chunk in up.content.iter_any():
                         att.last_byte = ctx.clock()
+                        ctx.progress(att, att.last_byte)
                         att.extend(ctx.cfg.stream_idle_timeout)
                         buf += chunk
                         taken = self.ledger.take(buf, self.rkey in ctx.cancelled)

@@ -15,6 +15,7 @@ so the router and the simulator share them.
   request over those that cannot. The lowest predicted wait wins. A rendezvous hash of the
   prompt's leading text names a preferred replica (its prefix cache is warm); it wins while its
   predicted wait is at most `affinity_max_extra_s` above the best.
+- `choose_round_robin(...)`: the naive baseline, for comparison.
 - `pick_version(weights, available, r)`: weighted version choice; `"*"` stands for every
   version not named.
 - `RetryBudget`: retries <= max(floor, ratio * requests seen in the window, or in flight).
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 OTHERS = "*"
+POLICIES = ("predicted-wait", "round-robin")  # the router's --policy names
 _TIE_S = 1e-6  # predicted waits closer than this are equal
 
 
@@ -253,6 +255,18 @@ def choose(cands: Sequence[Candidate], tokens: int, key: str | None, cfg: Policy
     most = max(c.free_blocks for c in best)
     best = [c for c in best if c.free_blocks == most]
     return best[0] if len(best) == 1 else rng.choice(best)
+
+
+def choose_round_robin(cands: Sequence[Candidate], turn: int, rng: random.Random,
+                       weights: Mapping[str, float] | None = None,
+                       exclude: frozenset[str] | set[str] = frozenset()) -> Candidate | None:
+    """Naive routing for comparison (`--policy round-robin`): the `turn`-th candidate in id
+    order, among those of the weighted version not yet tried. No state, no scores."""
+    pool = sorted((c for c in cands if c.replica_id not in exclude), key=lambda c: c.replica_id)
+    if weights:
+        version = pick_version(weights, {c.version for c in pool}, rng.random())
+        pool = [c for c in pool if c.version == version]
+    return pool[turn % len(pool)] if pool else None
 
 
 def _preferred(pool: Sequence[Candidate], key: str) -> Candidate:

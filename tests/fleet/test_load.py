@@ -1,0 +1,80 @@
+"""The router's own load account per replica, round-robin for comparison, and the fake model's
+step-time factor."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+from batcher.fake_runner import FakeRunner, FakeSpeed
+from batcher.fleet.context import RouterConfig
+from batcher.fleet.load import ReplicaLoad
+from batcher.fleet.policy import Candidate, choose_round_robin
+from batcher.sampling import SamplingParams
+
+
+def test_prefill_tokens_rate_and_step_follow_the_attempts() -> None:
+    load = ReplicaLoad()
+    load.sent("a", 1000, now=0.0)
+    load.sent("b", 500, now=0.1)
+    assert (load.inflight, load.prefill_tokens) == (2, 1500)
+    assert load.oldest_pending_s(2.0) == pytest.approx(2.0)
+    load.token("a", now=0.5)  # a's first token: 1000 tokens in 0.5 s
+    assert load.prefill_tokens == 500 and load.prefill_rate == pytest.approx(2000.0)
+    assert load.oldest_pending_s(2.0) == pytest.approx(1.9)
+    load.token("b", now=1.1)  # b had a's 1000 ahead of it: 1500 tokens in 1.0 s
+    assert load.prefill_rate == pytest.approx(2000.0 + 0.2 * (1500.0 - 2000.0))
+    for i in range(1, 11):
+        load.token("a", now=0.5 + 0.05 * i)
+    load.done("a")
+    assert load.step_s == pytest.approx(0.05) and load.inflight == 1
+    load.done("b")  # one token after the first: no step measured from it
+    assert load.step_s == pytest.approx(0.05)
+    assert (load.inflight, load.prefill_tokens, load.oldest_pending_s(9.0)) == (0, 0, 0.0)
+
+
+def test_an_attempt_that_ends_before_its_first_token_leaves_no_trace() -> None:
+    load = ReplicaLoad()
+    load.sent(1, 300, now=0.0)
+    load.done(1)
+    assert (load.inflight, load.prefill_tokens, load.prefill_rate) == (0, 0, None)
+    load.token(1, now=1.0)  # a late chunk of an ended attempt changes nothing
+    assert load.prefill_rate is None and not load.started
+
+
+def test_others_is_what_a_report_shows_beyond_the_routers_own_requests() -> None:
+    load = ReplicaLoad()
+    load.sent("a", 10, now=0.0)
+    load.sent("b", 10, now=0.5)
+    load.state_seen(1.0)  # measured with a and b running, plus 3 of another router
+    assert load.others(running=5, waiting=0) == 3
+    load.done("a")  # the report still counts a: not another router's
+    load.sent("c", 10, now=1.5)  # sent after the report: the report cannot show it
+    assert load.others(running=5, waiting=0) == 3
+    load.state_seen(2.0)  # b and c running, nothing else
+    assert load.others(running=2, waiting=0) == 0
+    load.state_seen(1.5)  # an older report changes nothing
+    assert load.others(running=2, waiting=0) == 0
+
+
+def test_round_robin_cycles_in_id_order_and_skips_tried() -> None:
+    cands = [Candidate(rid, 100, 100, 16, 0, "v1") for rid in ("r2", "r0", "r1")]
+    rng = random.Random(0)
+    assert [choose_round_robin(cands, t, rng).replica_id for t in range(4)] == [
+        "r0", "r1", "r2", "r0"]
+    assert choose_round_robin(cands, 0, rng, exclude={"r0"}).replica_id == "r1"
+    assert choose_round_robin(cands, 0, rng, exclude={"r0", "r1", "r2"}) is None
+    with pytest.raises(ValueError, match="policy"):
+        RouterConfig(routing="least-connections").validate()
+
+
+def test_the_fake_models_step_factor_slows_every_step() -> None:
+    seq = ScheduledSeq("x", list(range(100)), 0, [0] * 7, True, SamplingParams())
+    sched = SchedulerOutput([seq])
+    base = FakeRunner(64, 16, 1000).step_seconds(sched)
+    slow = FakeRunner(64, 16, 1000, FakeSpeed(step_factor=2.0)).step_seconds(sched)
+    assert slow == pytest.approx(2 * base) and base > 0
+    with pytest.raises(ValueError, match="step factor"):
+        FakeRunner(64, 16, 1000, FakeSpeed(step_factor=0.0))
