@@ -120,6 +120,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                       help="simulated prefill tokens/s (default: %(default)s)")
     fake.add_argument("--fake-decode-step-ms", type=float, default=20.0,
                       help="simulated decode step time (default: %(default)s)")
+    fake.add_argument("--fake-step-factor", type=float, default=1.0,
+                      help="every simulated step this many times as long: a slower replica "
+                      "(default: %(default)s)")
     fake.add_argument("--fake-fault", default="none",
                       choices=["none", "hang", "crash", "slow", "error"],
                       help="inject a fault after --fake-fault-after-steps (default: %(default)s)")
