@@ -11,7 +11,6 @@ import signal
 import time
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from batcher.admission import Admission
 from batcher.config import (
@@ -27,6 +26,7 @@ from batcher.core.outputs import SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.engine import AsyncEngine
+from batcher.http.listener import keepalive_timeout, server_log
 from batcher.metrics import Metrics
 from batcher.server.admin import create_admin_app
 from batcher.server.app import GATEWAY, create_app
@@ -37,12 +37,6 @@ from batcher.tenants import load_tenants
 
 log = logging.getLogger("batcher.serve")
 EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
-# aiohttp (3.14) closes a connection that has not sent a complete request within
-# `keepalive_timeout` of connecting or of its previous response. Partial data does not reset that
-# timer, so it is both the idle timeout and the header timeout that cuts off slow-loris clients
-# (headers trickled byte by byte); aiohttp's default is an hour. Clients that pool connections
-# should drop idle ones sooner than this. BATCHER_KEEPALIVE_TIMEOUT (seconds) overrides it.
-KEEPALIVE_TIMEOUT_S = 20.0
 
 
 def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
@@ -135,35 +129,6 @@ def engine_model_name(source: str) -> str:
     return os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
 
 
-class _HttpServerLog(logging.LoggerAdapter):
-    """aiohttp's server logger, except for what a client broke: a request that is not valid HTTP,
-    or a body that cannot be decoded (bad gzip, broken chunking) which aiohttp drains after the
-    answer was sent. aiohttp logs each at ERROR with a traceback, the first quoting the raw line it
-    could not parse (possibly the client's Authorization header: a key in the log), and any client
-    can repeat them to flood the log. Those get one line at DEBUG naming the error class; the
-    client still gets its answer (aiohttp's 400 for bad HTTP)."""
-
-    def exception(self, msg: object, *args: object, exc_info: object = True,
-                  **kw: object) -> None:
-        if isinstance(exc_info, HttpProcessingError | web.RequestPayloadError):
-            self.debug("malformed request from a client: %s", type(exc_info).__name__)
-            return
-        super().exception(msg, *args, exc_info=exc_info, **kw)  # type: ignore[arg-type]
-
-
-def keepalive_timeout() -> float:
-    raw = os.environ.get("BATCHER_KEEPALIVE_TIMEOUT")
-    if raw is None:
-        return KEEPALIVE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise SystemExit(f"BATCHER_KEEPALIVE_TIMEOUT must be seconds > 0, got {raw!r}")
-    return value
-
-
 def _decode_step(model: OnlineStepTimeModel):
     def predict(rows: int, ctx: int) -> float:
         return model.predict(StepShape(rows, ctx))
@@ -188,10 +153,10 @@ async def run_server(args: argparse.Namespace) -> int:
     app = create_app(gateway_factory(args), args.max_body_bytes, probe_keys=(
         args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"), os.environ.get("BATCHER_FLEET_KEY")))
     keepalive = keepalive_timeout()
-    server_log = _HttpServerLog(logging.getLogger("aiohttp.server"))
+    quiet_log = server_log()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=args.shutdown_timeout, keepalive_timeout=keepalive,
-                           logger=server_log)
+                           logger=quiet_log)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
     await site.start()
@@ -201,7 +166,7 @@ async def run_server(args: argparse.Namespace) -> int:
         if not key:
             raise SystemExit("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
         admin_runner = web.AppRunner(create_admin_app(app, key), access_log=None,
-                                     keepalive_timeout=keepalive, logger=server_log)
+                                     keepalive_timeout=keepalive, logger=quiet_log)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, args.admin_host, args.admin_port).start()
     gw = app[GATEWAY]

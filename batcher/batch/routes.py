@@ -204,7 +204,7 @@ async def delete_file(request: web.Request) -> web.Response:
 
 # batches -------------------------------------------------------------------------------------
 async def create_batch(request: web.Request) -> web.Response:
-    from batcher.server.openai_routes import read_json
+    from batcher.http.listener import read_json
 
     svc = _service(request)
     tenant = _tenant(request)

@@ -16,7 +16,8 @@ from batcher.batch.lines import LineRunner
 from batcher.batch.metrics import BatchMetrics
 from batcher.batch.routes import BATCH, BatchLimits, BatchService, add_routes, upload_body_limit
 from batcher.batch.store import BatchStore
-from batcher.server.app import BODY_LIMIT, GATEWAY, expect_continue
+from batcher.http.listener import expect_continue
+from batcher.server.app import BODY_LIMIT, GATEWAY
 from batcher.server.gateway import Gateway
 from batcher.tenants import DEFAULT_TENANT, TenantConfig
 

@@ -6,14 +6,13 @@ from aiohttp import web
 
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import bearer_matches
+from batcher.http.listener import add_fallback_route, expect_continue
 from batcher.http.request_ids import new_request_id
 from batcher.http.responses import json_response
 from batcher.server.appkeys import GATEWAY
 
 
 def create_admin_app(public: web.Application, admin_key: str) -> web.Application:
-    from batcher.server.app import add_fallback_route, expect_continue
-
     @web.middleware
     async def check_key(request: web.Request, handler):
         rid = new_request_id()

@@ -8,10 +8,11 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
-from aiohttp import HttpVersion11, web
+from aiohttp import web
 
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import AuthError
+from batcher.http.listener import add_fallback_route, expect_continue
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
 from batcher.server import embeddings_route
@@ -163,32 +164,3 @@ def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int
     app.router.add_post("/v1/embeddings", embeddings_route.handle, **ex)
     add_fallback_route(app)
     return app
-
-
-async def expect_continue(request: web.Request) -> None:
-    """`Expect: 100-continue` is answered as aiohttp does; any other expectation is ignored (RFC
-    9110 lets a server do so). aiohttp's own handler would answer it 417 outside the middleware
-    (no request ID, not OpenAI's shape), and a 500 when the value is not UTF-8."""
-    if (request.version >= HttpVersion11
-            and request.headers.get("Expect", "").lower() == "100-continue"):
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # the response proper has not started
-
-
-def add_fallback_route(app: web.Application) -> None:
-    """Route every unknown path or method through the middleware (404 / 405 with Allow, in
-    OpenAI's shape) with `expect_continue`, instead of aiohttp's built-in answers, whose
-    `Expect` handling runs before any middleware."""
-
-    async def no_route(request: web.Request) -> web.StreamResponse:
-        allowed: set[str] = set()
-        for resource in request.app.router.resources():
-            if resource is not fallback:
-                allowed |= (await resource.resolve(request))[1]
-        if allowed:
-            raise web.HTTPMethodNotAllowed(request.method, allowed)
-        raise web.HTTPNotFound()
-
-    # [\s\S], not ".": a path may decode to a newline ("/%0A").
-    fallback = app.router.add_route("*", r"/{tail:[\s\S]*}", no_route,
-                                    expect_handler=expect_continue).resource

@@ -11,10 +11,10 @@ from aiohttp import web
 
 from batcher.flusher import Closed, Overloaded
 from batcher.http.errors import ApiError, invalid
+from batcher.http.listener import read_json
 from batcher.http.responses import json_response
 from batcher.request_registry import DuplicateRequestId
 from batcher.server.appkeys import GATEWAY
-from batcher.server.openai_routes import read_json
 
 MAX_INPUTS = 2048
 

@@ -14,31 +14,10 @@ from batcher.core.outputs import TokenLogprobs
 from batcher.core.refusals import DuplicateRequestId, Refused
 from batcher.engine import EngineError, EngineEvent
 from batcher.http.errors import ApiError, invalid
+from batcher.http.listener import read_json
 from batcher.http.sse import DONE, SSE_HEADERS, sse_event
 from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
-
-
-async def read_json(request: web.Request) -> Any:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, "the request body is too large", code="body_too_large") from exc
-    except web.RequestPayloadError as exc:
-        # A body that cannot be read as sent (bad gzip/deflate data, broken chunked framing) is
-        # the client's error, not a 500.
-        why = getattr(exc.__cause__, "message", None) or "bad framing or encoding"
-        # Mark the body consumed, or aiohttp re-reads it after the response, logs the error as
-        # unhandled and resets the connection, and the client may never see this 400. The
-        # connection itself cannot be trusted for another request: close it.
-        request.content.feed_eof()
-        err = invalid(f"the request body could not be read: {why}", None, "invalid_body")
-        err.headers["Connection"] = "close"
-        raise err from None
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise invalid(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
 
 
 def engine_refusal(exc: Exception) -> ApiError:
