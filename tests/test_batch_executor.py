@@ -58,8 +58,11 @@ class FakeGate:
         self.cap = cap
         self.open = True
         self.last_reason = ""
+        self.seen: list[tuple[int, int, int]] = []
 
-    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int) -> bool:
+    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
+             ) -> bool:
+        self.seen.append((in_flight, prompt_tokens, lines))
         return self.open and in_flight < self.cap
 
 
@@ -236,3 +239,19 @@ async def test_a_stopped_batch_resumes_without_rerunning_answered_lines(
     for i in range(15):
         assert runner.finished[f"p{i}"] == 1
         assert runner.calls[f"p{i}"] == 1 or f"c{i}" not in answered
+
+
+async def test_lines_started_together_are_checked_together(tmp_path: Path,
+                                                           clock: list[float]) -> None:
+    gate = FakeGate(cap=3)
+    rig = Rig(tmp_path, FakeRunner(delay=0.2), gate, clock)
+    await rig.ex.start()
+    try:
+        rec = await rig.wait(rig.create(lines_file(3)))
+    finally:
+        await rig.ex.stop()
+    assert rec.completed == 3
+    # One pass started all three: each check saw the lines before it, prompts summed.
+    first = gate.seen[:3]
+    assert [(f, n) for f, _, n in first] == [(0, 1), (1, 2), (2, 3)]
+    assert first[0][1] < first[1][1] < first[2][1]

@@ -89,3 +89,9 @@ def test_without_an_slo_only_the_structure_decides() -> None:
         now[0] += 0.1
         adm.observe_step(0.1, 1, True)  # a very slow engine
     assert gate.room(0, 300, 16)
+
+
+def test_lines_starting_together_count_their_slots() -> None:
+    gate, *_ = rig(max_seqs=8, max_running=8)
+    assert gate.room(0, 10, 10, lines=7)  # an eighth of 8 slots (one) stays free
+    assert not gate.room(0, 10, 10, lines=8) and "slots" in gate.last_reason

@@ -49,7 +49,8 @@ class Runner(Protocol):
 class Gate(Protocol):
     last_reason: str
 
-    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int) -> bool: ...
+    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
+             ) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -158,7 +159,8 @@ class BatchExecutor:
     async def _run(self) -> None:
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.tick_s):
+                # Idle (no batch) until woken: a new batch, or a step, wakes it.
+                async with asyncio.timeout(self.tick_s if self.batches else None):
                     await self._wake.wait()
             self._wake.clear()
             try:
@@ -190,6 +192,9 @@ class BatchExecutor:
         if mono < self._hold_until:
             return
         in_flight = self.in_flight
+        # Lines started in this pass are not in the engine's queues yet: the gate must count
+        # them with the next one, or one pass could start a burst that no single check allowed.
+        started = started_prompt = started_out = 0
         for b in list(self.batches.values()):  # oldest batch first
             if b.ending is not None or self._paused.get(b.tenant, 0.0) > mono:
                 continue
@@ -207,12 +212,16 @@ class BatchExecutor:
                     self._take(b, from_retry)
                     continue
                 prompt, out = estimate_tokens(line.body)
-                if not self.gate.room(in_flight, prompt, out):
+                if not self.gate.room(in_flight, started_prompt + prompt, started_out + out,
+                                      started + 1):
                     return
                 self._take(b, from_retry)
                 b.running[index] = asyncio.get_running_loop().create_task(
                     self._line(b, line), name=f"batch-line-{b.id}-{index}")
                 in_flight += 1
+                started += 1
+                started_prompt += prompt
+                started_out += out
 
     @staticmethod
     def _take(b: _Batch, from_retry: bool) -> None:

@@ -52,14 +52,17 @@ class SpareCapacity:
         self.cfg = cfg.validate()
         self.last_reason = "idle"
 
-    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int) -> bool:
-        """True when a line of `prompt_tokens` (+ up to `max_tokens` out) may start now;
-        `last_reason` says why not."""
-        why = self._blocker(in_flight, prompt_tokens, max_tokens)
+    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
+             ) -> bool:
+        """True when `lines` lines (this one and those started since the engine last saw them,
+        `prompt_tokens` and up to `max_tokens` out in all) may start now, `in_flight` being
+        running already; `last_reason` says why not."""
+        why = self._blocker(in_flight, prompt_tokens, max_tokens, lines)
         self.last_reason = why or "room"
         return why is None
 
-    def _blocker(self, in_flight: int, prompt_tokens: int, max_tokens: int) -> str | None:
+    def _blocker(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int
+                 ) -> str | None:
         eng = self.engine
         if not eng.healthy or self.admission.draining:
             return "engine not serving"
@@ -70,7 +73,7 @@ class SpareCapacity:
             return "interactive requests are queued"
         max_seqs = sched.config.max_num_seqs
         # Slots and blocks a new interactive request needs must stay free.
-        if sched.num_running + sched.num_waiting + 1 > max_seqs - max(1, max_seqs // 8):
+        if sched.num_running + sched.num_waiting + lines > max_seqs - max(1, max_seqs // 8):
             return "sequence slots reserved for interactive traffic"
         kv = eng.kv
         need = -(-(prompt_tokens + max_tokens) // kv.block_size)
