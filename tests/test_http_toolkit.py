@@ -139,3 +139,36 @@ async def test_non_utf8_authorization_bytes_are_a_401_not_a_500(aiohttp_server) 
         await writer.wait_closed()
         expected = b"200" if auth == b"bearer s3cret" else b"401"
         assert status_line.split()[1] == expected, (auth, status_line)
+
+
+async def test_keyed_listener_middlewares(aiohttp_client) -> None:
+    from batcher.http.middleware import answer_errors, require_bearer
+
+    async def ok(request: web.Request) -> web.Response:
+        return json_response({"ok": True})
+
+    async def boom(request: web.Request) -> web.Response:
+        raise ApiError(409, "taken", code="conflict")
+
+    with pytest.raises(ValueError):
+        require_bearer("", "invalid key")
+    app = web.Application(middlewares=[answer_errors, require_bearer("k3y", "invalid key")])
+    app.router.add_get("/ok", ok)
+    app.router.add_get("/boom", boom)
+    client = await aiohttp_client(app)
+    good = {"Authorization": "bearer k3y"}
+    resp = await client.get("/ok", headers=good)
+    assert resp.status == 200 and is_valid_request_id(resp.headers["X-Request-Id"])
+    for path, headers, status, code in (("/ok", {}, 401, "invalid_api_key"),
+                                        ("/nope", {}, 401, "invalid_api_key"),
+                                        ("/boom", good, 409, "conflict"),
+                                        ("/nope", good, 404, "not_found"),
+                                        ("/ok", {"Authorization": "Bearer k3y!"}, 401,
+                                         "invalid_api_key")):
+        resp = await client.get(path, headers=headers)
+        assert resp.status == status, path
+        body = await resp.json()
+        assert body["error"]["code"] == code and body["error"]["message"]
+        assert resp.headers["X-Request-Id"]
+    resp = await client.post("/ok", headers=good)
+    assert resp.status == 405 and "GET" in resp.headers["Allow"]

@@ -10,6 +10,9 @@ it hands out).
 - `keys`: `bearer_matches`, `bearer_token`, `single_header`, `same_secret`, `AuthError`:
   constant-time key checks that never raise on odd header bytes.
 - `responses`: `json_response` with orjson.
+- `middleware`: `answer_errors` (OpenAI-shaped errors, a request ID on every answer) and
+  `require_bearer(key, message)` for admin and internal listeners.
+- `listener`: what every listener needs around its handlers (see its docstring).
 """
 
 from __future__ import annotations

@@ -4,31 +4,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from batcher.http.errors import ApiError, from_http_exception
-from batcher.http.keys import bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue
-from batcher.http.request_ids import new_request_id
+from batcher.http.middleware import answer_errors, require_bearer
 from batcher.http.responses import json_response
 from batcher.server.appkeys import GATEWAY
 
 
 def create_admin_app(public: web.Application, admin_key: str) -> web.Application:
-    @web.middleware
-    async def check_key(request: web.Request, handler):
-        rid = new_request_id()
-        if not bearer_matches(request.headers, admin_key):
-            return ApiError(401, "invalid admin key", code="invalid_api_key").response(rid)
-        try:
-            resp = await handler(request)
-        except ApiError as err:
-            return err.response(rid)
-        except web.HTTPException as exc:  # unknown admin route or method: OpenAI shape too
-            if exc.status < 400:
-                raise
-            return from_http_exception(exc).response(rid)
-        resp.headers["X-Request-Id"] = rid
-        return resp
-
     async def drain(request: web.Request) -> web.Response:
         gw = public[GATEWAY]
         gw.set_draining(True)
@@ -43,7 +25,8 @@ def create_admin_app(public: web.Application, admin_key: str) -> web.Application
         gw = public[GATEWAY]
         return json_response(dict(gw.state().to_wire(), idle=not gw.jobs))
 
-    app = web.Application(middlewares=[check_key])
+    app = web.Application(middlewares=[answer_errors,
+                                       require_bearer(admin_key, "invalid admin key")])
     ex = {"expect_handler": expect_continue}
     app.router.add_post("/admin/drain", drain, **ex)
     app.router.add_post("/admin/undrain", undrain, **ex)
