@@ -57,10 +57,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--max-step-slowdown", type=float, default=1.5,
       help="without --slo-tpot-ms, a step carrying decodes may take at most this times the "
-      "same step without prefill: running streams then keep within this factor of their "
-      "steady time per token while a new prompt is read. 1.5 keeps streams visibly smooth "
-      "and still reads a prompt at a useful pace; lower protects streams more and slows time "
-      "to first token (default: %(default)s)")
+      "steady step, the decode-only step of the running streams plus the requests waiting "
+      "to join them: streams then keep within this factor of their steady time per token "
+      "while a new prompt is read. 1.5 keeps streams visibly smooth and still reads a prompt "
+      "at a useful pace; lower protects streams more and slows time to first token "
+      "(default: %(default)s)")
     a("--min-prefill-chunk", type=int, default=16,
       help="prompt tokens the longest-waiting prefill gets every step even when the target "
       "leaves no room, so a long prompt always progresses (default: %(default)s)")

@@ -28,7 +28,8 @@ from batcher.tokenizer import load_tokenizer  # noqa: E402
 
 async def run_engine(loaded, tok, work, args) -> dict:
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens)
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            prefill_budget=args.prefill_budget)
     engine = AsyncEngine.from_loaded(loaded, tok, sched, CacheConfig(num_blocks=args.num_blocks))
     peak = 0
 
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int,
                     default=SchedulerConfig().max_num_batched_tokens)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--prefill-budget", default="time", choices=["time", "fixed"],
+                    help="as `batcher serve --prefill-budget` (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for both systems (default: all cores)")
     ap.add_argument("--no-append", action="store_true")

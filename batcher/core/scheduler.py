@@ -320,7 +320,10 @@ class Scheduler:
             if r.num_tokens - r.num_computed_tokens == 1:
                 decode = decode.plus(1, r.num_computed_tokens, bs)
         cfg = self.config
-        target = step_target(self.step_time, decode, cfg.slo_tpot_s, cfg.max_step_slowdown)
+        # The steady batch: the streams plus every request still to prefill (see step_budget).
+        batch = min(cfg.max_num_seqs, len(self.running) + len(self.waiting))
+        target = step_target(self.step_time, decode, cfg.slo_tpot_s, cfg.max_step_slowdown,
+                             batch)
         if target is None:
             return None
         return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)

@@ -5,8 +5,13 @@ A fixed token budget cannot protect streams: a chunk's cost grows with its conte
 the balance between a prefill token and a decode row differs by model and device. So each step,
 the scheduler asks for the largest chunk whose predicted step time stays within the target:
 
-- the target is the TPOT SLO when one is set, else `max_slowdown` times the step's decode-only
-  time (running streams then slow by at most that factor while a prompt is read);
+- the target is the TPOT SLO when one is set, else `max_slowdown` times the steady step: the
+  decode-only step of the batch the streams are about to be in (they, plus the requests with
+  prefill pending, up to `max_num_seqs`, at the streams' current context). Running streams then
+  slow by at most that factor while a prompt is read. Counting the pending requests matters when
+  many arrive at once: two streams' 30 ms step would otherwise hold thirty waiting prompts to
+  15 ms of prefill a step, and the batch (and throughput) would grow at a crawl, although those
+  streams are about to share their steps with the thirty anyway;
 - the first prefill of a step (the longest-waiting one the scheduler reaches) always gets at least
   `min_chunk` tokens, so a long prompt progresses every step even when the target leaves no room;
 - with no decodes in the step there is no time target: prefill gets the whole token budget, and
@@ -21,13 +26,15 @@ from batcher.core.step_time import OnlineStepTimeModel, StepShape
 
 
 def step_target(model: OnlineStepTimeModel, decode: StepShape, slo_tpot_s: float | None,
-                max_slowdown: float) -> float | None:
-    """Seconds a step carrying these decodes may take; None when it carries none."""
+                max_slowdown: float, batch_rows: int | None = None) -> float | None:
+    """Seconds a step carrying these decodes may take; None when it carries none. `batch_rows`:
+    the rows of the steady batch (default: the decodes alone)."""
     if decode.decode_rows == 0:
         return None
     if slo_tpot_s is not None:
         return slo_tpot_s
-    return max_slowdown * model.predict(decode.decode_only)
+    rows = max(decode.decode_rows, batch_rows or 0)
+    return max_slowdown * model.predict(StepShape(rows, decode.decode_ctx))
 
 
 @dataclass(slots=True)

@@ -1,0 +1,214 @@
+"""Running streams while a long prompt arrives, fixed vs time-sized prefill budget, and chat64
+throughput old vs new: every case in its own process, interleaved (A, B, C, A, B, C), one run.
+
+    python scripts/bench_chunked_prefill.py [--rounds 2] [--long 2000] [--chat64 64]
+
+Part 1: 8 streams decode (the first 8 chat64 prompts, greedy, ignore_eos); once each has 30
+tokens a ~2k-token prompt arrives. Per case: the streams' steady gap between tokens (median before
+the arrival), their p99 and worst gap from the arrival to the long prompt's first token, and that
+prompt's TTFT. Cases: `--prefill-budget fixed` (the old fixed 320-token budget), the default
+(`time`, 1.5x the decode-only step) and `--slo-tpot-ms 100`.
+Part 2: chat64 all at t=0 through the engine (`scripts/bench_engine.py`'s run), fixed vs time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))
+from bench_common import append_rows, load_workload, pct
+
+CASES = {
+    "fixed": {"prefill_budget": "fixed"},
+    "time": {},
+    "time-slo100": {"slo_tpot_s": 0.1},
+}
+STREAMS = 8
+STEADY_TOKENS = 30
+
+
+def load(dtype: str):
+    from batcher.models.loader import load_model
+    from batcher.tokenizer import load_tokenizer
+
+    loaded = load_model("smollm2-135m", dtype=dtype, device="cpu")
+    return loaded, load_tokenizer(loaded.tokenizer_source)
+
+
+def engine_for(loaded, tok, **sched):
+    from batcher.config import CacheConfig, SchedulerConfig
+    from batcher.engine import AsyncEngine
+
+    return AsyncEngine.from_loaded(loaded, tok, SchedulerConfig(**sched), CacheConfig())
+
+
+async def streams_case(loaded, tok, sched: dict, long_len: int) -> dict:
+    from batcher.request import Request
+    from batcher.sampling import SamplingParams
+
+    work = load_workload()
+    long_ids = [t for r in work for t in r["prompt_ids"]][:long_len]
+    engine = engine_for(loaded, tok, **sched)
+    await engine.start()
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate(Request("warm", [1, 2, 3, 4], greedy)):
+        pass
+    times: list[list[float]] = [[] for _ in range(STREAMS)]
+    done = asyncio.Event()
+
+    async def stream(i: int) -> None:
+        sp = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+        async for ev in engine.generate(Request(f"s{i}", work[i]["prompt_ids"], sp)):
+            times[i] += [time.perf_counter()] * len(ev.token_ids)
+            if done.is_set() or ev.finished:
+                break  # leaving aborts the stream
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(STREAMS)]
+    while min(len(t) for t in times) < STEADY_TOKENS:
+        await asyncio.sleep(0.005)
+    steps0 = engine.steps
+    arrival = time.perf_counter()
+    first = None
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    async for ev in engine.generate(Request("long", long_ids, one)):
+        if ev.token_ids and first is None:
+            first = time.perf_counter()
+    steps = engine.steps - steps0
+    done.set()
+    await asyncio.gather(*tasks)
+    model = engine.step_time_model
+    await engine.stop()
+    steady, during = [], []
+    for t in times:
+        for a, b in itertools.pairwise(t[5:]):  # the first tokens include their prefill
+            if b <= arrival:
+                steady.append(b - a)
+            elif b <= first:
+                during.append(b - a)
+    base = statistics.median(steady)
+    return {"steady_ms": base * 1e3, "steady_p99_x": pct(steady, 99) / base,
+            "p50_x": statistics.median(during) / base, "p99_ms": pct(during, 99) * 1e3,
+            "max_ms": max(during) * 1e3, "p99_x": pct(during, 99) / base,
+            "ttft_s": first - arrival, "steps": steps, "observed": model.num_observations}
+
+
+async def chat64_case(loaded, tok, sched: dict, limit: int) -> dict:
+    from bench_engine import run_engine
+
+    args = argparse.Namespace(max_num_seqs=64, max_num_batched_tokens=320, num_blocks=None,
+                              prefill_budget=sched.get("prefill_budget", "time"))
+    out = await run_engine(loaded, tok, load_workload(None, limit), args)
+    return {"tok_s": out["tok_s"], "wall_s": out["wall"], "ttft50_s": out["ttft50"],
+            "p99_s": out["p99"], "exact": out["exact"]}
+
+
+def one(args: argparse.Namespace) -> None:
+    """Child process: one case, one JSON line on stdout."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    loaded, tok = load(args.dtype)
+    sched = CASES[args.case]
+    if args.part == "streams":
+        res = asyncio.run(streams_case(loaded, tok, sched, args.long))
+    else:
+        res = asyncio.run(chat64_case(loaded, tok, sched, args.chat64))
+    print("RESULT " + json.dumps(res), flush=True)
+    # NOTE: skip interpreter teardown: the engines' daemon model threads hold torch state, and
+    # tearing it down under them can abort the process after the result is out.
+    os._exit(0)
+
+
+def child(args: argparse.Namespace, part: str, case: str) -> dict:
+    cmd = [sys.executable, __file__, "--one", "--part", part, "--case", case, "--long",
+           str(args.long), "--chat64", str(args.chat64), "--dtype", args.dtype]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    load_before = os.getloadavg()[0]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"{part}/{case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    res = json.loads(lines[-1][7:])
+    res["load"] = load_before
+    print(f"{part:8s} {case:12s} {res}", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--long", type=int, default=2000, help="tokens of the arriving prompt")
+    ap.add_argument("--chat64", type=int, default=64, help="chat64 requests (0: skip part 2)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--part", default="streams", help=argparse.SUPPRESS)
+    ap.add_argument("--case", default="time", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        one(args)
+        return
+    streams: dict[str, list[dict]] = {c: [] for c in CASES}
+    chat: dict[str, list[dict]] = {"fixed": [], "time": []}
+    for _ in range(args.rounds):
+        for case in CASES:
+            streams[case].append(child(args, "streams", case))
+        if args.chat64:
+            for case, runs in chat.items():
+                runs.append(child(args, "chat64", case))
+    rows = []
+    ref = streams["fixed"]
+    for case, runs in streams.items():
+        for i, r in enumerate(runs):
+            rows.append([case, str(i + 1), f"{r['load']:.1f}", f"{r['steady_ms']:.0f}",
+                         f"{r['steady_p99_x']:.2f}x", f"{r['p50_x']:.2f}x",
+                         f"{r['p99_ms']:.0f}", f"{r['max_ms']:.0f}", f"{r['p99_x']:.2f}x",
+                         f"{r['ttft_s']:.2f}", str(r["steps"]),
+                         f"{r['p99_x'] / ref[i]['p99_x']:.2f}",
+                         f"{r['ttft_s'] / ref[i]['ttft_s']:.2f}"])
+    text = ""
+    if not args.no_append:
+        text = append_rows(
+            f"Chunked prefill: {STREAMS} streams + a {args.long}-token prompt arriving, "
+            f"prefill budget fixed vs time-sized, {args.dtype}, interleaved",
+            ["case", "round", "load avg", "steady gap ms", "steady p99 / steady",
+             "p50 gap / steady", "p99 gap ms", "max gap ms", "p99 gap / steady", "long TTFT s",
+             "steps to 1st token", "p99/steady vs fixed", "TTFT vs fixed"], rows,
+            notes="Each case in its own process, cases interleaved round by round on a machine "
+                  "shared with other work (load avg at each start); ratios compare the same "
+                  "round. Gaps: the streams' time between tokens; steady = their median before "
+                  "the prompt arrives (its own p99 / median is the machine's noise floor); "
+                  "p50/p99/max gap = from the prompt's arrival to its first token.")
+    if args.chat64:
+        crow = []
+        for case, runs in chat.items():
+            for i, r in enumerate(runs):
+                crow.append([case, str(i + 1), f"{r['load']:.1f}", f"{r['tok_s']:.1f}",
+                             f"{r['wall_s']:.1f}", f"{r['ttft50_s']:.2f}", f"{r['p99_s']:.1f}",
+                             f"{r['tok_s'] / chat['fixed'][i]['tok_s']:.2f}", str(r["exact"])])
+        if not args.no_append:
+            text += append_rows(
+                f"chat{args.chat64} throughput, prefill budget fixed vs time-sized, "
+                f"{args.dtype}, all at t=0, interleaved",
+                ["budget", "round", "load avg", "output tok/s", "wall s", "p50 TTFT s",
+                 "p99 latency s", "tok/s vs fixed", "exact lengths"], crow,
+                notes="Same processes-per-case and interleaving as above.")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
