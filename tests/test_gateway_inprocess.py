@@ -232,3 +232,18 @@ async def test_real_model_default_settings_cancel_and_snapshot(aiohttp_client) -
     assert rest[-2]["choices"][0]["finish_reason"] == "abort"
     snap = EngineSnapshot.from_wire(await (await client.get("/v1/state")).json())
     assert tuple(snap.to_wire())[:len(CONTRACT_KEYS)] == CONTRACT_KEYS
+
+
+def test_embedding_body_floats_and_base64() -> None:
+    import base64
+    import struct
+
+    from batcher.server.embeddings_route import embedding_body
+
+    vecs = [[0.5, -1.0], [0.25, 2.0]]
+    body = embedding_body("m", vecs, "float", 7)
+    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7} and body["model"] == "m"
+    assert [d["embedding"] for d in body["data"]] == vecs
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    packed = embedding_body("m", vecs, "base64", 7)["data"][1]["embedding"]
+    assert list(struct.unpack("<2f", base64.b64decode(packed))) == vecs[1]

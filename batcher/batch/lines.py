@@ -10,8 +10,6 @@ the line itself got wrong is its answer: a 4xx body in the error file, as OpenAI
 from __future__ import annotations
 
 import asyncio
-import base64
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +116,7 @@ class LineRunner:
     async def _embed(self, tenant: TenantConfig, body: dict[str, Any], rid: str
                      ) -> LineResult:
         from batcher.flusher import Closed, Overloaded
-        from batcher.server.embeddings_route import _inputs
+        from batcher.server.embeddings_route import _inputs, embedding_body
 
         gw = self.gw
         if gw.embedder is None:
@@ -145,13 +143,6 @@ class LineRunner:
         finally:
             for t in tasks:
                 t.cancel()
-        data = []
-        for i, vec in enumerate(vectors):
-            emb = (base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
-                   if fmt == "base64" else vec)
-            data.append({"object": "embedding", "index": i, "embedding": emb})
         tokens = sum(gw.embedder_tokens(items))
-        return LineResult(200, {"object": "list", "data": data, "model": model,
-                                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                          tokens)
+        return LineResult(200, embedding_body(model, vectors, fmt, tokens), tokens)
 

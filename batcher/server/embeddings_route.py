@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+from typing import Any
 
 from aiohttp import web
 
@@ -77,13 +78,20 @@ async def handle(request: web.Request) -> web.Response:
     finally:
         for t in tasks:  # after a failure, the other inputs leave the queue unflushed
             t.cancel()
+    tokens = sum(gw.embedder_tokens(items))
+    return json_response(embedding_body(model, vectors, fmt, tokens))
+
+
+def embedding_body(model: str, vectors: list[list[float]], fmt: str, tokens: int
+                   ) -> dict[str, Any]:
+    """The `/v1/embeddings` answer (also a batch line's): vectors as floats or base64 of
+    little-endian float32, in input order."""
     data = []
     for i, vec in enumerate(vectors):
         emb = (base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
                if fmt == "base64" else vec)
         data.append({"object": "embedding", "index": i, "embedding": emb})
-    tokens = sum(gw.embedder_tokens(items))
-    return json_response({"object": "list", "data": data, "model": model,
-                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
