@@ -55,9 +55,10 @@ _EWMA_ALPHA = 0.2
 # Batch must be predicted within this share of the TTFT SLO: interactive requests admitted after it
 # are served first and delay it past its prediction, and under overload batch is shed first.
 BATCH_SLO_SHARE = 0.5
-# Interactive requests are admitted up to this share of the TTFT SLO: the prediction is a high
-# quantile of recent history, and the rest absorbs what changes between admission and first token
-# (a burst of steps slowed by another process, a preemption).
+# Interactive requests are admitted up to this share of the TTFT SLO, and new streams while the
+# predicted step stays within this share of the TPOT SLO: the predictions follow recent history,
+# and the rest absorbs what changes between admission and the tokens (steps slowed by another
+# process, a preemption).
 SLO_HEADROOM = 0.9
 # Predicted seconds of one engine step carrying `rows` decode rows, the longest at context `ctx`
 # (the shared step-time model), or None while it has no estimate.
@@ -148,6 +149,9 @@ class Ticket:
     # Uncorrected TTFT prediction at admission (None: no estimate yet), compared with the actual
     # first token to correct later predictions.
     predicted_ttft_s: float | None = None
+    # The prefill rate that prediction used: a change of rate since is the raw model's to follow,
+    # not the correction's.
+    predicted_at_rate: float | None = None
     first_token_seen: bool = False
 
 
@@ -206,12 +210,12 @@ class Admission:
     # -- measurements -------------------------------------------------------------------------
 
     def observe_step(self, seconds: float, prefill_tokens: int, pending_after: bool,
-                     decode_rows: int = 0) -> None:
+                     decode_rows: int = 0, modelled_s: float | None = None) -> None:
         """Feed one engine step that just ended: its model time, the prompt tokens it computed,
-        the decodes beside them, and whether work is still pending (see
-        `TtftPredictor.observe_step`)."""
+        the decodes beside them, whether the engine still has work and the step-time model's
+        prediction for it (see `TtftPredictor.observe_step`)."""
         self.predictor.observe_step(self.clock(), seconds, prefill_tokens, pending_after,
-                                    decode_rows)
+                                    decode_rows, modelled_s)
 
     def observe_first_token(self, ticket: Ticket) -> None:
         """The admitted request's first token is out: compare with its prediction (once)."""
@@ -220,7 +224,12 @@ class Admission:
         ticket.first_token_seen = True
         if ticket.predicted_ttft_s is not None:
             now = self.clock()
-            self.predictor.observe_ttft(now, ticket.predicted_ttft_s, now - ticket.admitted_at)
+            predicted = ticket.predicted_ttft_s
+            rate_now = self.predictor.prefill_rate
+            if ticket.predicted_at_rate is not None and rate_now is not None:
+                # What the raw model would predict now that it has seen the rate change.
+                predicted *= ticket.predicted_at_rate / rate_now
+            self.predictor.observe_ttft(now, predicted, now - ticket.admitted_at)
 
     def observe_service(self, seconds: float) -> None:
         """Feed one finished request's service time (admission to last token)."""
@@ -321,7 +330,8 @@ class Admission:
             assert taken == 0.0, "bucket changed between check and take"
         st.in_flight += 1
         return Ticket(tenant=tenant.name, priority=priority, cost=cost, max_tokens=max_tokens,
-                      admitted_at=now, predicted_ttft_s=raw)
+                      admitted_at=now, predicted_ttft_s=raw,
+                      predicted_at_rate=self.predictor.prefill_rate)
 
     def _check_ttft(self, now: float, priority: str, own: int, raw: float) -> None:
         """Refuse (503 `queue_slo`) when the predicted TTFT is over this priority's limit."""
@@ -348,11 +358,15 @@ class Admission:
         if rows == before or before == 0:
             return
         step = self.decode_step_s(rows, max(backlog.max_context, context))
-        if step is not None and step > self.slo_tpot_s:
+        if step is not None:
+            # A stream waits for the step's wall time, event loop and busy machine included.
+            step *= self.predictor.wall_factor
+        limit = self.slo_tpot_s * SLO_HEADROOM
+        if step is not None and step > limit:
             wait = self._service_s.value or _DEFAULT_SERVICE_S
             raise self._reject(503, max(_MIN_503_RETRY_S, wait), "tpot_slo",
                                f"{rows} streams would take {step * 1000:.0f} ms per token, over "
-                               f"the {self.slo_tpot_s * 1000:.0f} ms this server admits")
+                               f"the {limit * 1000:.0f} ms this server admits new streams at")
 
     def release(self, ticket: Ticket, generated_tokens: int) -> None:
         """End an admitted request: refund `max_tokens - generated_tokens`, free its concurrency

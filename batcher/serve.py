@@ -23,7 +23,6 @@ from batcher.config import (
     parse_bytes,
 )
 from batcher.core.outputs import SchedulerOutput
-from batcher.core.scheduler import Scheduler
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.engine import AsyncEngine
 from batcher.http.listener import keepalive_timeout, server_log
@@ -111,8 +110,10 @@ def gateway_factory(args: argparse.Namespace):
                               slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                               slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
                               max_num_seqs=engine.scheduler.config.max_num_seqs,
-                              decode_step_s=_decode_step(engine.step_time_model))
-        engine.step_listeners.append(_prefill_observer(admission, engine.scheduler))
+                              decode_step_s=_decode_step(
+                                  engine.step_time_model,
+                                  engine.scheduler.config.min_prefill_chunk))
+        engine.step_listeners.append(_step_observer(admission, engine))
         name = "fake" if args.model == "fake" else engine_model_name(args.model)
         metrics.info.labels(args.version, name).set(1)
         cfg = GatewayConfig(model_name=args.served_model_name or name,
@@ -129,22 +130,26 @@ def engine_model_name(source: str) -> str:
     return os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
 
 
-def _decode_step(model: OnlineStepTimeModel):
+def _decode_step(model: OnlineStepTimeModel, min_chunk: int):
     def predict(rows: int, ctx: int) -> float:
-        return model.predict(StepShape(rows, ctx))
+        # The step the streams get while a prompt is read: the scheduler moves every pending
+        # prefill by at least `min_chunk` tokens a step, whatever the decodes.
+        return model.predict(StepShape(rows, ctx).plus(min_chunk, 0))
 
     return predict
 
 
-def _prefill_observer(admission: Admission, scheduler: Scheduler):
+def _step_observer(admission: Admission, engine: AsyncEngine):
+    scheduler = engine.scheduler
+    model = engine.step_time_model
+
     def observe(sched: SchedulerOutput, seconds: float) -> None:
         # Every step counts, decodes and all: admission predicts from the prefill rate the
         # scheduler achieves in the steps it really runs.
         prefill = sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1)
-        pending = bool(scheduler.waiting) or any(
-            r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running)
-        admission.observe_step(seconds, prefill, pending,
-                               sum(1 for s in sched.seqs if len(s.token_ids) == 1))
+        admission.observe_step(seconds, prefill, scheduler.has_unfinished(),
+                               sum(1 for s in sched.seqs if len(s.token_ids) == 1),
+                               model.predict(StepShape.of(sched, scheduler.kv.block_size)))
 
     return observe
 

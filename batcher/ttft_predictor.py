@@ -172,6 +172,10 @@ class TtftPredictor:
     _by_rows: dict[int, tuple[_Decayed, _Decayed]] = field(default_factory=dict, repr=False)
     _step_sum: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
     _step_n: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
+    # Wall time of steps over what the step-time model predicted for them: what a stream waits
+    # per token beyond the model's own time (the event loop's share, a busy machine).
+    _wall: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
+    _modelled: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
     _last_end: float | None = field(default=None, repr=False)
     _pending: bool = field(default=False, repr=False)
     _ratios: deque[tuple[float, float]] = field(
@@ -181,12 +185,14 @@ class TtftPredictor:
     # -- observations --------------------------------------------------------------------------
 
     def observe_step(self, now: float, seconds: float, prefill_tokens: int,
-                     pending_after: bool, decode_rows: int = 0) -> None:
+                     pending_after: bool, decode_rows: int = 0,
+                     modelled_s: float | None = None) -> None:
         """One engine step ended at `now` after `seconds` of model time, having computed
-        `prefill_tokens` prompt tokens next to `decode_rows` decodes; `pending_after`: work is
-        still queued or running. While
-        work was pending since the previous step, the whole wall time between the two step ends
-        counts as this step's (the event loop's share delays first tokens too)."""
+        `prefill_tokens` prompt tokens next to `decode_rows` decodes; `pending_after`: the engine
+        still has work, so the next step follows at once; `modelled_s`: what the step-time model
+        predicted for it. While the engine was busy since the previous step, the whole wall time
+        between the two step ends counts as this step's (the event loop's share delays first
+        tokens and every stream's next token too)."""
         if seconds <= 0:
             return
         wall = seconds
@@ -194,6 +200,9 @@ class TtftPredictor:
             wall = max(seconds, now - self._last_end)
         self._step_sum.add(now, wall)
         self._step_n.add(now, 1.0)
+        if modelled_s is not None and modelled_s > 0:
+            self._wall.add(now, wall)
+            self._modelled.add(now, modelled_s)
         if prefill_tokens > 0:
             self._tokens.add(now, float(prefill_tokens))
             self._seconds.add(now, wall)
@@ -241,6 +250,13 @@ class TtftPredictor:
     def step_s(self) -> float:
         """Mean wall time of a recent step (0 before any)."""
         return self._step_sum.value / self._step_n.value if self._step_n.value > 0 else 0.0
+
+    @property
+    def wall_factor(self) -> float:
+        """Recent steps' wall time over their modelled time (1 before any, never below 1)."""
+        if self._modelled.value <= 0:
+            return 1.0
+        return max(1.0, self._wall.value / self._modelled.value)
 
     def correction(self, now: float) -> float:
         """The CORRECTION_QUANTILE of recent actual / predicted ratios; 1 before CORRECTION_MIN."""

@@ -448,11 +448,11 @@ def test_tpot_check_refuses_the_stream_that_would_slow_the_others() -> None:
     acme = tenant(tpm=1e9, burst=10**6, mc=1000)
     adm, _ = make(acme, slo_tpot_s=0.1, max_num_seqs=12,
                   decode_step_s=lambda rows, ctx: 0.01 * rows + max(0, ctx - 1000) / 1e5)
-    adm.admit(acme, "interactive", 10, 10, Backlog(running=9))  # 10 rows: 0.1 s
+    adm.admit(acme, "interactive", 10, 10, Backlog(running=8))  # 9 rows: 0.09 s (90% of the SLO)
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 10, 10, Backlog(running=10))  # 11 rows: 0.11 s
+        adm.admit(acme, "interactive", 10, 10, Backlog(running=9))  # 10 rows: 0.1 s
     assert (e.value.status, e.value.reason, e.value.retry_after) == (503, "tpot_slo", 1.0)
-    assert "11 streams would take 110 ms per token" in e.value.message
+    assert "10 streams would take 100 ms per token" in e.value.message
     with pytest.raises(Rejected):  # the longer context of the new stream counts too
         adm.admit(acme, "interactive", 5000, 5000, Backlog(running=8))
     adm.admit(acme, "interactive", 10, 10, Backlog(running=8, waiting=4))  # slots full: it waits

@@ -207,11 +207,9 @@ class SimReplica:
                 self._release(u.request_id, t.tokens)
                 done.append(t)
         if self.admission is not None:
-            sch = self.scheduler
-            pending = bool(sch.waiting) or any(
-                r.num_tokens - r.num_computed_tokens > 1 for r in sch.running)
             self.admission.observe_step(now - self._step_started,
-                                        sch.stats.prompt_tokens_computed - computed, pending,
+                                        self.scheduler.stats.prompt_tokens_computed - computed,
+                                        self.scheduler.has_unfinished(),
                                         sum(1 for s in sched.seqs if len(s.token_ids) == 1))
         return done
 

@@ -260,3 +260,4 @@ async def test_overload_real_model_default_flags() -> None:
     print(figures)
     assert healthy.ok and ready == 200, (healthy, ready)
     assert not failures, "\n".join(failures) + "\n" + figures
+
