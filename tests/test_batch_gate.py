@@ -46,7 +46,7 @@ def test_idle_engine_has_room() -> None:
 
 
 def test_queued_interactive_work_shuts_the_gate() -> None:
-    gate, engine, *_ = rig()
+    gate, engine, *_ = rig(slo_ttft_s=None)
     add(engine, "batch", 10, Priority.BATCH)
     assert gate.room(0, 100, 32)  # queued batch work does not block more batch work
     add(engine, "live", 10, Priority.INTERACTIVE)
@@ -71,11 +71,12 @@ def test_cap_slots_blocks_and_health() -> None:
 
 @pytest.mark.parametrize("rate, admits", [(10_000.0, True), (200.0, False)])
 def test_the_ttft_prediction_decides(rate: float, admits: bool) -> None:
-    gate, _engine, adm, now = rig(slo_ttft_s=2.0)
+    gate, engine, adm, now = rig(slo_ttft_s=2.0)
     # Measured steps: `rate` prefill tokens per second of wall time.
     for _ in range(20):
         now[0] += 0.1
         adm.observe_step(0.1, int(rate * 0.1), True)
+    add(engine, "b0", 8, Priority.BATCH)  # not idle: the prediction decides
     # An interactive request arriving after a 300-token line waits for that prefill: at 200
     # tokens/s that is over a second, past half the 2 s SLO.
     assert gate.room(0, 300, 16) is admits
@@ -92,6 +93,21 @@ def test_without_an_slo_only_the_structure_decides() -> None:
 
 
 def test_lines_starting_together_count_their_slots() -> None:
-    gate, *_ = rig(max_seqs=8, max_running=8)
+    gate, *_ = rig(slo_ttft_s=None, max_seqs=8, max_running=8)
     assert gate.room(0, 10, 10, lines=7)  # an eighth of 8 slots (one) stays free
     assert not gate.room(0, 10, 10, lines=8) and "slots" in gate.last_reason
+
+
+def test_one_line_may_always_start_on_an_idle_engine() -> None:
+    gate, engine, adm, now = rig(slo_ttft_s=2.0)
+    # Unmeasured: one line at a time, and only on an idle engine.
+    assert gate.room(0, 300, 16)
+    assert not gate.room(0, 600, 32, lines=2) and "no prediction" in gate.last_reason
+    # A pessimistic prediction (measured while the engine was crowded) does not stop an idle
+    # engine from running the one line whose steps will correct it.
+    for _ in range(20):
+        now[0] += 0.1
+        adm.observe_step(0.1, 10, True)
+    assert gate.room(0, 300, 16)
+    add(engine, "b0", 50, Priority.BATCH)
+    assert not gate.room(0, 300, 16) and "SLO" in gate.last_reason

@@ -8,6 +8,8 @@ interactive request is queued, never take the last sequence slots or KV blocks (
 requests must find room without preempting), and at most `max_running` run at once.
 
 Without a TTFT SLO the prediction has nothing to compare with; the structural checks still hold.
+One line may always start on an idle engine (nothing running or queued): that keeps the batch
+moving when the prediction is stale or not yet measured, at the cost of one line's prefill.
 """
 
 from __future__ import annotations
@@ -80,12 +82,19 @@ class SpareCapacity:
         if kv.num_free_blocks - need < self.cfg.free_blocks_share * kv.num_total_blocks:
             return "KV blocks reserved for interactive traffic"
         slo = self.admission.slo_ttft_s
-        if slo is not None:
+        # NOTE: one line may always start on an idle engine. The prediction learns only from
+        # steps that run: were it to stay pessimistic (measured while lines crowded the engine,
+        # or not measured yet) an idle engine would never run the step that corrects it. And
+        # one line delays an interactive request by at most its own prefill.
+        idle = sched.num_running == 0 and sched.num_waiting == 0 and lines == 1
+        if slo is not None and not idle:
             # The line's prompt is prefilled before the interactive request's own (it runs
             # first once started), so it adds to that request's own prefill.
             predicted = self.admission.predictor.predict(
                 self.admission.clock(), Backlog.of_scheduler(sched), "interactive",
                 prompt_tokens + self.cfg.probe_tokens)
-            if predicted is not None and predicted > self.cfg.ttft_share * slo:
+            if predicted is None:
+                return "no prediction yet (one line at a time until measured)"
+            if predicted > self.cfg.ttft_share * slo:
                 return "interactive TTFT would exceed its share of the SLO"
         return None
