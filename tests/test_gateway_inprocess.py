@@ -208,8 +208,8 @@ async def test_real_model_default_settings_cancel_and_snapshot(aiohttp_client) -
     out): the snapshot on the wire and the abort rule on a real stream."""
     import argparse
 
-    from batcher.cli import add_serve_args
     from batcher.serve import gateway_factory
+    from batcher.serve_args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
