@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from batcher.cli import add_serve_args
 from batcher.fleet.cli import add_router_args
 from batcher.fleet.discovery import DnsSource
+from batcher.serve_args import add_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))

@@ -573,7 +573,7 @@ def test_serve_help_documents_every_flag() -> None:
         assert flag in out, flag
     import argparse
 
-    from batcher.cli import add_serve_args
+    from batcher.serve_args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

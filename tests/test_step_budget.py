@@ -215,9 +215,9 @@ async def test_engine_feeds_its_model_every_step_and_the_scheduler_reads_it(tiny
 def test_serve_flags_reach_the_scheduler() -> None:
     import argparse
 
-    from batcher.cli import add_serve_args
     from batcher.metrics import Metrics
     from batcher.serve import build_engine
+    from batcher.serve_args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 
-from batcher.cli import DEFAULT_SLO_TTFT_MS
+from batcher.serve_args import DEFAULT_SLO_TTFT_MS
 from tests.reliability.conftest import (
     FAKE,
     Outcome,
