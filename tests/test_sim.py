@@ -126,7 +126,7 @@ class _V:
     inflight: int = 0
     others: int = 0
     prefill_tokens: int = 0
-    oldest_pending_s: float = 0.0
+    overdue_s: float = 0.0
     prefill_rate: float | None = None
     step_s: float | None = None
 

@@ -156,7 +156,7 @@ class RouterContext:
                                  inflight=load.inflight,
                                  others=load.others(st.running, st.waiting),
                                  prefill_tokens=load.prefill_tokens,
-                                 oldest_pending_s=load.oldest_pending_s(now),
+                                 overdue_s=load.overdue_s(now),
                                  prefill_rate=load.prefill_rate, step_s=load.step_s))
         return out
 

@@ -3,11 +3,13 @@
 The router knows exactly what it sent where and what finished; a replica's heartbeat is up to a
 few seconds old. So per replica it keeps (no I/O, every method takes `now`):
 - `inflight`: its attempts there that have not ended;
-- `prefill_tokens`: prompt tokens of those still without a first token, and `oldest_pending_s`,
-  the age of the oldest of them (a stalled replica shows up before any heartbeat says so);
-- `prefill_rate`: prompt tokens per second to a first token, measured as (prompt tokens it had
-  queued there + this prompt) / time to this first token; a time-decayed mean, so mixed steps,
-  slot waits and a slower machine all lower it as they lower the real time to first token;
+- `prefill_tokens`: prompt tokens of those still without a first token, and `overdue_s`, how
+  much longer than predicted the oldest of them has waited, or the streams there have gone
+  without a token (a stalled replica shows up before any heartbeat says so);
+- `prefill_rate`: prompt tokens per second to a first token on an unloaded replica, measured as
+  (prompt tokens it had queued there + this prompt) x the slowdown of the sequences in flight
+  there when it was sent (as `policy.predicted_wait` applies it) / time to this first token; a
+  time-decayed mean, so a slower machine shows up within a few requests;
 - `step_s`: seconds per decode step, from the gaps between a stream's tokens;
 - `others(running, waiting)`: what the replica's last report shows beyond the router's own
   requests it could include (those sent before it was measured, still in flight or ended
@@ -24,7 +26,9 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-EWMA_ALPHA = 0.2  # weight of the newest sample: about the last five requests count
+EWMA_ALPHA = 0.3  # weight of the newest sample: about the last three requests count
+SAMPLE_CLAMP = 1.5  # a sample counts as at most this factor off the current estimate
+STALL_STEPS = 4.0  # streams without a token for this many measured steps are late
 
 
 def _ewma(old: float | None, x: float) -> float:
@@ -36,6 +40,7 @@ class _Pending:
     sent: float
     prompt: int
     ahead: int  # prompt tokens already queued there when it was sent
+    slowdown: float  # 1 + sequences in flight there when sent / seqs_per_step
 
 
 @dataclass(slots=True)
@@ -49,6 +54,7 @@ class _Started:
 class ReplicaLoad:
     """One replica's account; keys are whatever identifies an attempt to the caller."""
 
+    seqs_per_step: float = 8.0  # as the policy's: sequences that double a prefill's time
     inflight: int = 0
     prefill_tokens: int = 0
     prefill_rate: float | None = None
@@ -57,6 +63,7 @@ class ReplicaLoad:
     started: dict[Hashable, _Started] = field(default_factory=dict)
     sent_at: dict[Hashable, float] = field(default_factory=dict)  # every attempt in flight
     state_at: float = float("-inf")  # when the replica measured the state last seen
+    last_token: float = float("-inf")  # when any attempt there last got a token
     unreflected: int = 0  # attempts in flight sent after that measurement
     ended_since: int = 0  # attempts sent before it that have ended since
 
@@ -74,21 +81,31 @@ class ReplicaLoad:
         mine = self.inflight - self.unreflected + self.ended_since
         return max(0, running + waiting - mine)
 
-    def oldest_pending_s(self, now: float) -> float:
-        if not self.pending:
-            return 0.0
-        return max(0.0, now - next(iter(self.pending.values())).sent)
+    def overdue_s(self, now: float) -> float:
+        """How much longer than predicted the oldest request without a first token has waited,
+        or the streams there have gone without a token (0 when nothing is late, or nothing is
+        measured yet)."""
+        late = 0.0
+        if self.pending and self.prefill_rate:
+            p = next(iter(self.pending.values()))
+            expected = (p.ahead + p.prompt) * p.slowdown / self.prefill_rate
+            late = now - p.sent - expected
+        if self.started and self.step_s:  # streams there, and none got a token for a while
+            late = max(late, now - self.last_token - STALL_STEPS * self.step_s)
+        return max(0.0, late)
 
     def sent(self, key: Hashable, prompt_tokens: int, now: float) -> None:
         self.inflight += 1
         self.sent_at[key] = now
         self.unreflected += now >= self.state_at
-        self.pending[key] = _Pending(now, prompt_tokens, self.prefill_tokens)
+        slowdown = 1.0 + (self.inflight - 1) / self.seqs_per_step
+        self.pending[key] = _Pending(now, prompt_tokens, self.prefill_tokens, slowdown)
         self.prefill_tokens += prompt_tokens
 
     def token(self, key: Hashable, now: float, count: int = 1) -> None:
         """`count` tokens (or chunks of the stream) of attempt `key` arrived, the last at
         `now`."""
+        self.last_token = max(self.last_token, now)
         st = self.started.get(key)
         if st is not None:
             st.last = now
@@ -98,8 +115,12 @@ class ReplicaLoad:
         if p is None:
             return
         self.prefill_tokens -= p.prompt
-        if now > p.sent:
-            self.prefill_rate = _ewma(self.prefill_rate, (p.ahead + p.prompt) / (now - p.sent))
+        if now > p.sent:  # the rate an unloaded replica would show, as the policy scales it
+            sample = (p.ahead + p.prompt) * p.slowdown / (now - p.sent)
+            if self.prefill_rate is not None:  # NOTE: one stall or burst moves it a step only
+                sample = min(max(sample, self.prefill_rate / SAMPLE_CLAMP),
+                             self.prefill_rate * SAMPLE_CLAMP)
+            self.prefill_rate = _ewma(self.prefill_rate, sample)
         self.started[key] = _Started(now, now, count)
 
     def done(self, key: Hashable) -> None:

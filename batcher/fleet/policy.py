@@ -5,11 +5,11 @@ so the router and the simulator share them.
   plus `max_tokens`, times `n`; `estimate_prompt_tokens` is the prompt part alone.
 - `predicted_wait(c, prompt, tokens, ...)`: the seconds a new request would wait for its first
   token on a candidate: the prefill work ahead of it (the router's own outstanding prompt tokens
-  there, or the replica's reported queue, whichever says more) at the replica's measured prefill
-  rate, plus a step that grows with the sequences it runs, and never less than the age of the
-  oldest request there still waiting for its first token (a stalled replica shows up at once).
-  KV is a fit constraint; it adds to the wait only when scarce (below `hot_headroom` free after
-  this request), because a replica short of blocks preempts.
+  there, plus what the replica reports beyond the router's own requests) and its own prompt, at
+  the replica's measured prefill rate slowed by the sequences it runs, plus one step, plus
+  however late the oldest request there still without a first token is (a stalled replica shows
+  up at once). KV is a fit constraint; it adds to the wait only when scarce (below
+  `hot_headroom` free after this request), because a replica short of blocks preempts.
 - `choose(...)`: candidates are the routable replicas of the version the rollout weights pick;
   fresh (non-suspect) replicas are preferred over suspect ones, and those that can hold the
   request over those that cannot. The lowest predicted wait wins. A rendezvous hash of the
@@ -96,7 +96,7 @@ class Candidate:
     inflight: int = 0  # the router's own requests there
     others: int = 0  # reported sequences beyond the router's own that the report could show
     prefill_tokens: int = 0  # prompt tokens of those still without a first token
-    oldest_pending_s: float = 0.0  # age of the oldest of those
+    overdue_s: float = 0.0  # how much longer than predicted the oldest of those has waited
     prefill_rate: float | None = None  # measured prompt tokens/s to first token; None: unknown
     step_s: float | None = None  # measured seconds per decode step; None: unknown
 
@@ -209,7 +209,7 @@ def predicted_wait(c: Candidate, prompt_tokens: int, tokens: int, cfg: PolicyCon
     # they slow the prefill ahead and the new request's own.
     seqs = c.inflight + c.others
     wait = ahead / rate * (1.0 + seqs / cfg.seqs_per_step) + step
-    wait = max(wait, c.oldest_pending_s)
+    wait += c.overdue_s
     if c.total_blocks > 0 and cfg.hot_headroom > 0:
         left = (c.free_blocks - blocks_for(tokens, c.block_size)) / c.total_blocks
         if left < cfg.hot_headroom:

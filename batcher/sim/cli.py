@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
-DEFAULT_STEP_MODEL = "workloads/step_time_cpu.json"
+from batcher.sim.run_args import DEFAULT_STEP_MODEL, fleet_args, fleet_from_args
+
+__all__ = ["add_plan_args", "add_sim_args", "fleet_from_args", "run_plan", "run_sim"]
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -69,62 +70,6 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_args(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
-    a("--step-model", default=DEFAULT_STEP_MODEL, help="calibrated JSON, 'source' (the "
-      "source's rates) or const:SECONDS (default: %(default)s)")
-    a("--replicas", type=int, default=16)
-    a("--zones", type=int, default=3)
-    a("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
-    a("--warmup", type=float, default=10.0, help="arrivals before this are not measured")
-    a("--policy", default="p2c-kv", help="p2c-kv, round-robin, random, least-loaded, oracle "
-      "(least predicted TTFT from live state), or fleet (the fleet router's policy)")
-    a("--arrivals", default="poisson", choices=["poisson", "burst", "diurnal", "all"])
-    a("--rate", type=float, default=None, help="requests/s (default: from --load)")
-    a("--load", type=float, default=0.85, help="offered load as a share of the fleet's "
-      "measured capacity, when --rate is not given (default: %(default)s)")
-    a("--count", type=int, default=None, help="requests for --arrivals all (default: the "
-      "workload file's size, else 64)")
-    a("--burst-size", type=int, default=32)
-    a("--burst-interval", type=float, default=10.0)
-    a("--amplitude", type=float, default=0.5, help="diurnal swing (share of the mean)")
-    a("--period", type=float, default=600.0, help="diurnal period in s")
-    a("--workload", default=None, help="a workload file (replaces the lognormal shape)")
-    a("--input-median", type=float, default=256)
-    a("--output-median", type=float, default=64)
-    a("--sigma", type=float, default=0.6, help="lognormal spread of both lengths")
-    a("--prefix-groups", type=int, default=0)
-    a("--prefix-tokens", type=int, default=0)
-    a("--max-num-seqs", type=int, default=64)
-    a("--max-num-batched-tokens", type=int, default=320)
-    a("--num-blocks", type=int, default=4096)
-    a("--heartbeat-interval", type=float, default=1.0)
-    a("--heartbeat-delay", type=float, default=0.05)
-    a("--stale-after", type=float, default=3.0)
-    a("--piggyback", action="store_true", help="responses refresh the router's view")
-    a("--no-eject", action="store_true", help="keep routing to a replica that refused a "
-      "connection until its heartbeats go stale")
-    a("--no-reservations", action="store_true", help="the router forgets what it sent")
-    a("--max-waiting", type=int, default=64, help="replica queue bound (final fit check)")
-    a("--retry-ratio", default="0.1", help="retry budget share of requests, or 'none'")
-    a("--max-attempts", type=int, default=5)
-    a("--fail-zone", action="append", default=[], metavar="Z@T[:D]")
-    a("--fail-replica", action="append", default=[], metavar="I@T[:D]")
-    a("--slow-replicas", default=None, metavar="K:F", help="the first K replicas step F times "
-      "slower")
-    a("--small-kv", default=None, metavar="K:BLOCKS", help="the next K replicas have BLOCKS KV "
-      "blocks")
-    a("--stall", action="append", default=[], metavar="I@T:D", help="replica I takes no step "
-      "from T for D seconds (repeatable)")
-    a("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT bound "
-      "(default: %(default)s)")
-    a("--slo-tpot-ms", type=float, default=200.0, help="goodput TPOT bound "
-      "(default: %(default)s)")
-    a("--seed", type=int, default=0)
-    a("--json-out", default=None, help="write the summary as JSON here")
-    a("--plot", default=None, help="write a PNG of the run here")
-
-
 def add_sim_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="sim_command", required=True)
     c = sub.add_parser("calibrate", help="fit a step-time model to the real model runner")
@@ -133,7 +78,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--rounds", type=int, default=3)
     c.add_argument("--quick", action="store_true", help="a 10-point grid")
     c.add_argument("--dtype", default="bfloat16")
-    _fleet_args(sub.add_parser("run", help="simulate a fleet"))
+    fleet_args(sub.add_parser("run", help="simulate a fleet"))
     v = sub.add_parser("validate", help="one simulated replica vs the real engine")
     v.add_argument("--step-model", default=DEFAULT_STEP_MODEL)
     v.add_argument("--workload", default=None, help="default: workloads/chat64.json")
@@ -143,70 +88,10 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--no-append", action="store_true", help="do not write BENCHMARKS.md")
     s = sub.add_parser("study", help="the docs/capacity.md studies")
     s.add_argument("name", choices=["policies", "policies-kv", "retry", "headroom", "cells",
-                                    "speed"])
+                                    "speed", "routing"])
     s.add_argument("--step-model", default=DEFAULT_STEP_MODEL)
     s.add_argument("--quick", action="store_true", help="smaller and shorter (for a smoke run)")
     s.add_argument("--out-dir", default="docs/img")
-
-
-def parse_failures(args: argparse.Namespace) -> list:
-    from batcher.sim.fleet_sim import Failure
-
-    out = []
-    for kind, specs in (("zone", args.fail_zone), ("replica", args.fail_replica)):
-        for spec in specs:
-            target, _, rest = spec.partition("@")
-            at, _, dur = rest.partition(":")
-            f = Failure(float(at), duration=float(dur) if dur else math.inf,
-                        **{kind: int(target)})
-            out.append(f)
-    return out
-
-
-def fleet_from_args(args: argparse.Namespace):
-    """(FleetConfig, step model, ShapeSpec, ArrivalSpec) from `sim run` arguments."""
-    from batcher.bench.common import load_workload
-    from batcher.sim.fleet_sim import FleetConfig
-    from batcher.sim.hetero import parse_pair, parse_stall
-    from batcher.sim.stepmodel import load_step_model
-    from batcher.sim.studies import replica_capacity
-    from batcher.sim.workload import ArrivalSpec, ShapeSpec
-
-    model = load_step_model(args.step_model)
-    ratio = None if args.retry_ratio == "none" else float(args.retry_ratio)
-    slow_k, slow_f = parse_pair(args.slow_replicas, "--slow-replicas") if args.slow_replicas \
-        else (0, 1.0)
-    small_k, small_b = parse_pair(args.small_kv, "--small-kv") if args.small_kv else (0, 0)
-    cfg = FleetConfig(
-        replicas=args.replicas, zones=args.zones, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-        policy=args.policy, heartbeat_interval=args.heartbeat_interval,
-        heartbeat_delay=args.heartbeat_delay, stale_after=args.stale_after,
-        reservations=not args.no_reservations, piggyback=args.piggyback,
-        eject_on_refused=not args.no_eject,
-        max_waiting=args.max_waiting, retry_ratio=ratio, max_attempts=args.max_attempts,
-        slo_ttft=args.slo_ttft_ms / 1e3, slo_tpot=args.slo_tpot_ms / 1e3,
-        duration=args.duration, warmup=args.warmup, failures=parse_failures(args),
-        slow_replicas=slow_k, slow_factor=slow_f, small_kv_replicas=small_k,
-        small_kv_blocks=int(small_b), stalls=[parse_stall(x) for x in args.stall],
-        seed=args.seed)
-    shape = ShapeSpec(input_median=args.input_median, input_sigma=args.sigma,
-                      output_median=args.output_median, output_sigma=args.sigma,
-                      prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
-                      workload_file=args.workload)
-    count = args.count
-    if count is None:
-        count = len(load_workload(args.workload)) if args.workload else 64
-    rate = args.rate
-    if rate is None and args.arrivals == "all":
-        rate = 1.0
-    if rate is None:  # slow replicas bring 1/F of a replica's capacity each
-        cap = replica_capacity(cfg, model, shape)
-        rate = args.load * cap * (args.replicas - slow_k + slow_k / slow_f)
-    arr = ArrivalSpec(args.arrivals, rate=rate, burst_size=args.burst_size,
-                      burst_interval=args.burst_interval, amplitude=args.amplitude,
-                      period=args.period, count=count)
-    return cfg, model, shape, arr
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -243,6 +128,10 @@ def run_sim(args: argparse.Namespace) -> int:
         from batcher.sim.validate import run_validation
 
         return run_validation(args)
+    if args.name == "routing":
+        from batcher.sim.routing_study import run_routing_study
+
+        return run_routing_study(args.step_model, args.out_dir, args.quick)
     from batcher.sim.studies import run_study
 
     return run_study(args.name, args.step_model, args.out_dir, args.quick)

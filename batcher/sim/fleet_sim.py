@@ -188,11 +188,8 @@ class FleetSim:
             self._start(idx, t)
 
     def _on_token(self, tm: Timing, now: float) -> None:
-        # NOTE: only the first token is reported as it comes (the rest are counted at the end,
-        # which gives the same step time at a fraction of the calls).
-        if tm.tokens == 1:
-            rec: Record = tm.owner  # type: ignore[assignment]
-            self.views[rec.replica].load.token(rec.index, now)
+        rec: Record = tm.owner  # type: ignore[assignment]
+        self.views[rec.replica].load.token(rec.index, now)
 
     # arrivals, heartbeats, sweeps, samples -------------------------------------------------
     def _on_arrive(self, t: float, a: object) -> None:
@@ -335,9 +332,6 @@ class FleetSim:
 
     def _complete(self, tm: Timing, t: float, rep: SimReplica) -> None:
         rec = self._merge(tm)
-        load = self.views[rep.index].load
-        if tm.tokens > 1 and tm.last_token is not None:
-            load.token(rec.index, tm.last_token, tm.tokens - 1)
         self.views[rep.index].done(rec.index)
         if self.cfg.piggyback:
             self.views[rep.index].update(rep, t, t)

@@ -177,8 +177,8 @@ class View:
         return self.load.step_s
 
     @property
-    def oldest_pending_s(self) -> float:
-        return self.load.oldest_pending_s(self.clock.now)
+    def overdue_s(self) -> float:
+        return self.load.overdue_s(self.clock.now)
 
     def sent(self, rec: int, prompt: int, blocks: int, now: float) -> None:
         self.reserved += blocks
@@ -256,5 +256,5 @@ class LiveView:
                    for q in (s.running, s.waiting) for r in q)
 
     @property
-    def oldest_pending_s(self) -> float:
+    def overdue_s(self) -> float:
         return max(0.0, self.stall_until - self.clock.now)

@@ -58,7 +58,7 @@ class ReplicaView(Protocol):
     @property
     def prefill_tokens(self) -> int: ...  # prompt tokens of those without a first token
     @property
-    def oldest_pending_s(self) -> float: ...  # age of the oldest of those
+    def overdue_s(self) -> float: ...  # how late the oldest of those is
     @property
     def prefill_rate(self) -> float | None: ...  # measured prompt tokens/s to first token
     @property
@@ -178,7 +178,7 @@ def _candidate(make: Callable[..., Any], v: Any, version: str = "v1") -> Any:
     return make(replica_id=v.replica_id, free_blocks=v.free_blocks,
                 total_blocks=v.total_blocks, block_size=v.block_size, waiting=v.waiting,
                 version=version, fresh=v.fresh, running=v.running, inflight=v.inflight, others=v.others,
-                prefill_tokens=v.prefill_tokens, oldest_pending_s=v.oldest_pending_s,
+                prefill_tokens=v.prefill_tokens, overdue_s=v.overdue_s,
                 prefill_rate=v.prefill_rate, step_s=v.step_s)
 
 
@@ -215,7 +215,7 @@ class FleetPolicyAdapter:
 
     `choose_fn(cands, tokens, key, cfg, rng, weights, exclude, prompt_tokens=)` picks among
     candidates built by `make_candidate(replica_id=, free_blocks=, total_blocks=, block_size=,
-    waiting=, version=, fresh=, running=, inflight=, prefill_tokens=, oldest_pending_s=,
+    waiting=, version=, fresh=, running=, inflight=, prefill_tokens=, overdue_s=,
     prefill_rate=, step_s=)` and returns one of them (or None). `key` is the affinity key the router would hash:
     for a token-id prompt, the leading `key_tokens` ids joined by commas (None when the prompt is
     shorter than `min_key_tokens`).

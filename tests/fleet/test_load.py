@@ -10,29 +10,43 @@ import pytest
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.fake_runner import FakeRunner, FakeSpeed
 from batcher.fleet.context import RouterConfig
-from batcher.fleet.load import ReplicaLoad
+from batcher.fleet.load import EWMA_ALPHA, SAMPLE_CLAMP, STALL_STEPS, ReplicaLoad
 from batcher.fleet.policy import Candidate, choose_round_robin
 from batcher.sampling import SamplingParams
 
 
 def test_prefill_tokens_rate_and_step_follow_the_attempts() -> None:
-    load = ReplicaLoad()
+    load = ReplicaLoad(seqs_per_step=8.0)
     load.sent("a", 1000, now=0.0)
-    load.sent("b", 500, now=0.1)
+    load.sent("b", 500, now=0.1)  # one sequence in flight there already: slowdown 1 + 1/8
     assert (load.inflight, load.prefill_tokens) == (2, 1500)
-    assert load.oldest_pending_s(2.0) == pytest.approx(2.0)
+    assert load.overdue_s(2.0) == 0.0  # nothing measured yet: nothing is late
     load.token("a", now=0.5)  # a's first token: 1000 tokens in 0.5 s
     assert load.prefill_tokens == 500 and load.prefill_rate == pytest.approx(2000.0)
-    assert load.oldest_pending_s(2.0) == pytest.approx(1.9)
-    load.token("b", now=1.1)  # b had a's 1000 ahead of it: 1500 tokens in 1.0 s
-    assert load.prefill_rate == pytest.approx(2000.0 + 0.2 * (1500.0 - 2000.0))
+    # b expected (1000 ahead + 500) x 1.125 / 2000 = 0.84 s after 0.1: late by 2.0 - 0.94
+    assert load.overdue_s(2.0) == pytest.approx(2.0 - 0.1 - 0.84375)
+    load.token("b", now=1.1)  # 1500 x 1.125 tokens' worth in 1.0 s
+    assert load.prefill_rate == pytest.approx(2000.0 + EWMA_ALPHA * (1687.5 - 2000.0))
     for i in range(1, 11):
         load.token("a", now=0.5 + 0.05 * i)
     load.done("a")
     assert load.step_s == pytest.approx(0.05) and load.inflight == 1
+    # b's stream then goes quiet: late once it misses STALL_STEPS steps
+    assert load.overdue_s(1.1 + STALL_STEPS * 0.05) == pytest.approx(0.0, abs=1e-9)
+    assert load.overdue_s(3.0) == pytest.approx(3.0 - 1.1 - STALL_STEPS * 0.05)
     load.done("b")  # one token after the first: no step measured from it
     assert load.step_s == pytest.approx(0.05)
-    assert (load.inflight, load.prefill_tokens, load.oldest_pending_s(9.0)) == (0, 0, 0.0)
+    assert (load.inflight, load.prefill_tokens, load.overdue_s(9.0)) == (0, 0, 0.0)
+
+
+def test_one_stalled_sample_moves_the_rate_one_bounded_step() -> None:
+    load = ReplicaLoad()
+    load.sent(1, 1000, now=0.0)
+    load.token(1, now=0.5)
+    load.sent(2, 1000, now=1.0)
+    load.token(2, now=11.0)  # a 10 s stall: the raw sample is 100 tokens/s
+    low = 2000.0 / SAMPLE_CLAMP
+    assert load.prefill_rate == pytest.approx(2000.0 + EWMA_ALPHA * (low - 2000.0))
 
 
 def test_an_attempt_that_ends_before_its_first_token_leaves_no_trace() -> None:

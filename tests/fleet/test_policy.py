@@ -73,7 +73,7 @@ def test_measured_rates_make_a_slow_replica_take_less_work():
 
 
 def test_a_stalled_replica_is_avoided_before_any_heartbeat_says_so():
-    stalled = cand("s", prefill_tokens=100, oldest_pending_s=4.0, inflight=1)
+    stalled = cand("s", prefill_tokens=100, overdue_s=4.0, inflight=1)
     assert picks([stalled, cand("ok", prefill_tokens=2000, inflight=10)]) == {"ok": 200}
 
 
