@@ -92,6 +92,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--step-model", default=DEFAULT_STEP_MODEL)
     s.add_argument("--quick", action="store_true", help="smaller and shorter (for a smoke run)")
     s.add_argument("--out-dir", default="docs/img")
+    s.add_argument("--replicas", type=int, default=None, help="routing: only the rows of this "
+                   "fleet size")
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -131,7 +133,7 @@ def run_sim(args: argparse.Namespace) -> int:
     if args.name == "routing":
         from batcher.sim.routing_study import run_routing_study
 
-        return run_routing_study(args.step_model, args.out_dir, args.quick)
+        return run_routing_study(args.step_model, args.out_dir, args.quick, args.replicas)
     from batcher.sim.studies import run_study
 
     return run_study(args.name, args.step_model, args.out_dir, args.quick)
