@@ -59,7 +59,7 @@ BATCH_SLO_SHARE = 0.5
 # predicted step stays within this share of the TPOT SLO: the predictions follow recent history,
 # and the rest absorbs what changes between admission and the tokens (steps slowed by another
 # process, a preemption).
-SLO_HEADROOM = 0.9
+SLO_HEADROOM = 0.85
 # Predicted seconds of one engine step carrying `rows` decode rows, the longest at context `ctx`
 # (the shared step-time model), or None while it has no estimate.
 DecodeStepFn = Callable[[int, int], "float | None"]

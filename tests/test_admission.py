@@ -372,17 +372,17 @@ def test_ttft_check_predicts_from_all_work_ahead_and_sheds_batch_first() -> None
     def ahead(tokens: int, batch: int = 0) -> Backlog:
         return Backlog(running=1, ahead_interactive=tokens, ahead_batch=tokens + batch)
 
-    # 0.1 s step + (690 + 100) / 1000 = 0.89 s: in (interactive may take 90% of the SLO);
-    # 1000 ahead -> 1.2 s: out, for 0.3 s more.
-    t = adm.admit(acme, "interactive", 100, 10, ahead(690, batch=10**5))  # batch is not ahead
-    assert t.predicted_ttft_s == pytest.approx(0.89)
+    # 0.1 s step + (640 + 100) / 1000 = 0.84 s: in (interactive may take 85% of the SLO);
+    # 1000 ahead -> 1.2 s: out, for 0.35 s more.
+    t = adm.admit(acme, "interactive", 100, 10, ahead(640, batch=10**5))  # batch is not ahead
+    assert t.predicted_ttft_s == pytest.approx(0.84)
     with pytest.raises(Rejected) as e:
         adm.admit(acme, "interactive", 100, 10, ahead(1000))
     assert (e.value.status, e.value.reason, e.value.retry_after) == (503, "queue_slo", 1.0)
-    assert "1.20 s exceeds the 0.90 s" in e.value.message
+    assert "1.20 s exceeds the 0.85 s" in e.value.message
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 100, 10, ahead(3900))  # 4.1 s: retry after 3.2 s
-    assert e.value.retry_after == pytest.approx(3.2)
+        adm.admit(acme, "interactive", 100, 10, ahead(3900))  # 4.1 s: retry after 3.25 s
+    assert e.value.retry_after == pytest.approx(3.25)
     # Batch gets half the SLO: 0.1 + 390 / 1000 = 0.49 s in, 0.6 s out.
     adm.admit(acme, "batch", 100, 10, ahead(290))
     with pytest.raises(Rejected):
@@ -410,9 +410,9 @@ def test_an_idle_server_and_a_long_prompt_are_never_starved() -> None:
     # Alone on the server, a 5 s prompt is admitted: waiting would not make it sooner.
     adm.admit(acme, "interactive", 5000, 10, IDLE)
     adm.admit(acme, "batch", 5000, 10, Backlog(running=3))  # only decodes ahead of it
-    # Behind others, its wait is held to half its limit (0.45 s): 340 tokens ahead (0.44 s with
+    # Behind others, its wait is held to half its limit (0.425 s): 320 tokens ahead (0.42 s with
     # the step) is in, 500 out.
-    adm.admit(acme, "interactive", 5000, 10, Backlog(running=1, ahead_interactive=340))
+    adm.admit(acme, "interactive", 5000, 10, Backlog(running=1, ahead_interactive=320))
     with pytest.raises(Rejected):
         adm.admit(acme, "interactive", 5000, 10, Backlog(running=1, ahead_interactive=500))
 
@@ -432,7 +432,7 @@ def test_correction_follows_delivered_ttfts() -> None:
         adm.release(t, 10)
     assert adm.predictor.num_ttft_observations == CORRECTION_MIN
     assert adm.predictor.correction(clock()) == pytest.approx(2.0)
-    with pytest.raises(Rejected) as e:  # 0.5 s raw x 2 = 1.0 s, over the 0.9 s limit
+    with pytest.raises(Rejected) as e:  # 0.5 s raw x 2 = 1.0 s, over the 0.85 s limit
         adm.admit(acme, "interactive", 100, 10, Backlog(running=1, ahead_interactive=300))
     assert "1.00 s" in e.value.message
     # The old evidence ages out: delivered as predicted for a while, the correction returns.
@@ -448,11 +448,11 @@ def test_tpot_check_refuses_the_stream_that_would_slow_the_others() -> None:
     acme = tenant(tpm=1e9, burst=10**6, mc=1000)
     adm, _ = make(acme, slo_tpot_s=0.1, max_num_seqs=12,
                   decode_step_s=lambda rows, ctx: 0.01 * rows + max(0, ctx - 1000) / 1e5)
-    adm.admit(acme, "interactive", 10, 10, Backlog(running=8))  # 9 rows: 0.09 s (90% of the SLO)
+    adm.admit(acme, "interactive", 10, 10, Backlog(running=7))  # 8 rows: 0.08 s (85%: 0.085 s)
     with pytest.raises(Rejected) as e:
-        adm.admit(acme, "interactive", 10, 10, Backlog(running=9))  # 10 rows: 0.1 s
+        adm.admit(acme, "interactive", 10, 10, Backlog(running=8))  # 9 rows: 0.09 s
     assert (e.value.status, e.value.reason, e.value.retry_after) == (503, "tpot_slo", 1.0)
-    assert "10 streams would take 100 ms per token" in e.value.message
+    assert "9 streams would take 90 ms per token" in e.value.message
     with pytest.raises(Rejected):  # the longer context of the new stream counts too
         adm.admit(acme, "interactive", 5000, 5000, Backlog(running=8))
     adm.admit(acme, "interactive", 10, 10, Backlog(running=8, waiting=4))  # slots full: it waits

@@ -146,10 +146,11 @@ def test_admitted_ttft_holds_through_a_step_time_change() -> None:
     # 4x the offered load: most of it refused, all at once.
     assert adm.rejections["queue_slo"] > len(run.records) / 2
     # The prediction itself follows: from 8 s after the change, admitted requests' corrected
-    # predictions are within 25% of what they got, for nine in ten of them.
+    # predictions are within 30% of what they got, for nine in ten of them (they aim high: the
+    # correction is a high quantile of recent ratios).
     errors = sorted(abs(r.ttft / r.predicted - 1) for r in run.admitted(38.0, 60.0)
                     if r.ttft is not None and r.predicted)
-    assert errors[int(0.9 * len(errors))] <= 0.25, errors[int(0.9 * len(errors))]
+    assert errors[int(0.9 * len(errors))] <= 0.30, errors[int(0.9 * len(errors))]
 
 
 @pytest.mark.parametrize("scale_after", [0.5, 3.0])
@@ -172,3 +173,29 @@ def test_the_deep_probe_is_not_in_the_queue_tenants_are_bounded_by() -> None:
     mine = Request("r-1", [1, 2, 3], SamplingParams(max_tokens=4))
     backlog = Backlog.of([probe, mine], [])
     assert backlog.waiting == 1 and backlog.ahead_interactive == 3
+
+
+def test_batcher_sim_admits_through_the_same_code() -> None:
+    """`batcher sim run --admission`: the fleet simulator's replicas refuse as the server does,
+    so a fleet at twice its capacity keeps the admitted requests' TTFT within the SLO, where the
+    queue bound alone does not."""
+    from batcher.sim.fleet_sim import FleetConfig, FleetSim
+    from batcher.sim.workload import ArrivalSpec, ShapeSpec
+
+    shape = ShapeSpec(input_median=PROMPT, input_sigma=0.0, output_median=MAX_TOKENS,
+                      output_sigma=0.0)
+
+    def run(admission: bool) -> dict[str, float]:
+        cfg = FleetConfig(replicas=2, zones=1, duration=30.0, warmup=5.0, seed=4,
+                          slo_ttft=SLO_S, admission=admission)
+        arrivals = ArrivalSpec("poisson", rate=40.0)
+        return FleetSim(cfg, ScaledStep(), shape, arrivals).run().summary
+
+    with_admission, queue_only = run(True), run(False)
+    assert queue_only["ttft_p99"] > 2 * SLO_S, queue_only["ttft_p99"]
+    assert with_admission["ttft_p99"] <= SLO_S, with_admission["ttft_p99"]
+    assert with_admission["capacity_rejects"] > 0
+    # Most of what the fleet can serve is served within the SLO (the queue alone: none of it).
+    served_rps = queue_only["ok"] / 25.0
+    assert with_admission["goodput_rps"] >= 0.8 * served_rps, (with_admission, served_rps)
+    assert queue_only["goodput_rps"] < 0.1 * served_rps

@@ -140,8 +140,14 @@ class SimReplica:
     def use_admission(self, **config: object) -> Admission:
         """Admit through `Admission(**config)` on this replica's clock, fed this replica's steps
         and first tokens as `batcher serve` feeds it; `offer` then refuses as the server would."""
+        config.setdefault("decode_step_s", self._decode_step)
         self.admission = Admission(None, clock=self._clock, **config)  # type: ignore[arg-type]
         return self.admission
+
+    def _decode_step(self, rows: int, ctx: int) -> float:
+        """The replica's own step-time model, as `batcher serve` asks it (see serve.py)."""
+        chunk = self.scheduler.config.min_prefill_chunk
+        return self.step_time_model.predict(StepShape(rows, ctx).plus(chunk, 0))
 
     def offer(self, request: Request, timing: Timing, now: float) -> Ticket | None:
         """`add` through the replica's admission control, if any, returning its ticket: raises

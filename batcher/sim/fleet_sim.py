@@ -40,6 +40,7 @@ import random
 import time
 from collections.abc import Callable
 
+from batcher.admission import Rejected
 from batcher.config import SchedulerConfig
 from batcher.fleet.policy import RetryBudget
 from batcher.request import Request
@@ -106,6 +107,9 @@ class FleetSim:
             rep = SimReplica(i, sc, cfg.blocks_of(i), cfg.block_size, m, zone=i % cfg.zones,
                              prefix_caching=cfg.prefix_caching)
             rep.on_token = self._on_token
+            if cfg.admission:
+                rep.use_admission(slo_ttft_s=cfg.slo_ttft, slo_tpot_s=cfg.slo_tpot,
+                                  max_waiting=cfg.max_waiting, max_num_seqs=cfg.max_num_seqs)
             reps.append(rep)
         return reps
 
@@ -290,7 +294,10 @@ class FleetSim:
         sp = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
         r = Request(f"{rec.index}#{rec.attempts}", prompt, sp, arrival_time=t)
         try:
-            rep.add(r, Timing(r.request_id, t, len(prompt), req.max_tokens, owner=rec), t)
+            rep.offer(r, Timing(r.request_id, t, len(prompt), req.max_tokens, owner=rec), t)
+        except Rejected:  # the replica's admission: a 503, retried like a failed fit check
+            self.stats.capacity_rejects += 1
+            return self._retry(rec, t, "capacity")
         except ValueError:  # can never fit this replica: a client error, not retried
             return self._end(rec, t, "rejected")
         rec.replica = idx

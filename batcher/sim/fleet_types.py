@@ -60,6 +60,9 @@ class FleetConfig:
     piggyback: bool = False
     fit_check: bool = True
     max_waiting: int = 64
+    # Replicas admit as `batcher serve` does (`Admission`: predicted TTFT within `slo_ttft`, one
+    # more stream within `slo_tpot`); a refusal is the same 503 as a failed fit check.
+    admission: bool = False
     retry_ratio: float | None = 0.1
     retry_floor: int = 3
     retry_window: float = 10.0

@@ -46,6 +46,9 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
       "connection until its heartbeats go stale")
     a("--no-reservations", action="store_true", help="the router forgets what it sent")
     a("--max-waiting", type=int, default=64, help="replica queue bound (final fit check)")
+    a("--admission", action="store_true", help="replicas admit as `batcher serve` does: a "
+      "request only when its predicted TTFT is within --slo-ttft-ms and one more stream keeps "
+      "--slo-tpot-ms, else a 503 the router retries elsewhere")
     a("--retry-ratio", default="0.1", help="retry budget share of requests, or 'none'")
     a("--max-attempts", type=int, default=5)
     a("--fail-zone", action="append", default=[], metavar="Z@T[:D]")
@@ -100,7 +103,8 @@ def fleet_from_args(args: argparse.Namespace):
         heartbeat_delay=args.heartbeat_delay, stale_after=args.stale_after,
         reservations=not args.no_reservations, piggyback=args.piggyback,
         eject_on_refused=not args.no_eject,
-        max_waiting=args.max_waiting, retry_ratio=ratio, max_attempts=args.max_attempts,
+        max_waiting=args.max_waiting, admission=args.admission, retry_ratio=ratio,
+        max_attempts=args.max_attempts,
         slo_ttft=args.slo_ttft_ms / 1e3, slo_tpot=args.slo_tpot_ms / 1e3,
         duration=args.duration, warmup=args.warmup, failures=parse_failures(args),
         slow_replicas=slow_k, slow_factor=slow_f, small_kv_replicas=small_k,
