@@ -171,3 +171,24 @@ def test_steady_decode_time_stays_anchored_while_a_long_prompt_is_read() -> None
     assert model.predict(decode) == pytest.approx(slow(decode), rel=0.1)
     nxt = decode.plus(24, 1000 + 16 * 120)
     assert model.predict(nxt) == pytest.approx(slow(nxt), rel=0.1)
+
+
+def test_a_few_small_steps_on_a_slower_machine_extrapolate_to_a_large_batch() -> None:
+    """A burst of arrivals on a machine 5x slower than the prior: the model has seen three
+    one-row decode steps, one prompt-only step and a growing batch of mixed steps, and must
+    predict the 16-row decode step the batch is heading for (the chunk budget's reference)."""
+    prior = OnlineStepTimeModel()
+
+    def slow(shape: StepShape) -> float:
+        return 5 * prior.predict(shape)
+
+    rng = random.Random(5)
+    model = OnlineStepTimeModel()
+    for _ in range(3):
+        model.observe(StepShape(1, 16), slow(StepShape(1, 16)) * rng.uniform(0.95, 1.05))
+    model.observe(StepShape().plus(320, 0), slow(StepShape().plus(320, 0)))
+    for i in range(40):
+        mixed = StepShape(2 + i // 8, 256).plus(16, 16 * i)
+        model.observe(mixed, slow(mixed) * rng.uniform(0.95, 1.05))
+    batch = StepShape(16, 256)
+    assert model.predict(batch) == pytest.approx(slow(batch), rel=0.15)

@@ -112,15 +112,16 @@ _MIN_DECODE_STEPS = 3
 class _KalmanFit:
     """One Kalman filter over `(intercept, *coef)`; see `OnlineStepTimeModel`."""
 
-    def __init__(self, prior: StepTimePrior, prior_rel_sd: float, noise_rel_sd: float,
-                 drift_common: float, drift_each: float, clip_sigma: float) -> None:
+    def __init__(self, prior: StepTimePrior, prior_rel_sd: float, prior_common_sd: float,
+                 noise_rel_sd: float, drift_common: float, drift_each: float,
+                 clip_sigma: float) -> None:
         theta = np.array([prior.intercept, *prior.coef], dtype=float)
         sd0 = theta * prior_rel_sd + _PRIOR_FLOOR_S / _TYPICAL
         self.theta = theta
         self.coef = theta.tolist()  # a plain-list copy: predict() is on the hot path
         self.n = 0
-        self._p0_diag = sd0**2
-        self._p = np.diag(self._p0_diag)
+        self._p = np.diag(sd0**2) + prior_common_sd**2 * np.outer(theta, theta)
+        self._p0_diag = np.diag(self._p).copy()
         self._q_each = np.diag((drift_each * sd0) ** 2)
         self._drift_common = drift_common
         self._noise = noise_rel_sd
@@ -164,7 +165,10 @@ class OnlineStepTimeModel:
     a little per coefficient, and more along theta itself, a common scale, because what usually
     changes (another machine, a slower device, a busy neighbour) scales every cost at once; that
     common mode lets decode-only steps also rescale the prefill costs they cannot see. The
-    uncertainty is capped at the prior's, so a direction that went unobserved for a long time
+    prior itself is uncertain mostly along theta (the machine may be several times faster or
+    slower overall; the relative costs are closer), so the first few steps of any kind rescale
+    every coefficient, and a model that saw only small decode steps still extrapolates sensibly to
+    a large batch. The uncertainty is capped at the prior's, so a direction that went unobserved for a long time
     (no prefill for an hour) does not make the first new observation swing the estimate wildly.
     A measurement far off the prediction (a stall of the OS) is clipped to `clip_sigma` standard
     deviations, so a single outlier moves the fit a little and a real change moves it step by
@@ -180,11 +184,13 @@ class OnlineStepTimeModel:
     """
 
     def __init__(self, prior: StepTimePrior = CPU_PRIOR, *, prior_rel_sd: float = 1.0,
-                 noise_rel_sd: float = 0.1, drift_common: float = 0.05,
-                 drift_each: float = 0.003, clip_sigma: float = 3.0) -> None:
+                 prior_common_sd: float = 3.0, noise_rel_sd: float = 0.1,
+                 drift_common: float = 0.05, drift_each: float = 0.003,
+                 clip_sigma: float = 3.0) -> None:
         self.prior = prior
         self.knot = prior.knot
-        args = (prior, prior_rel_sd, noise_rel_sd, drift_common, drift_each, clip_sigma)
+        args = (prior, prior_rel_sd, prior_common_sd, noise_rel_sd, drift_common, drift_each,
+                clip_sigma)
         self._all = _KalmanFit(*args)
         self._decode = _KalmanFit(*args)
 
