@@ -1,7 +1,8 @@
 """Time to first token for a request arriving now, predicted from the prefill work ahead of it and
 corrected online by the TTFTs the server actually delivers.
 
-    predicted = correction x (step_s + (ahead + own) / rate)
+    predicted = correction x (step_s + max((ahead + own) / rate,
+                                           steps_to_slot x step_s + own / rate))
 
 - `ahead`: prompt tokens not yet computed of every request the scheduler will prefill before the
   new one: all running requests (they are served first, whatever their priority), then waiting
@@ -16,11 +17,17 @@ corrected online by the TTFTs the server actually delivers.
   of it). The event loop's own time between steps counts too. Time-decayed sums over the last few
   seconds (`RATE_TAU_S`), so a slower machine, a bigger model or a new batch shape shows up within
   seconds.
-- `step_s`: the mean step (a new request waits for the step in progress).
+- `steps_to_slot`: with every sequence slot held, the decode steps until one frees for this
+  request (running requests end after at most their max_tokens; requests queued ahead take the
+  first slots that open).
+- `step_s`: the mean step, wall time (a new request waits for the step in progress).
 - `correction`: a high quantile of actual / predicted TTFT over recently admitted requests, each
   compared at its first token with what was predicted when it was admitted. Whatever the simple
   model misses (decode rows slowing steps, slots held by long generations, a shared CPU) is learned
   here instead of being tuned by hand; a quantile, not the mean, because the promise is a tail.
+  A prediction is rescaled by any change of the measured rate between admission and first token
+  before it is compared: the rate is the raw model's to follow, so a slower machine does not
+  leave the correction pessimistic once the rate has caught up.
 
 Pure Python (no torch): the server and the simulator feed it the same observations.
 """
@@ -74,7 +81,6 @@ class Backlog:
     waiting: int = 0
     waiting_interactive: int = 0
     running: int = 0
-    decoding: int = 0
     free_slots: int = 1 << 30
     ahead_interactive: int = 0
     ahead_batch: int = 0
@@ -86,15 +92,13 @@ class Backlog:
     def of(cls, waiting: Iterable[Request], running: Iterable[Request],
            max_num_seqs: int = 1 << 30) -> Backlog:
         """From the scheduler's queues (running first, then waiting in queue order)."""
-        run_tokens = max_ctx = decoding = 0
+        run_tokens = max_ctx = 0
         steps: list[int] = []
         for r in running:
             left = r.num_tokens - r.num_computed_tokens
             # NOTE: one token left is a decode (the last sampled token is not yet fed back).
             if left > 1:
                 run_tokens += left
-            else:
-                decoding += 1
             steps.append(max(1, r.sampling.max_tokens - r.num_output_tokens))
             max_ctx = max(max_ctx, r.num_tokens)
         high = low = n_wait = n_high = new_steps = 0
@@ -111,7 +115,6 @@ class Backlog:
         steps.sort()
         mean_new = new_steps / n_wait if n_wait else (sum(steps) / len(steps) if steps else 0.0)
         return cls(waiting=n_wait, waiting_interactive=n_high, running=len(steps),
-                   decoding=decoding,
                    free_slots=max(0, max_num_seqs - len(steps)),
                    ahead_interactive=run_tokens + high, ahead_batch=run_tokens + high + low,
                    steps_left=tuple(steps), new_steps=mean_new, max_context=max_ctx)
