@@ -46,8 +46,8 @@ class Proc:
         self.internal_url = f"http://127.0.0.1:{internal_port}" if internal_port else None
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed by stop())
             prefix=f"fleet-{name}-", suffix=".log", delete=False)
-        env = dict(os.environ, BATCHER_ADMIN_KEY=ADMIN_KEY, BATCHER_FLEET_KEY=FLEET_KEY,
-                   PYTHONUNBUFFERED="1", **(env or {}))
+        env = {**os.environ, "BATCHER_ADMIN_KEY": ADMIN_KEY, "BATCHER_FLEET_KEY": FLEET_KEY,
+               "PYTHONUNBUFFERED": "1", **(env or {})}
         self.p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
                                   stdout=self.log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL)
