@@ -1,6 +1,7 @@
 """The replica's side of membership: POST its `/v1/state` to each router about once a second.
 
-Wire contract (`POST {router}/internal/heartbeat`): the state JSON plus `replica_id`, `url`,
+Wire contract (`POST {router}/internal/heartbeat`, `{router}` being the router's internal
+listener): the state (`EngineSnapshot.to_wire()`) plus `replica_id`, `url`,
 `epoch` and `seq`. `epoch` is an integer fixed per process start (boot time in microseconds
 times 1000 plus a random remainder, so a restart is always newer and two starts never share
 one); `seq` grows by one per beat. With `BATCHER_FLEET_KEY` in the environment the beat carries
@@ -54,7 +55,9 @@ async def heartbeat_loop(state_fn: Callable[[], EngineSnapshot], routers: Sequen
             async with session.post(target, data=body, headers=headers) as resp:
                 await resp.read()
                 if resp.status >= 400:
-                    raise RuntimeError(f"status {resp.status}")
+                    # A 404 is most likely a router's public port: beats go to its internal one.
+                    hint = " (is it the router's --internal-port?)" if resp.status == 404 else ""
+                    raise RuntimeError(f"status {resp.status}{hint}")
         except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
             if target not in failing:
                 failing.add(target)
