@@ -103,7 +103,7 @@ def _source(spec: str) -> Source:
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     """`batcher serve`'s flags (passed on to every replica; --host/--port/--admin-* are the
     router's) plus the fleet's own."""
-    from batcher.cli import add_serve_args
+    from batcher.serve_args import add_serve_args
 
     add_serve_args(p)
     g = p.add_argument_group("fleet")
@@ -202,7 +202,7 @@ async def run_router(args: argparse.Namespace) -> int:
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
     """The `batcher serve` flags of `args` that differ from their defaults, as argv."""
-    from batcher.cli import add_serve_args
+    from batcher.serve_args import add_serve_args
 
     p = argparse.ArgumentParser(add_help=False)
     add_serve_args(p)
