@@ -2,7 +2,11 @@
 
 Contract:
 - The client's `X-Request-Id` (or one the router makes) goes to every attempt unchanged, with
-  `X-Attempt: n`, so a replica refuses a second copy of a request it runs (409).
+  `X-Attempt: n`, so a replica refuses a second copy of a request it runs (409). On the router
+  the id is the caller's own (scoped by its credential, as a replica scopes it by tenant), and so
+  is prefix affinity.
+- A body whose prompt the routing estimates cannot read goes to a replica as it is: the
+  replica's 400, naming the field, is the answer.
 - Before the first byte reached the client, a 500/502/503 answer, a refused or broken
   connection, or an eviction of the replica moves the request to another replica (never one it
   tried), at most `max_attempts` in all, with full-jitter backoff (none after a 503: that is
@@ -14,7 +18,9 @@ Contract:
   continues the same stream, its final chunk marked `"resumed": true` and `"resumed_at": k`
   (content chunks streamed before the switch); otherwise (`error`, the
   default) the stream ends with an error event carrying `tokens_sent` and `partial_output`, then
-  `[DONE]`. Resumes are not charged to the retry budget (they move work, they add none).
+  `[DONE]`. Resumes are not charged to the retry budget (they move work, they add none). What
+  the client saw is kept by `stream_ledger.StreamLedger`; this module does the I/O. Retries and
+  failovers are counted here (`batcher_retries`, `batcher_failovers{kind}`).
 - A client disconnect cancels the handler; leaving the upstream request closes its connection,
   and the replica aborts the request and frees its KV.
 """
