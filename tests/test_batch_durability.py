@@ -86,3 +86,34 @@ def test_kill_9_mid_batch_then_resume_answers_each_line_once(tmp_path: Path) -> 
     ids = [x["custom_id"] for x in out]
     assert sorted(ids) == sorted(f"r{i}" for i in range(LINES)) and len(set(ids)) == LINES
     assert all(x["response"]["body"]["usage"]["completion_tokens"] == 40 for x in out)
+
+
+def test_sigterm_mid_batch_exits_promptly_and_the_batch_resumes(tmp_path: Path) -> None:
+    """A graceful stop does not wait for batch lines (only live requests hold a drain): the
+    running lines end unanswered and run again after the restart."""
+    data = tmp_path / "data"
+    items = [{"custom_id": f"s{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "fake", "prompt": f"request {i}", "max_tokens": 200,
+                       "ignore_eos": True}} for i in range(24)]
+    with serve(*FLAGS, "--data-dir", str(data), shutdown_timeout=30) as first, \
+            client_for(first) as c:
+        f = c.files.create(file=("in.jsonl", io.BytesIO(
+            b"".join(orjson.dumps(x) + b"\n" for x in items))), purpose="batch")
+        batch_id = c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                    completion_window="24h").id
+        deadline = time.monotonic() + 30
+        while metric(first, "batcher_batch_lines_running") == 0:
+            assert time.monotonic() < deadline, "no line started"
+            time.sleep(0.05)
+        stopping = time.monotonic()
+        assert first.stop() == 0
+        # 200-token lines take about 4 s each: the stop did not wait for them.
+        assert time.monotonic() - stopping < 3.0
+    with serve(*FLAGS, "--data-dir", str(data)) as second, client_for(second) as c:
+        deadline = time.monotonic() + 90
+        while (b := c.batches.retrieve(batch_id)).status != "completed":
+            assert b.status in ("in_progress", "finalizing"), b.status
+            assert time.monotonic() < deadline, f"not resumed: {b.request_counts}"
+            time.sleep(0.1)
+        out = [orjson.loads(x) for x in c.files.content(b.output_file_id).content.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == sorted(f"s{i}" for i in range(24))

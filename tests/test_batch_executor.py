@@ -34,6 +34,11 @@ class FakeRunner:
         self.finished: collections.Counter[str] = collections.Counter()
         self.deferred: set[str] = set()
         self.running = self.peak = 0
+        self.prefilling: set[str] = set()  # request ids of lines still "in prefill"
+        self.prefill_s = 0.0
+
+    def in_prefill(self, rid: str) -> bool:
+        return rid in self.prefilling
 
     async def run(self, tenant: TenantConfig, url: str, body: dict, rid: str) -> LineResult:
         p = body["prompt"]
@@ -44,6 +49,12 @@ class FakeRunner:
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
+            if self.prefill_s:
+                self.prefilling.add(rid)
+                try:
+                    await asyncio.sleep(self.prefill_s)
+                finally:
+                    self.prefilling.discard(rid)
             await asyncio.sleep(self.delay)
         finally:
             self.running -= 1
@@ -57,8 +68,12 @@ class FakeGate:
     def __init__(self, cap: int = 4):
         self.cap = cap
         self.open = True
+        self.interactive = False
         self.last_reason = ""
         self.seen: list[tuple[int, int, int]] = []
+
+    def interactive_waiting(self) -> bool:
+        return self.interactive
 
     def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
              ) -> bool:
@@ -255,3 +270,32 @@ async def test_lines_started_together_are_checked_together(tmp_path: Path,
     first = gate.seen[:3]
     assert [(f, n) for f, _, n in first] == [(0, 1), (1, 2), (2, 3)]
     assert first[0][1] < first[1][1] < first[2][1]
+
+
+async def test_lines_in_prefill_make_way_for_interactive_requests(
+        tmp_path: Path, clock: list[float]) -> None:
+    runner = FakeRunner(delay=0.05)
+    runner.prefill_s = 0.3
+    gate = FakeGate(cap=4)
+    rig = Rig(tmp_path, runner, gate, clock)
+    await rig.ex.start()
+    try:
+        bid = rig.create(lines_file(8))
+        while len(runner.prefilling) < 4:
+            await asyncio.sleep(0.005)
+        gate.interactive = True  # an interactive request is queued: no starts, and yield
+        gate.open = False
+        while runner.prefilling:
+            await asyncio.sleep(0.005)
+        assert rig.ex.in_flight == 0 and sum(runner.finished.values()) == 0
+        assert rig.metrics.deferrals.labels("yield")._value.get() == 4
+        gate.interactive = False
+        gate.open = True
+        rec = await rig.wait(bid)
+    finally:
+        await rig.ex.stop()
+    assert rec.completed == 8
+    out = rig.read(rec.output_file_id)
+    assert [x["custom_id"] for x in out] == [f"c{i}" for i in range(8)]
+    assert all(runner.finished[f"p{i}"] == 1 for i in range(8))
+    assert all(runner.calls[f"p{i}"] == 2 for i in range(4))  # the yielded ones ran again

@@ -45,9 +45,13 @@ class Runner(Protocol):
     async def run(self, tenant: TenantConfig, url: str, body: dict, request_id: str
                   ) -> LineResult: ...
 
+    def in_prefill(self, request_id: str) -> bool: ...
+
 
 class Gate(Protocol):
     last_reason: str
+
+    def interactive_waiting(self) -> bool: ...
 
     def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
              ) -> bool: ...
@@ -64,6 +68,8 @@ class _Batch:
     pending: deque[int]
     retry: list[tuple[float, int]] = field(default_factory=list)  # heap of (not before, index)
     running: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    request_ids: dict[int, str] = field(default_factory=dict)  # of the running lines
+    yielded: set[int] = field(default_factory=set)  # cancelled to make way; run again
     ending: str | None = None  # "cancelled" | "expired" once decided
 
     @classmethod
@@ -165,6 +171,7 @@ class BatchExecutor:
             self._wake.clear()
             try:
                 await self._end_batches()
+                self._make_way()
                 self._start_lines()
             except Exception:  # a bug here must not end the tier silently; retry next tick
                 log.exception("batch executor step failed")
@@ -186,6 +193,19 @@ class BatchExecutor:
             elif not b.queued and not b.running:
                 self.store.set_status(b.id, "finalizing", ("in_progress",))
                 await self._finalize(b, "completed")
+
+    def _make_way(self) -> None:
+        """Interactive requests are queued: cancel the lines still in prefill (their prompts
+        would be computed first) and put them back at the head of their batch. A line that is
+        decoding keeps running: it is past the costly part and holds only a decode row."""
+        if not self.gate.interactive_waiting():
+            return
+        for b in self.batches.values():
+            for index, task in b.running.items():
+                if index not in b.yielded and self.runner.in_prefill(b.request_ids[index]):
+                    b.yielded.add(index)
+                    task.cancel()
+                    self.metrics.deferrals.labels("yield").inc()
 
     def _start_lines(self) -> None:
         mono = time.monotonic()
@@ -216,8 +236,10 @@ class BatchExecutor:
                                       started + 1):
                     return
                 self._take(b, from_retry)
+                rid = new_id("batch_req_")
+                b.request_ids[index] = rid
                 b.running[index] = asyncio.get_running_loop().create_task(
-                    self._line(b, line), name=f"batch-line-{b.id}-{index}")
+                    self._line(b, line, rid), name=f"batch-line-{b.id}-{index}")
                 in_flight += 1
                 started += 1
                 started_prompt += prompt
@@ -230,10 +252,9 @@ class BatchExecutor:
         else:
             b.pending.popleft()
 
-    async def _line(self, b: _Batch, line: PendingLine) -> None:
+    async def _line(self, b: _Batch, line: PendingLine, rid: str) -> None:
         try:
             tenant = self.tenants(b.tenant)
-            rid = new_id("batch_req_")
             if tenant is None:
                 result = LineResult(401, error_body(401, "the batch's tenant is no longer "
                                                     "configured", code="invalid_api_key"))
@@ -264,6 +285,11 @@ class BatchExecutor:
                     self.metrics.tokens.inc(result.tokens)
         finally:
             b.running.pop(line.index, None)
+            b.request_ids.pop(line.index, None)
+            if line.index in b.yielded:
+                b.yielded.discard(line.index)
+                if b.ending is None:
+                    b.pending.appendleft(line.index)
             self._wake.set()
 
     # ending a batch ------------------------------------------------------------------------

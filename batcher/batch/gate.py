@@ -54,6 +54,11 @@ class SpareCapacity:
         self.cfg = cfg.validate()
         self.last_reason = "idle"
 
+    def interactive_waiting(self) -> bool:
+        """An interactive request is queued: running batch lines still in prefill should give
+        way (running requests are served first, whatever their priority)."""
+        return any(r.priority <= Priority.INTERACTIVE for r in self.engine.scheduler.waiting)
+
     def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
              ) -> bool:
         """True when `lines` lines (this one and those started since the engine last saw them,
@@ -71,7 +76,7 @@ class SpareCapacity:
         if in_flight >= self.cfg.max_running:
             return "batch lines at their cap"
         sched = eng.scheduler
-        if any(r.priority <= Priority.INTERACTIVE for r in sched.waiting):
+        if self.interactive_waiting():
             return "interactive requests are queued"
         max_seqs = sched.config.max_num_seqs
         # Slots and blocks a new interactive request needs must stay free.

@@ -17,7 +17,7 @@ import orjson
 
 from batcher.batch.store import new_id
 from batcher.http.errors import ApiError
-from batcher.server.gateway import Gateway
+from batcher.server.gateway import Gateway, Job
 from batcher.server.openai_routes import GenerationHandler
 from batcher.server.protocol import parse_generation
 from batcher.tenants import TenantConfig
@@ -72,6 +72,13 @@ class LineRunner:
         self.gw = gw
         self._handlers = {"/v1/chat/completions": GenerationHandler(gw, chat=True),
                           "/v1/completions": GenerationHandler(gw, chat=False)}
+        self._jobs: dict[str, Job] = {}  # request id -> the admitted job of a running line
+
+    def in_prefill(self, request_id: str) -> bool:
+        """The line is admitted and some of its engine requests have no first token yet: its
+        prompt is still queued or being prefilled, ahead of anything that arrives now."""
+        job = self._jobs.get(request_id)
+        return job is not None and any(r.first_token_time is None for r in job.requests)
 
     async def run(self, tenant: TenantConfig, url: str, body: dict[str, Any], request_id: str
                   ) -> LineResult:
@@ -102,6 +109,7 @@ class LineRunner:
         prompts = await gw.tokenize(spec)
         gw.fit_context(spec, prompts)
         job = gw.admit(tenant, spec, prompts, rid)
+        self._jobs[rid] = job
         generated = 0
         try:
             # NOTE: the live endpoint's own collection and response shaping, so a line's answer
@@ -110,6 +118,7 @@ class LineRunner:
             generated = sum(len(c.tokens) for c in choices)
             answer = handler._whole(spec, rid, choices)
         finally:
+            del self._jobs[rid]
             gw.release(job, generated or sum(r.num_output_tokens for r in job.requests))
         return LineResult(200, answer, answer["usage"]["total_tokens"])
 
