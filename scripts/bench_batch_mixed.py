@@ -6,7 +6,7 @@ Phase 1, interactive alone: streaming completions (about 100-token prompts, 32 t
 arrive as a Poisson process at `--rate` for `--alone-s` seconds.
 Phase 2, interactive + batch: a batch of `--lines` requests of the same shape is created through
 `/v1/files` and `/v1/batches`, and the same Poisson traffic runs until the batch completes
-(bounded by `--max-s`). The server runs the bundled model at its defaults plus `--data-dir` and
+(bounded by `--max-s`). Phase 3: interactive alone again, to show drift of a shared machine. The server runs the bundled model at its defaults plus `--data-dir` and
 `--slo-ttft-ms`; batch lines run only on the capacity interactive traffic leaves.
 Reported per phase: interactive TTFT p50 / p99 against the SLO, refusals, and (phase 2) the
 batch's wall time, lines per second, and the server's spare-capacity token and deferral counters.
@@ -174,6 +174,9 @@ async def main_async(args: argparse.Namespace) -> int:
             wall, batch = await batch_task
             mixed = summary(mixed_results, slo)
             m = await metrics(session, url)
+            # Alone again: how much of any difference is the shared machine drifting.
+            after = summary(await poisson(session, cfg, args.rate, 2, 20_000, None, args.alone_s,
+                                          int(3 * args.rate * args.alone_s) + 1), slo)
             load_after = os.getloadavg()[0]
     finally:
         proc.terminate()
@@ -184,23 +187,27 @@ async def main_async(args: argparse.Namespace) -> int:
     counts = batch["request_counts"]
     tokens = m.get("batcher_batch_spare_capacity_tokens_total", 0.0)
     deferrals = sum(v for k, v in m.items() if k.startswith("batcher_batch_deferrals_total"))
+    yields = m.get('batcher_batch_deferrals_total{reason="yield"}', 0.0)
     rows = []
-    for name, s in (("interactive alone", alone), ("interactive + batch", mixed)):
+    for name, s in (("interactive alone (before)", alone), ("interactive + batch", mixed),
+                    ("interactive alone (after)", after)):
         rows.append([name, str(s["sent"]), str(s["ok"]), str(s["refused"]),
                      f"{s['p50'] * 1000:,.0f}", f"{s['p99'] * 1000:,.0f}",
                      f"{s['within']}/{s['ok']}",
-                     "" if s is alone else f"{batch['status']} {counts['completed']}/"
+                     "" if s is not mixed else f"{batch['status']} {counts['completed']}/"
                      f"{counts['total']} in {wall:.0f} s ({counts['completed'] / wall:.2f}/s)",
-                     "" if s is alone else f"{tokens:,.0f}"])
+                     "" if s is not mixed else f"{tokens:,.0f}"])
     ok = mixed["p99"] <= slo and batch["status"] == "completed"
     notes = (f"- Interactive: Poisson {args.rate:g}/s, ~100-token prompts, {MAX_TOKENS} tokens "
              f"out, streamed; TTFT SLO {args.slo_ttft_ms:g} ms. Batch: {args.lines} lines of the "
              f"same shape (sized to finish in a few minutes on this CPU, not 1,000). The server "
-             f"ran the bundled model at its defaults; batch lines deferred by admission "
-             f"{deferrals:.0f} times.\n"
+             f"ran the bundled model at its defaults; batch line starts put off "
+             f"{deferrals:.0f} times ({yields:.0f} of them lines in prefill making way for "
+             f"interactive requests).\n"
              f"- Interactive p99 TTFT within the SLO while the batch completed: "
              f"{'yes' if ok else 'NO'} (p99 {mixed['p99'] * 1000:,.0f} ms with the batch vs "
-             f"{alone['p99'] * 1000:,.0f} ms alone).\n"
+             f"{alone['p99'] * 1000:,.0f} / {after['p99'] * 1000:,.0f} ms alone before / "
+             f"after).\n"
              f"- Machine shared with other work: load average {load_before:.1f} before, "
              f"{load_after:.1f} after.")
     print(append_rows("Batch tier: interactive TTFT with a batch on spare capacity",
