@@ -21,10 +21,11 @@ corrected online by the TTFTs the server actually delivers.
   request (running requests end after at most their max_tokens; requests queued ahead take the
   first slots that open).
 - `step_s`: the mean step, wall time (a new request waits for the step in progress).
-- `correction`: a high quantile of actual / predicted TTFT over recently admitted requests, each
-  compared at its first token with what was predicted when it was admitted. Whatever the simple
-  model misses (decode rows slowing steps, slots held by long generations, a shared CPU) is learned
-  here instead of being tuned by hand; a quantile, not the mean, because the promise is a tail.
+- `correction`: the 99th percentile of actual / predicted TTFT over recently admitted requests,
+  each compared at its first token with what was predicted when it was admitted. Whatever the
+  simple model misses (decode rows slowing steps, slots held by long generations, a shared CPU) is
+  learned here instead of being tuned by hand; a high percentile, not the mean, because the
+  promise is a tail.
   A prediction is rescaled by any change of the measured rate between admission and first token
   before it is compared: the rate is the raw model's to follow, so a slower machine does not
   leave the correction pessimistic once the rate has caught up.
@@ -51,7 +52,7 @@ RATE_TAU_S = 2.0
 CORRECTION_SAMPLES = 64
 CORRECTION_WINDOW_S = 10.0
 CORRECTION_MIN = 16
-CORRECTION_QUANTILE = 0.95
+CORRECTION_QUANTILE = 0.99
 # One observation may move the model at most this far either way: a request that stalled on
 # something else (a preemption, a paused process) must not make the next hundred look free or
 # hopeless.
