@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -106,14 +107,14 @@ def gateway_factory(args: argparse.Namespace):
         tenants = load_tenants(args.tenants) if args.tenants else None
         if tenants is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("no --tenants file: authentication is off on a non-loopback address")
+        decode_step = _decode_step(engine.step_time_model,
+                                   engine.scheduler.config.min_prefill_chunk)
         admission = Admission(tenants, max_waiting=args.max_waiting,
                               slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                               slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
                               max_num_seqs=engine.scheduler.config.max_num_seqs,
-                              decode_step_s=_decode_step(
-                                  engine.step_time_model,
-                                  engine.scheduler.config.min_prefill_chunk))
-        engine.step_listeners.append(_step_observer(admission, engine))
+                              decode_step_s=decode_step)
+        engine.step_listeners.append(_step_observer(admission, engine, decode_step))
         name = "fake" if args.model == "fake" else engine_model_name(args.model)
         metrics.info.labels(args.version, name).set(1)
         cfg = GatewayConfig(model_name=args.served_model_name or name,
@@ -139,17 +140,20 @@ def _decode_step(model: OnlineStepTimeModel, min_chunk: int):
     return predict
 
 
-def _step_observer(admission: Admission, engine: AsyncEngine):
+def _step_observer(admission: Admission, engine: AsyncEngine,
+                   decode_step: Callable[[int, int], float]):
     scheduler = engine.scheduler
-    model = engine.step_time_model
 
     def observe(sched: SchedulerOutput, seconds: float) -> None:
         # Every step counts, decodes and all: admission predicts from the prefill rate the
-        # scheduler achieves in the steps it really runs.
-        prefill = sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1)
-        admission.observe_step(seconds, prefill, scheduler.has_unfinished(),
-                               sum(1 for s in sched.seqs if len(s.token_ids) == 1),
-                               model.predict(StepShape.of(sched, scheduler.kv.block_size)))
+        # scheduler achieves in the steps it really runs. Each step with decodes is also
+        # compared with what the TPOT check would have predicted for its decode rows, so the
+        # check follows the step's measured wall time (a busy machine, the event loop's share,
+        # a step-time model still catching up) and takes only the shape from the model.
+        shape = StepShape.of(sched, scheduler.kv.block_size)
+        modelled = decode_step(shape.decode_rows, shape.decode_ctx) if shape.decode_rows else None
+        admission.observe_step(seconds, shape.prefill_tokens, scheduler.has_unfinished(),
+                               shape.decode_rows, modelled)
 
     return observe
 
