@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
 
 
 @dataclass(slots=True)
@@ -23,6 +24,25 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = chosen token's logprob plus top-k
     min_tokens: int = 0
+    # Penalties as OpenAI and vLLM define them: presence and frequency subtract from the logits
+    # of tokens already generated (once, and once per occurrence); repetition divides a positive
+    # logit (multiplies a negative one) of any token in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens below min_p x the best token's probability; 0 = off
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler must see the sequence's tokens so far (penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this row's logits before choosing (penalties, bias, min_p)."""
+        return self.needs_history or bool(self.logit_bias) or (self.min_p > 0 and not self.greedy)
 
     @property
     def greedy(self) -> bool:
@@ -47,4 +67,17 @@ class SamplingParams:
             raise ValueError("min_tokens must be an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be between -2 and 2")
+        rp = self.repetition_penalty
+        if not (isinstance(rp, (int, float)) and 0.0 < rp <= 10.0):
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError("min_p must be between 0 and 1")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+                not isinstance(k, int) or k < 0 or not -100.0 <= v <= 100.0
+                for k, v in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids to numbers between -100 and 100")
         return self

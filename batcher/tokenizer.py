@@ -20,7 +20,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-ROLES = frozenset({"system", "user", "assistant", "tool"})
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 # End-of-turn markers of common chat formats; a chat model stops at whichever its vocabulary has.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
 REPLACEMENT_CHAR = "\ufffd"
@@ -68,7 +68,7 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def apply_chat_template(self, messages: Any) -> list[int]:
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids for a chat, ending with the assistant's turn header.
 
         `messages` is a list of `{"role": system|user|assistant|tool, "content": str | [{"type":
@@ -78,11 +78,64 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use the completions endpoint")
         try:
-            text = self.hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            text = self.hf.apply_chat_template(chat, add_generation_prompt=add_generation_prompt,
+                                               tokenize=False)
         except Exception as exc:  # jinja2 TemplateError from the template's raise_exception()
             raise ValueError(f"messages rejected by the chat template: {exc}") from exc
         # The template writes BOS itself where the model wants one.
         return self.encode(text, add_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level piece may be part of a character, so its
+        text alone can be U+FFFD): byte-level BPE pieces map back through the GPT-2 byte table,
+        SentencePiece byte-fallback pieces (`<0xE2>`) are their byte, others are their text."""
+        table = self._byte_table()
+        piece = self.hf.convert_ids_to_tokens(int(token_id))
+        if not isinstance(piece, str):
+            return b""
+        if table is not None and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if table is None:
+            return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def _byte_table(self) -> dict[str, int] | None:
+        """Character -> byte of the GPT-2 byte-level alphabet, when this tokenizer uses it."""
+        if not hasattr(self, "_bytes_of"):
+            self._bytes_of: dict[str, int] | None = None
+            backend = getattr(self.hf, "backend_tokenizer", None)
+            if backend is not None and '"ByteLevel"' in backend.to_str():
+                self._bytes_of = {c: b for b, c in _gpt2_byte_chars().items()}
+        return self._bytes_of
+
+
+def incomplete_utf8_tail(data: bytes) -> bool:
+    """Whether `data` ends with the start of a UTF-8 character whose other bytes are missing."""
+    for k in range(1, min(4, len(data)) + 1):
+        c = data[-k]
+        if c & 0xC0 == 0x80:  # a continuation byte: look further back for the lead byte
+            continue
+        need = 2 if c & 0xE0 == 0xC0 else 3 if c & 0xF0 == 0xE0 else 4 if c & 0xF8 == 0xF0 else 1
+        return need > k
+    return False
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (a published table, rebuilt here):
+    printable Latin-1 bytes stand for themselves, the rest take code points from 256 up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
 
 
 def validate_messages(messages: Any) -> list[dict[str, str]]:
@@ -97,6 +150,11 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
         role = msg.get("role")
         if role not in ROLES:
             raise ValueError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}")
+        if msg.get("tool_calls") or msg.get("function_call"):
+            # Dropping them would show the model a conversation that never happened.
+            raise ValueError(f"{where}.tool_calls: tool calling is not supported by this server")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
         content = msg.get("content")
         if isinstance(content, list):
             parts = []
@@ -255,12 +313,19 @@ class IncrementalDetokenizer:
         return ""  # a character is still incomplete
 
     def flush(self) -> str:
-        """Release held-back text at the end of generation (not needed after a stop)."""
+        """Release held-back text at the end of generation (not needed after a stop). The bytes
+        of a character that never completed (a length cut mid-character) are dropped, not shown
+        as U+FFFD."""
         if self.stopped:
             return ""
         delta = ""
         if self._read < len(self._ids):
-            delta = self._advance(self._decode(self._ids), len(self._ids))
+            window = self._decode(self._ids)
+            if window.endswith(REPLACEMENT_CHAR) and self._incomplete_tail():
+                # One U+FFFD stands for the truncated character (a lossy UTF-8 decode gives one
+                # per truncated sequence); a U+FFFD the whole decode has elsewhere stays.
+                window = window[: max(len(window) - 1, len(self._context_text))]
+            delta = self._advance(window, len(self._ids))
         if not self.stopped and self._pending:
             delta += self._emit(self._pending)
             self._pending = ""
@@ -268,6 +333,11 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _incomplete_tail(self) -> bool:
+        """Whether the unshown tokens' bytes end inside a UTF-8 character."""
+        tail = b"".join(self.tokenizer.token_bytes(t) for t in self._ids[self._read:])
+        return incomplete_utf8_tail(tail)
 
     def _advance(self, window: str, upto: int) -> str:
         """`window` = decode of `_ids[:upto]`. Take its new text, make `_ids[_read:upto]` the next

@@ -26,6 +26,9 @@ class ScheduledSeq:
     output_index: int = 0
     # Token ids the sampler must not choose (stop tokens while under `min_tokens`).
     suppress: tuple[int, ...] = ()
+    # The sequence's tokens so far (prompt then output) when a penalty needs them, else empty.
+    # A snapshot: the request's own list grows while the runner reads this.
+    history: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

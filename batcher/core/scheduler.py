@@ -350,6 +350,8 @@ class Scheduler:
             sampling=req.sampling,
             output_index=req.num_output_tokens,
             suppress=self._suppressed(req),
+            history=tuple(req.token_ids) if req.sampling.needs_history and start + num_new
+            == req.num_tokens else (),
         )
 
     @staticmethod

@@ -248,6 +248,8 @@ def create_router_app(ctx: RouterContext) -> web.Application:
     routes = [("POST", "/v1/completions", generation(chat=False)),
               ("POST", "/v1/chat/completions", generation(chat=True)),
               ("POST", "/v1/embeddings", generation(chat=False)),
+              ("POST", "/tokenize", generation(chat=False)),
+              ("POST", "/detokenize", generation(chat=False)),
               ("GET", "/v1/models", models), ("GET", "/health", health), ("GET", "/ready", ready),
               ("GET", "/v1/state", state), ("GET", "/metrics", metrics),
               ("POST", "/v1/probe", probe), ("DELETE", "/v1/requests/{id}", cancel)]

@@ -14,6 +14,7 @@ the batch or on preemption. Unseeded rows share one draw from the sampler's gene
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -97,6 +98,10 @@ class Sampler:
             return [], []
         params = [s.sampling for s in rows]
         want = [p.logprobs for p in params]
+        # Logprobs report the model's distribution, before penalties, bias and min_p.
+        raw = logits
+        if any(p.adjusts_logits for p in params):
+            logits = _adjusted(logits, rows)
         if all(p.greedy for p in params) and all(k is None for k in want):
             return logits.argmax(dim=-1).tolist(), [None] * n  # fast path: no softmax at all
 
@@ -119,7 +124,7 @@ class Sampler:
             tokens[torch.tensor(idx, device=logits.device)] = picked
         if all(k is None for k in want):
             return tokens.tolist(), [None] * n
-        return _with_logprobs(logits, tokens, want)
+        return _with_logprobs(raw.float(), tokens, want)
 
     def _log_noise(
         self, seqs: Sequence[ScheduledSeq], vocab: int, ids: torch.Tensor | None, like: torch.Tensor
@@ -213,6 +218,36 @@ class Sampler:
         scaled.sub_(self._log_noise(seqs, vocab, ids, scaled))
         picked = ids.gather(1, scaled.argmax(dim=-1, keepdim=True)).squeeze(1)  # [m]
         return picked, short
+
+
+def _adjusted(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """A float copy of `logits: [n, vocab]` with each row's penalties, logit bias and min_p
+    applied. Only the rows that ask are touched, each from its own tokens alone, so a row's
+    result does not depend on the rest of the batch."""
+    out = logits.float().clone()  # [n, vocab]
+    dev = out.device
+    for i, s in enumerate(rows):
+        sp = s.sampling
+        if not sp.adjusts_logits:
+            continue
+        row = out[i]  # [vocab], a view
+        if sp.repetition_penalty != 1.0 and s.history:
+            seen = torch.tensor(sorted(set(s.history)), device=dev)  # prompt and output
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty,
+                                    vals * sp.repetition_penalty)
+        if (sp.presence_penalty or sp.frequency_penalty) and s.output_index and s.history:
+            made = torch.tensor(s.history[len(s.history) - s.output_index:], device=dev)
+            ids, counts = made.unique(return_counts=True)
+            row[ids] -= sp.presence_penalty + sp.frequency_penalty * counts.to(row.dtype)
+        if sp.logit_bias:
+            ids = torch.tensor(list(sp.logit_bias), device=dev)
+            row[ids] += torch.tensor(list(sp.logit_bias.values()), device=dev, dtype=row.dtype)
+        if sp.min_p > 0 and not sp.greedy:
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + T log(min_p), at temperature T.
+            floor = row.max() + sp.temperature * math.log(sp.min_p)
+            row.masked_fill_(row < floor, float("-inf"))
+    return out
 
 
 def _with_logprobs(

@@ -15,7 +15,7 @@ from batcher.http.keys import AuthError
 from batcher.http.listener import add_fallback_route, expect_continue
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
-from batcher.server import embeddings_route
+from batcher.server import embeddings_route, tokenize_route
 from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import Gateway
 from batcher.server.openai_routes import GenerationHandler
@@ -111,13 +111,6 @@ async def probe(request: web.Request) -> web.Response:
     return json_response({"ok": True, "latency_ms": round(latency * 1000, 2)})
 
 
-async def models(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    return json_response({"object": "list", "data": [{
-        "id": gw.cfg.model_name, "object": "model", "created": int(gw.started_at),
-        "owned_by": "batcher", "max_model_len": gw.cfg.max_model_len}]})
-
-
 async def cancel(request: web.Request) -> web.Response:
     """DELETE /v1/requests/{id}: only the owning tenant may; anyone else gets 404."""
     gw = request.app[GATEWAY]
@@ -153,7 +146,8 @@ def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int
     app.router.add_get("/v1/state", state, **ex)
     app.router.add_get("/metrics", metrics, **ex)
     app.router.add_post("/v1/probe", probe, **ex)
-    app.router.add_get("/v1/models", models, **ex)
+    app.router.add_get("/v1/models", tokenize_route.models, **ex)
+    tokenize_route.add_routes(app, **ex)
     app.router.add_delete("/v1/requests/{id}", cancel, **ex)
 
     async def generation(request: web.Request) -> web.StreamResponse:

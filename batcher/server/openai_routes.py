@@ -145,7 +145,7 @@ class GenerationHandler:
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
-                item["text"] = text
+                item["text"] = self._echo(spec, i) + text
             if fin.stop_reason is not None:
                 item["stop_reason"] = fin.stop_reason
             if spec.return_token_ids:
@@ -207,6 +207,9 @@ class GenerationHandler:
         if self.chat:
             for i in range(len(job.requests)):
                 await resp.write(sse_event(self._chunk(base, i, role=True)))
+        elif spec.echo:
+            for i in range(len(job.requests)):
+                await resp.write(sse_event(self._chunk(base, i, text=self._echo(spec, i))))
         tally = UsageTally(spec.n)
         prompt_sent: set[int] = set()
         item: tuple[int, EngineEvent] | None = first
@@ -265,6 +268,13 @@ class GenerationHandler:
         body["error"]["tokens_sent"] = ev.num_output_tokens
         return body
 
+    def _echo(self, spec: GenerationSpec, index: int) -> str:
+        """The prompt text that leads choice `index` when `echo` is on (n choices per prompt)."""
+        if not spec.echo:
+            return ""
+        prompt = spec.prompts[index // spec.n]
+        return prompt if isinstance(prompt, str) else self.gw.tokenizer.decode(prompt)
+
     # logprobs --------------------------------------------------------------------------------
     def _logprobs(self, spec: GenerationSpec, tokens: list[int],
                   lps: list[TokenLogprobs | None], text: str) -> Any:
@@ -272,15 +282,17 @@ class GenerationHandler:
             return None
         dec = self.gw.tokenizer.decode
         if self.chat:
+            # `bytes` are the token's own bytes: a piece of a multi-byte character decodes to
+            # U+FFFD alone, and a client rebuilds the text from the bytes.
+            raw = self.gw.tokenizer.token_bytes
             content = []
             for t, lp in zip(tokens, lps):
                 if lp is None:
                     continue
-                tok = dec([t])
-                content.append({"token": tok, "logprob": lp.logprob,
-                                "bytes": list(tok.encode()),
+                content.append({"token": dec([t]), "logprob": lp.logprob,
+                                "bytes": list(raw(t)),
                                 "top_logprobs": [{"token": dec([a]), "logprob": b,
-                                                  "bytes": list(dec([a]).encode())}
+                                                  "bytes": list(raw(a))}
                                                  for a, b in lp.top]})
             return {"content": content}
         toks, token_lps, tops, offsets, off = [], [], [], [], 0

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.http.errors import invalid
-from batcher.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from batcher.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from batcher.server.unsupported import refuse_unsupported
 from batcher.tenants import PRIORITY_NAMES
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_STOP_TOKEN_IDS = 64
 FAILOVER = ("error", "resume")
 
 
@@ -32,6 +34,7 @@ class GenerationSpec:
     include_usage: bool = False
     logprobs: int | None = None  # number of top alternatives; None = off
     priority: str = "interactive"
+    echo: bool = False  # completions: the prompt's text leads each choice's text
     timeout: float | None = None
     # Extension: each choice carries its token ids (and the first stream chunk the prompt's),
     # so a router can resume a broken stream elsewhere token-exactly.
@@ -115,12 +118,62 @@ def _token_list(ids: list, vocab_size: int) -> list[int]:
     return ids
 
 
+def _priority(body: dict) -> str:
+    """A named class, or an integer as vLLM and SGLang clients send (lower is more urgent,
+    0 the default): 0 and below run as `interactive`, above 0 as `batch`."""
+    v = body.get("priority")
+    if isinstance(v, int) and not isinstance(v, bool):
+        if not -(1 << 31) <= v < (1 << 31):
+            raise invalid("an integer 'priority' must fit in 32 bits", "priority")
+        return "interactive" if v <= 0 else "batch"
+    return _choice(body, "priority", PRIORITY_NAMES)
+
+
+def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                          for x in v):
+        raise invalid("'stop_token_ids' must be a list of token ids", "stop_token_ids",
+                      "invalid_type")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids",
+                      "stop_token_ids")
+    if any(not 0 <= x < vocab_size for x in v):
+        raise invalid(f"stop token ids must be in [0, {vocab_size})", "stop_token_ids")
+    return list(dict.fromkeys(v))
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    """OpenAI's shape: token ids as JSON object keys (strings), biases in [-100, 100]."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise invalid("'logit_bias' must map token ids to numbers", "logit_bias", "invalid_type")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        if not 0 <= tid < vocab_size:
+            raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got "
+                          f"{str(key)[:32]!r}", "logit_bias")
+        out[tid] = _num({"logit_bias": bias}, "logit_bias", 0.0, -100.0, 100.0) or 0.0
+    return out
+
+
 def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size: int
                      ) -> GenerationSpec:
-    """Validate a completion (`chat=False`) or chat body. Raises ApiError(400)."""
+    """Validate a completion (`chat=False`) or chat body. Raises ApiError(400). `model` may be
+    left out when exactly one model is served, as vLLM and llama.cpp's server allow."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_type")
+    refuse_unsupported(body, chat)
     model = body.get("model")
+    if model is None and len(served_models) == 1:
+        model = next(iter(served_models))
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required", "model", "missing")
     if model not in served_models:
@@ -142,8 +195,13 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
     else:
         spec.prompts = _prompts(body, vocab_size)
         spec.logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-        if _bool(body, "echo", False):
-            raise invalid("'echo' is not supported", "echo", "unsupported")
+        spec.echo = _bool(body, "echo", False)
+        if spec.echo and spec.logprobs is not None:
+            raise invalid("'echo' with 'logprobs' asks for prompt logprobs, which are not "
+                          "supported", "echo", "unsupported")
+        best_of = _int(body, "best_of", None, 1, MAX_N)
+        if best_of is not None and best_of != (_int(body, "n", 1, 1, MAX_N) or 1):
+            raise invalid("'best_of' other than 'n' is not supported", "best_of", "unsupported")
     mt = body.get("max_completion_tokens") if chat else None
     key = "max_completion_tokens" if mt is not None else "max_tokens"
     max_tokens = _int(body, key, None, 1, 1 << 20)
@@ -156,7 +214,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         if not isinstance(so, dict):
             raise invalid("'stream_options' must be an object", "stream_options", "invalid_type")
         spec.include_usage = _bool(so, "include_usage", False)
-    spec.priority = _choice(body, "priority", PRIORITY_NAMES)
+    spec.priority = _priority(body)
     # Validated for the router, which reads it; a replica has nothing to fail over to.
     _choice(body, "failover", FAILOVER)
     spec.timeout = _num(body, "timeout", None, 0.001, 86400.0)
@@ -173,12 +231,13 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         top_p=_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
         top_k=max(0, top_k or 0),
         seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
-        logprobs=spec.logprobs, min_tokens=_int(body, "min_tokens", 0, 0, 1 << 20) or 0)
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _num(body, key, 0.0, -2.0, 2.0):
-            raise invalid(f"'{key}' is not supported (only 0)", key, "unsupported")
-    if body.get("tools") or body.get("functions"):
-        raise invalid("tool calling is not supported", "tools", "unsupported")
+        logprobs=spec.logprobs, min_tokens=_int(body, "min_tokens", 0, 0, 1 << 20) or 0,
+        stop_token_ids=_stop_token_ids(body, vocab_size),
+        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0) or 0.0,
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0) or 0.0,
+        repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.01, 10.0) or 1.0,
+        logit_bias=_logit_bias(body, vocab_size),
+        min_p=_num(body, "min_p", 0.0, 0.0, 1.0) or 0.0)
     return spec
 
 

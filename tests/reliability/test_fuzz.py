@@ -212,24 +212,34 @@ GENERATION_OPTIONAL: dict[str, Field] = {
     "stream": legal(st.booleans()),
     "stream_options": legal(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
     "n": (st.integers(1, 2), edge_ints),
-    "priority": (st.sampled_from(["interactive", "batch"]), st.sampled_from(["realtime", ""])),
+    "priority": (st.one_of(st.sampled_from(["interactive", "batch"]), st.integers(-5, 5)),
+                 st.one_of(st.sampled_from(["realtime", ""]), edge_ints)),
     "failover": (st.sampled_from(["error", "resume"]), st.just("retry")),
     # Small positive deadlines are legal: they end in 504 deadline_exceeded (see `allow`).
     "timeout": (st.floats(30, 86400), st.one_of(floats, st.floats(0.0005, 1))),
     "user": (clean_text, unicode),
     "ignore_eos": legal(st.booleans()),
     "min_tokens": (st.integers(0, 6), edge_ints),
-    "presence_penalty": (st.just(0), floats),
-    "frequency_penalty": (st.just(0.0), floats),
+    "presence_penalty": (st.floats(-2, 2), floats),
+    "frequency_penalty": (st.floats(-2, 2), floats),
+    "repetition_penalty": (st.floats(0.5, 2), floats),
+    "min_p": (st.floats(0, 1), floats),
+    "stop_token_ids": (st.lists(token_ids, max_size=3), st.one_of(json_values, st.lists(ints))),
+    "response_format": (st.just({"type": "text"}), json_values),
+    "tool_choice": (st.just("none"), json_values),
+    "audio": (st.none(), json_values),
+    "prediction": (st.none(), json_values),
+    "guided_json": (st.none(), json_values),
     "return_token_ids": legal(st.booleans()),
     "tools": (st.just([]), json_values),
-    "logit_bias": legal(st.dictionaries(clean_text, st.floats(-100, 100), max_size=2)),
+    "logit_bias": (st.dictionaries(token_ids.map(str), st.floats(-100, 100), max_size=2),
+                   st.one_of(json_values, st.dictionaries(clean_text, floats, max_size=2))),
     "an_unknown_field": legal(json_values),
 }
 completion_bodies = bodies(
     {"model": (st.just(MODEL), st.sampled_from(["TINY", "gpt-4", ""])), "prompt": prompts},
-    {**GENERATION_OPTIONAL, "logprobs": (st.integers(0, 5), edge_ints),
-     "echo": (st.just(False), st.just(True)), "suffix": legal(small_text),
+    {**GENERATION_OPTIONAL, "logprobs": (st.integers(0, 20), edge_ints),
+     "echo": legal(st.booleans()), "suffix": (st.just(""), small_text),
      "best_of": legal(edge_ints)})
 
 content_parts = st.lists(st.fixed_dictionaries(
@@ -245,9 +255,9 @@ chat_bodies = bodies(
      "messages": (st.lists(message, min_size=1, max_size=4),
                   st.lists(json_values, max_size=3))},
     {**GENERATION_OPTIONAL, "logprobs": legal(st.booleans()),
-     "top_logprobs": (st.integers(0, 5), edge_ints),
+     "top_logprobs": (st.integers(0, 20), edge_ints),
      "max_completion_tokens": (st.integers(1, 4), ints),
-     "response_format": legal(json_values), "tool_choice": legal(json_values)})
+     "modalities": (st.just(["text"]), json_values)})
 embedding_bodies = bodies(
     {"model": (st.just(EMBEDDING_MODEL), st.sampled_from([MODEL, ""])),
      "input": (weighted((4, clean_text.filter(bool)),
@@ -256,6 +266,16 @@ embedding_bodies = bodies(
                          st.sampled_from([64, 65, 2049]).map(lambda n: ["x"] * n)))},
     {"encoding_format": (st.sampled_from(["float", "base64"]), st.just("binary")),
      "dimensions": legal(edge_ints), "user": (clean_text, unicode)})
+
+tokenize_bodies = weighted(
+    (1, bodies({"prompt": prompts}, {"model": (st.just(MODEL), st.just("gpt-4")),
+                                     "add_special_tokens": legal(st.booleans()),
+                                     "return_token_strs": legal(st.booleans())})),
+    (1, bodies({"messages": (st.lists(message, min_size=1, max_size=4),
+                             st.lists(json_values, max_size=3))},
+               {"add_generation_prompt": legal(st.booleans())})),
+    (1, bodies({"tokens": (st.lists(token_ids, max_size=8), st.one_of(
+        json_values, st.lists(ints)))}, {"model": (st.just(MODEL), st.just(""))})))
 
 
 def encode(value: Any) -> bytes:
@@ -348,6 +368,16 @@ def test_fuzz_chat_completions(client: Client, body: bytes, auth: list[tuple[str
 def test_fuzz_embeddings(client: Client, body: bytes, auth: list[tuple[str, str]],
                          extra: list[tuple[str, Any]], q: str) -> None:
     check(send_post(client, "/v1/embeddings", auth, extra, body, q))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+@FUZZ
+@given(body=raw_bodies(tokenize_bodies), auth=auth_headers, extra=header_lists, q=query)
+def test_fuzz_tokenize_routes(client: Client, path: str, body: bytes,
+                              auth: list[tuple[str, str]], extra: list[tuple[str, Any]],
+                              q: str) -> None:
+    check(send_post(client, path, auth, extra, body, q))
 
 
 @pytest.mark.parametrize("path", ["/health", "/ready", "/v1/state", "/metrics", "/v1/models"])

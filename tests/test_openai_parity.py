@@ -1,0 +1,302 @@
+"""OpenAI parity: the sampling surface (penalties, logit bias, min_p, stop token ids, 20 top
+logprobs), echo, integer priority, an optional `model`, `/tokenize` and `/detokenize`, every
+served model in `/v1/models`, and a 400 naming each field the server cannot honour.
+
+The sampler and the request schema are checked directly, the HTTP layer in-process over the tiny
+model, and the whole once more against a real `batcher serve` of the bundled model with the
+official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+from openai import OpenAI
+
+from batcher.core.outputs import ScheduledSeq
+from batcher.http.errors import ApiError
+from batcher.runtime.sampler import Sampler
+from batcher.sampling import SamplingParams
+from batcher.server.protocol import parse_generation
+from batcher.tokenizer import incomplete_utf8_tail, load_tokenizer
+from tests.server_process import Server, assert_error_shape, serve
+from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory
+
+VOCAB = 64
+SERVED = {"tiny"}
+
+
+def seq(sp: SamplingParams, history: tuple[int, ...] = (), outputs: int = 0) -> ScheduledSeq:
+    return ScheduledSeq("r", [history[-1] if history else 0], max(0, len(history) - 1), [0],
+                        True, sp, output_index=outputs, history=history)
+
+
+# the sampler -----------------------------------------------------------------------------------
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 10.0
+    rows = [seq(SamplingParams(temperature=0, logit_bias={7: 100.0})),
+            seq(SamplingParams(temperature=0, logit_bias={5: -100.0}))]
+    tokens, _ = Sampler(seed=0).sample(logits, rows)
+    assert tokens[0] == 7  # forced
+    assert tokens[1] != 5  # banned
+
+
+def test_presence_and_frequency_count_output_tokens_only() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 4] = 1.0, 0.9
+    prompt = (3, 3, 3)  # in the prompt only: no presence or frequency penalty
+    plain = seq(SamplingParams(temperature=0, presence_penalty=2.0), prompt + (9,), outputs=1)
+    assert Sampler().sample(logits, [plain])[0] == [3]
+    made = seq(SamplingParams(temperature=0, presence_penalty=0.5), prompt + (3,), outputs=1)
+    assert Sampler().sample(logits, [made])[0] == [4]  # 1.0 - 0.5 < 0.9
+    # Frequency scales with the count: two 3s cost 2 x 0.04 = 0.08 (< 0.1 gap), three cost 0.12.
+    twice = seq(SamplingParams(temperature=0, frequency_penalty=0.04), prompt + (3, 3), 2)
+    thrice = seq(SamplingParams(temperature=0, frequency_penalty=0.04), prompt + (3, 3, 3), 3)
+    assert Sampler().sample(logits.repeat(2, 1), [twice, thrice])[0] == [3, 4]
+
+
+def test_repetition_penalty_covers_the_prompt_and_both_signs() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 4] = 2.0, 1.5
+    row = seq(SamplingParams(temperature=0, repetition_penalty=1.5), (3, 1), outputs=0)
+    assert Sampler().sample(logits, [row])[0] == [4]  # 2.0 / 1.5 < 1.5
+    neg = torch.full((1, VOCAB), -5.0)
+    neg[0, 3], neg[0, 4] = -1.0, -1.2
+    row = seq(SamplingParams(temperature=0, repetition_penalty=1.5), (3,), outputs=0)
+    assert Sampler().sample(neg, [row])[0] == [4]  # -1.0 x 1.5 < -1.2
+
+
+def test_min_p_keeps_only_tokens_near_the_best() -> None:
+    logits = torch.full((1, VOCAB), -1.0)
+    logits[0, 10] = 5.0
+    logits[0, 11] = 4.5  # p11 / p10 = e^-0.5 = 0.61
+    sampler = Sampler(seed=0)
+    picks = {sampler.sample(logits, [seq(SamplingParams(temperature=1.0, min_p=0.5))])[0][0]
+             for _ in range(200)}
+    assert picks == {10, 11}
+    # Without min_p the 62 other tokens (e^-6 of the best each) show up over many draws.
+    free = {sampler.sample(logits, [seq(SamplingParams(temperature=1.0))])[0][0]
+            for _ in range(400)}
+    assert len(free) > 2
+
+
+def test_adjusted_seeded_rows_do_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, VOCAB, generator=g)
+    mine = seq(SamplingParams(temperature=0.8, seed=42, presence_penalty=1.0, min_p=0.05,
+                              logit_bias={1: 3.0}, top_p=0.9), (5, 6, 7, 6), outputs=2)
+    others = [seq(SamplingParams(temperature=1.0, frequency_penalty=2.0), (1, 2), 1),
+              seq(SamplingParams(temperature=0)), seq(SamplingParams(top_k=5))]
+    alone = [Sampler(seed=s).sample(logits[:1], [mine])[0][0] for s in range(5)]
+    mixed = [Sampler(seed=s).sample(logits, [mine, *others])[0][0] for s in range(5)]
+    assert alone == mixed
+
+
+def test_logprobs_report_the_model_distribution_and_twenty_alternatives() -> None:
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
+    row = seq(SamplingParams(temperature=0, logprobs=20, logit_bias={0: 100.0}))
+    [token], [lp] = Sampler().sample(logits, [row])
+    assert token == 0 and lp is not None and len(lp.top) == 20
+    assert lp.logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item(), abs=1e-5)
+
+
+# the request schema ----------------------------------------------------------------------------
+UNSUPPORTED = [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("tool_choice", "required"), ("parallel_tool_calls", True), ("functions", [{}]),
+    ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"]), ("prediction", {}),
+    ("web_search_options", {}), ("reasoning_effort", "low"), ("store", True),
+    ("service_tier", "flex"), ("guided_json", {}), ("guided_regex", "a+"),
+    ("guided_choice", ["a"]), ("use_beam_search", True), ("prompt_logprobs", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), UNSUPPORTED)
+@pytest.mark.parametrize("chat", [False, True])
+def test_fields_we_cannot_honour_are_a_400_naming_them(field: str, value: object,
+                                                       chat: bool) -> None:
+    body = {"model": "tiny", field: value,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    with pytest.raises(ApiError) as err:
+        parse_generation(body, chat, SERVED, 1000)
+    assert err.value.status == 400 and err.value.param == field
+    assert err.value.code == "unsupported"
+
+
+def test_harmless_values_and_unknown_fields_pass() -> None:
+    body = {"model": "tiny", "prompt": "hi", "response_format": {"type": "text"}, "tools": [],
+            "tool_choice": "none", "modalities": ["text"], "store": False,
+            "service_tier": "auto", "some_future_field": {"x": 1}}
+    parse_generation(body, False, SERVED, 1000)
+
+
+def test_the_sampling_surface_is_read() -> None:
+    spec = parse_generation({"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1,
+                             "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"7": -100},
+                             "stop_token_ids": [3, 3, 9], "priority": 5, "logprobs": 20,
+                             "echo": False}, False, SERVED, 1000)
+    sp = spec.sampling
+    assert spec.model == "tiny" and spec.priority == "batch"
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p) == (
+        0.5, -1.0, 1.2, 0.1)
+    assert sp.logit_bias == {7: -100.0} and sp.stop_token_ids == [3, 9] and sp.logprobs == 20
+    assert parse_generation({"prompt": "x", "priority": -3}, False, SERVED, 9).priority == (
+        "interactive")
+    chat = parse_generation({"messages": [], "logprobs": True, "top_logprobs": 20} | {
+        "messages": [{"role": "user", "content": "x"}]}, True, SERVED, 9)
+    assert chat.logprobs == 20
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"1000": 1}}, "logit_bias"), ({"stop_token_ids": [1000]}, "stop_token_ids"),
+    ({"stop_token_ids": "1"}, "stop_token_ids"), ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logprobs": 21}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix"), ({"priority": 2**40}, "priority"),
+])
+def test_bad_values_name_the_field(body: dict, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_generation({"prompt": "x", **body}, False, SERVED, 1000)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_model_is_required_when_several_are_served() -> None:
+    with pytest.raises(ApiError) as err:
+        parse_generation({"prompt": "x"}, False, {"a", "b"}, 9)
+    assert err.value.param == "model"
+
+
+# text edges ------------------------------------------------------------------------------------
+def test_incomplete_utf8_tail() -> None:
+    assert incomplete_utf8_tail("ok €".encode()[:-1]) and incomplete_utf8_tail(b"\xf0\x9f")
+    assert not incomplete_utf8_tail("ok €".encode()) and not incomplete_utf8_tail(b"")
+    assert not incomplete_utf8_tail(b"\x80")  # a stray continuation byte is invalid, not cut
+
+
+def test_token_bytes_rebuild_a_character_split_over_tokens() -> None:
+    tok = load_tokenizer()
+    ids = tok.encode("é😀", add_special_tokens=False)
+    parts = [tok.token_bytes(t) for t in ids]
+    assert b"".join(parts) == "é😀".encode()
+    assert any(tok.decode([t]) == "\ufffd" for t in ids)  # a byte piece: its text alone is lost
+
+
+# the HTTP layer, in-process over the tiny model ------------------------------------------------
+AUTH = {"Authorization": f"Bearer {ALICE}"}
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_fp32):
+    return await aiohttp_client(app_factory(tiny_fp32, load_tokenizer(), TENANTS)())
+
+
+async def test_tokenize_detokenize_round_trip(client) -> None:
+    tok = load_tokenizer()
+    resp = await client.post("/tokenize", json={"prompt": "Hello there"}, headers=AUTH)
+    body = await resp.json()
+    assert resp.status == 200, body
+    assert body["tokens"] == tok.encode("Hello there") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 1024
+    msgs = [{"role": "user", "content": "Hi"}]
+    resp = await client.post("/tokenize", json={"model": "tiny", "messages": msgs},
+                             headers=AUTH)
+    assert (await resp.json())["tokens"] == tok.apply_chat_template(msgs)
+    resp = await client.post("/detokenize", json={"tokens": body["tokens"]}, headers=AUTH)
+    assert (await resp.json()) == {"prompt": "Hello there"}
+    for path, bad, param in [("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
+                             ("/detokenize", {"tokens": [-1]}, "tokens"),
+                             ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        resp = await client.post(path, json=bad, headers=AUTH)
+        assert resp.status == 400
+        assert assert_error_shape(await resp.json())["param"] == param
+    assert (await client.post("/tokenize", json={"prompt": "x"})).status == 401
+
+
+async def test_echo_stop_token_ids_and_logit_bias_over_http(client) -> None:
+    tok = load_tokenizer()
+    forced = tok.encode(" yes", add_special_tokens=False)[0]
+    body = {"prompt": "Say", "max_tokens": 3, "logit_bias": {str(forced): 100},
+            "temperature": 0, "echo": True}
+    resp = await client.post("/v1/completions", json=body, headers=AUTH)
+    out = await resp.json()
+    assert resp.status == 200, out
+    assert out["choices"][0]["text"] == "Say yes yes yes"
+    body |= {"stop_token_ids": [forced], "return_token_ids": True}
+    out = await (await client.post("/v1/completions", json=body, headers=AUTH)).json()
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["token_ids"] == [forced] and out["choices"][0]["text"] == "Say yes"
+    resp = await client.post("/v1/completions", json={**body, "stream": True}, headers=AUTH)
+    text = "".join([ev["choices"][0]["text"] async for ev in _events(resp)])
+    assert text == "Say yes"
+
+
+async def _events(resp):
+    from tests.server_process import DONE, sse_events
+
+    async for ev in sse_events(resp):
+        if ev != DONE:
+            yield ev
+
+
+# the bundled model, official client ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real() -> Iterator[Server]:
+    # The bundled model at `batcher serve`'s defaults, with the embedding model it serves too.
+    with serve("--model", "smollm2-135m", "--embedding-model", "minilm", num_blocks=None,
+               ready_timeout=180) as server:
+        yield server
+
+
+@pytest.mark.slow
+def test_bundled_model_parity_with_the_openai_client(real: Server) -> None:
+    oc = OpenAI(base_url=real.url + "/v1", api_key="none", max_retries=0, timeout=60,
+                http_client=openai.DefaultHttpxClient(trust_env=False))
+    models = {m.id: m.model_extra for m in oc.models.list()}
+    assert "smollm2-135m" in models and len(models) == 2
+    tasks = sorted(m["task"] for m in models.values())
+    assert tasks == ["embed", "generate"]
+    msgs = [{"role": "user", "content": "List three colours."}]
+    # Penalties change a greedy answer that repeats itself; the default repeats.
+    plain = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40,
+                                       temperature=0)
+    penal = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40,
+                                       temperature=0, frequency_penalty=2.0,
+                                       presence_penalty=2.0)
+    assert plain.choices[0].message.content != penal.choices[0].message.content
+    lp = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=4,
+                                    temperature=0, logprobs=True, top_logprobs=20)
+    for entry in lp.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 20 and entry.bytes
+    with pytest.raises(openai.BadRequestError) as err:
+        oc.chat.completions.create(model="smollm2-135m", messages=msgs,
+                                   response_format={"type": "json_object"})
+    assert err.value.body["param"] == "response_format"
+    # No `model`, an integer priority, and an answer cut mid-emoji ends without U+FFFD.
+    status, out = _post(real.url + "/v1/completions", {
+        "prompt": "Emoji: 😀😀😀😀", "max_tokens": 2, "temperature": 0, "priority": -1})
+    assert status == 200, out
+    status, tok = _post(real.url + "/tokenize", {"prompt": "😀"})
+    assert status == 200 and tok["count"] > 1  # the emoji spans byte-piece tokens
+    status, out = _post(real.url + "/v1/completions", {
+        "prompt": "x", "max_tokens": 1, "logit_bias": {str(tok["tokens"][0]): 100}})
+    assert status == 200 and not out["choices"][0]["text"].endswith("\ufffd")
+    assert _post(real.url + "/detokenize", {"tokens": tok["tokens"]}) == (200, {"prompt": "😀"})
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
+    try:
+        with opener.open(req, timeout=60) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
