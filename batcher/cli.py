@@ -1,4 +1,18 @@
-"""`batcher serve | bench | fleet | router | sim | plan | batch`."""
+"""batcher: an OpenAI-compatible LLM server, its fleet router, and the tools to size a fleet.
+
+commands:
+  serve   serve a model over HTTP          batcher serve --model smollm2-135m --port 8000
+  bench   load-test a server               batcher bench --base-url http://127.0.0.1:8000
+  fleet   N local replicas behind a router batcher fleet --replicas 2
+  router  route over replicas anywhere     batcher router --replica http://10.0.0.5:8000
+  plan    replicas for a given load        batcher plan --help
+  sim     simulate a fleet                 batcher sim run --help
+  batch   run a batch input file offline   batcher batch --help
+
+Every flag may also come from the environment as BATCHER_<FLAG> (BATCHER_MAX_NUM_SEQS=32 for
+--max-num-seqs 32), and `batcher serve --config FILE` reads a TOML file of flags; the command
+line wins over both. `batcher COMMAND --help` lists a command's flags with their units.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +20,10 @@ import argparse
 import asyncio
 import logging
 import sys
+import traceback
+from typing import NoReturn
+
+from batcher.cli_env import add_config_arg, apply_defaults
 
 # Re-exported: the replica's flags, for the callers that still import them from here.
 from batcher.serve_args import DEFAULT_SLO_TTFT_MS, add_serve_args
@@ -13,10 +31,32 @@ from batcher.serve_args import DEFAULT_SLO_TTFT_MS, add_serve_args
 __all__ = ["DEFAULT_SLO_TTFT_MS", "add_serve_args", "main"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batcher", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_args(sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP"))
+class Parser(argparse.ArgumentParser):
+    """Errors as one line, `batcher serve: error: ...`, exit status 2: the usage block would
+    bury the one line that says what is wrong (`--help` still shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("batcher")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
+    parser = Parser(prog="batcher", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"batcher {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP")
+    add_serve_args(serve)
+    add_config_arg(serve)
     from batcher.bench.cli import add_bench_args
     from batcher.fleet.cli import add_fleet_args, add_router_args
     from batcher.sim.cli import add_plan_args, add_sim_args
@@ -29,13 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     from batcher.batch.offline import add_batch_args
 
     add_batch_args(sub.add_parser("batch", help="run a batch input file offline, in-process"))
+    return parser, dict(sub.choices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, commands = build_parser()
+    _env_defaults(commands, argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        from batcher.serve import run_server
-
-        return _run(run_server(args))
+        return _serve(args)
     if args.command == "bench":
         from batcher.bench.cli import run_bench
 
@@ -57,6 +102,51 @@ def main(argv: list[str] | None = None) -> int:
 
         return _run(run_offline(args))
     parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _env_defaults(commands: dict[str, argparse.ArgumentParser], argv: list[str]) -> None:
+    """Environment and config-file defaults for the command named in `argv` and for each
+    subcommand below it (`batcher sim run`)."""
+    rest = argv
+    while True:
+        name = next((a for a in rest if a in commands), None)
+        if name is None:
+            return
+        parser = commands[name]
+        rest = rest[rest.index(name) + 1:]
+        apply_defaults(parser, rest)
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not nested:
+            return
+        commands = dict(nested[0].choices)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Run the server; a failure to start is one line and exit status 2 (the traceback too
+    with --log-level debug)."""
+    from batcher.serve import run_server
+    from batcher.serve_startup import StartupError
+
+    try:
+        return _run(run_server(args))
+    except KeyboardInterrupt:
+        return 130
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            raise
+        failure: BaseException = exc
+        message = str(exc.code)
+    except StartupError as exc:
+        failure, message = exc, str(exc)
+    except Exception as exc:  # noqa: BLE001 - the model loader's errors, among others
+        from batcher.models.errors import ModelLoadError
+
+        failure = exc
+        message = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
+    if args.log_level == "debug":
+        traceback.print_exception(failure)
+    print(f"batcher serve: error: {message}", file=sys.stderr, flush=True)
     return 2
 
 

@@ -15,27 +15,31 @@ from aiohttp import web
 
 from batcher.admission import Admission
 from batcher.config import (
-    CPU_MAX_NUM_BATCHED_TOKENS,
-    CPU_MAX_NUM_SEQS,
     CUDA_MAX_NUM_BATCHED_TOKENS,
     CUDA_MAX_NUM_SEQS,
-    CacheConfig,
-    SchedulerConfig,
-    parse_bytes,
 )
 from batcher.core.outputs import SchedulerOutput
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.engine import AsyncEngine
-from batcher.http.listener import keepalive_timeout, server_log
+from batcher.http.listener import server_log
 from batcher.metrics import Metrics
+from batcher.serve_startup import engine_configs, preflight
 from batcher.server.admin import create_admin_app
 from batcher.server.app import GATEWAY, create_app
 from batcher.server.auth import Authenticator
 from batcher.server.embeddings_route import MAX_INPUTS
 from batcher.server.gateway import Gateway, GatewayConfig
-from batcher.tenants import load_tenants
+from batcher.tenants import TenantConfig, load_tenants
+from batcher.threads import cpu_quota_threads
 
 log = logging.getLogger("batcher.serve")
+
+
+class _Unset:
+    """No tenants passed: `gateway_factory` reads `--tenants` itself."""
+
+
+_UNSET = _Unset()
 EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
 
 
@@ -43,22 +47,12 @@ def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
     """The engine for `--model` (blocking: loads weights)."""
     from batcher.tokenizer import load_tokenizer
 
-    if args.torch_threads:
+    threads = args.torch_threads or cpu_quota_threads()
+    if threads:
         import torch
 
-        torch.set_num_threads(args.torch_threads)
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs or CPU_MAX_NUM_SEQS,
-                            max_num_batched_tokens=args.max_num_batched_tokens
-                            or CPU_MAX_NUM_BATCHED_TOKENS,
-                            prefill_budget=args.prefill_budget,
-                            slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
-                            max_step_slowdown=args.max_step_slowdown,
-                            min_prefill_chunk=args.min_prefill_chunk)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_memory=parse_bytes(args.kv_cache_memory)
-                        if args.kv_cache_memory else None,
-                        enable_prefix_caching=not args.no_prefix_caching,
-                        prefix_cache_scope=args.prefix_cache_scope)
+        torch.set_num_threads(threads)
+    sched, cache = engine_configs(args)
     if args.model == "fake":
         from batcher.fake_runner import build_fake_engine
 
@@ -93,7 +87,10 @@ def build_embedder(args: argparse.Namespace):
                                   max_queue=queue), model.count_tokens
 
 
-def gateway_factory(args: argparse.Namespace):
+def gateway_factory(args: argparse.Namespace,
+                    tenants: dict[str, TenantConfig] | None | _Unset = _UNSET):
+    """The gateway builder of `create_app`. `tenants`, when given, were read already (by the
+    preflight); else `--tenants` is read once the model has loaded."""
     for flag in ("slo_ttft_ms", "slo_tpot_ms"):
         value = getattr(args, flag)
         if value is not None and not 0 <= value < float("inf"):
@@ -104,12 +101,13 @@ def gateway_factory(args: argparse.Namespace):
                           slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None)
         engine = await loop.run_in_executor(None, build_engine, args, metrics)
         embedder, counter = await loop.run_in_executor(None, build_embedder, args)
-        tenants = load_tenants(args.tenants) if args.tenants else None
-        if tenants is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        auth = (load_tenants(args.tenants) if args.tenants else None) \
+            if isinstance(tenants, _Unset) else tenants
+        if auth is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("no --tenants file: authentication is off on a non-loopback address")
         decode_step = _decode_step(engine.step_time_model,
                                    engine.scheduler.config.min_prefill_chunk)
-        admission = Admission(tenants, max_waiting=args.max_waiting,
+        admission = Admission(auth, max_waiting=args.max_waiting,
                               slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                               slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
                               max_num_seqs=engine.scheduler.config.max_num_seqs,
@@ -121,7 +119,7 @@ def gateway_factory(args: argparse.Namespace):
                             max_model_len=engine.scheduler.config.max_model_len,
                             default_max_tokens=args.default_max_tokens,
                             max_body_bytes=args.max_body_bytes)
-        return Gateway(cfg, engine, Authenticator(tenants), admission, metrics, embedder,
+        return Gateway(cfg, engine, Authenticator(auth), admission, metrics, embedder,
                        EMBEDDING_MODEL_NAME, counter)
 
     return build
@@ -159,40 +157,41 @@ def _step_observer(admission: Admission, engine: AsyncEngine,
 
 
 async def run_server(args: argparse.Namespace) -> int:
-    app = create_app(gateway_factory(args), args.max_body_bytes, probe_keys=(
-        args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"), os.environ.get("BATCHER_FLEET_KEY")))
-    keepalive = keepalive_timeout()
-    quiet_log = server_log()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=args.shutdown_timeout, keepalive_timeout=keepalive,
-                           logger=quiet_log)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
-    await site.start()
+    # Everything checkable without the model is checked, and the ports bound, before it loads.
+    pre = preflight(args)
+    try:
+        app = create_app(gateway_factory(args, pre.tenants), args.max_body_bytes,
+                         probe_keys=(pre.admin_key, os.environ.get("BATCHER_FLEET_KEY")))
+        quiet_log = server_log()
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=args.shutdown_timeout,
+                               keepalive_timeout=pre.keepalive_s, logger=quiet_log)
+        await runner.setup()  # loads the model
+    except BaseException:
+        pre.close()
+        raise
+    await web.SockSite(runner, pre.sock).start()
     admin_runner = None
-    if args.admin_port:
-        key = args.admin_key or os.environ.get("BATCHER_ADMIN_KEY")
-        if not key:
-            raise SystemExit("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
-        admin_runner = web.AppRunner(create_admin_app(app, key), access_log=None,
-                                     keepalive_timeout=keepalive, logger=quiet_log)
+    if pre.admin_sock is not None and pre.admin_key:
+        admin_runner = web.AppRunner(create_admin_app(app, pre.admin_key), access_log=None,
+                                     keepalive_timeout=pre.keepalive_s, logger=quiet_log)
         await admin_runner.setup()
-        await web.TCPSite(admin_runner, args.admin_host, args.admin_port).start()
+        await web.SockSite(admin_runner, pre.admin_sock).start()
     gw = app[GATEWAY]
     beats = None
     if args.router:
         from batcher.fleet.heartbeat import heartbeat_loop
 
-        url = args.advertise_url or f"http://{args.host}:{args.port}"
+        url = args.advertise_url or f"http://{args.host}:{pre.port}"
         admin_url = None
         if args.admin_port:
             host = url.split("://", 1)[-1].rsplit(":", 1)[0]
             admin_url = f"http://{host}:{args.admin_port}"
         beats = asyncio.get_running_loop().create_task(heartbeat_loop(
-            gw.state, args.router, args.replica_id or f"{args.host}:{args.port}", url,
+            gw.state, args.router, args.replica_id or f"{args.host}:{pre.port}", url,
             admin_url=admin_url))
-    log.info("serving %s on http://%s:%d", gw.cfg.model_name, args.host, args.port)
-    print(f"batcher: serving {gw.cfg.model_name} on http://{args.host}:{args.port}", flush=True)
+    log.info("serving %s on http://%s:%d", gw.cfg.model_name, args.host, pre.port)
+    print(f"batcher: serving {gw.cfg.model_name} on http://{args.host}:{pre.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,6 +6,21 @@ from __future__ import annotations
 
 import argparse
 
+from batcher.cli_types import (
+    DEVICES,
+    DTYPES,
+    LOG_LEVELS,
+    DeprecatedAlias,
+    byte_size,
+    int_at_least,
+    lower,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    power_of_two,
+)
 from batcher.config import (
     CPU_MAX_NUM_BATCHED_TOKENS,
     CPU_MAX_NUM_SEQS,
@@ -26,24 +41,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--served-model-name", default=None, help="name clients use in 'model' (default: derived "
       "from --model)")
     a("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    a("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    a("--dtype", default="auto", help="auto (bfloat16), float32 or bfloat16 "
+    a("--port", type=port, default=8000, help="TCP port to listen on, 0 for any free one "
       "(default: %(default)s)")
-    a("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
-    a("--kv-cache-memory", default=None, help="KV cache budget, e.g. 1GiB (default: 2GiB on "
+    a("--dtype", default="auto", type=lower, choices=DTYPES, help="weight and activation type; "
+      "auto is bfloat16 (default: %(default)s)")
+    a("--device", default="auto", type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
+      "is visible (default: %(default)s)")
+    a("--kv-cache-memory", type=byte_size, default=None,
+      help="KV cache budget, e.g. 1GiB (default: 2GiB on "
       "CPU, at most a quarter of RAM; free GPU memory x 0.9 on CUDA)")
-    a("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory; "
+    a("--num-blocks", type=positive_int, default=None,
+      help="KV blocks (overrides --kv-cache-memory; "
       "default: sized from --kv-cache-memory)")
-    a("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    a("--block-size", type=power_of_two, default=16, help="tokens per KV block, a power of two "
+      "(default: %(default)s)")
     a("--no-prefix-caching", action="store_true", help="disable prefix caching (default: "
       "prefix caching on)")
     a("--prefix-cache-scope", choices=("tenant", "global"), default="tenant", help="share "
       "cached prompt blocks within a tenant only, or across all tenants (only when every "
       "tenant may learn what the others send) (default: %(default)s)")
-    a("--max-num-seqs", type=int, default=None,
+    a("--max-num-seqs", type=positive_int, default=None,
       help=f"most sequences in one step (default: {CPU_MAX_NUM_SEQS} on CPU, "
       f"{CUDA_MAX_NUM_SEQS} on CUDA)")
-    a("--max-num-batched-tokens", type=int, default=None,
+    a("--max-num-batched-tokens", type=positive_int, default=None,
       help=f"most tokens in one step, an upper bound on every step's budget; a step with no "
       f"decodes gives prefill all of it (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, "
       f"{CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
@@ -60,52 +80,65 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "while a new prompt is read. 1.5 keeps streams visibly smooth and still reads a prompt "
       "at a useful pace; lower protects streams more and slows time to first token "
       "(default: %(default)s)")
-    a("--min-prefill-chunk", type=int, default=16,
+    a("--min-prefill-chunk", type=positive_int, default=16,
       help="prompt tokens the longest-waiting prefill gets every step even when the target "
       "leaves no room, so a long prompt always progresses (default: %(default)s)")
     a("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
       help="decode attention: the fused Triton kernel on CUDA when available (default: "
       "%(default)s)")
     a("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    a("--torch-threads", type=int, default=None, help="intra-op threads for the model "
-      "(default: all cores)")
-    a("--max-model-len", type=int, default=8192, help="context limit, prompt + output "
-      "(default: %(default)s, capped by the model)")
-    a("--default-max-tokens", type=int, default=1024, help="chat max_tokens when the client "
+    a("--torch-threads", type=positive_int, default=None, help="intra-op threads for the model "
+      "(default: the CPU quota of the container or cgroup, else all cores)")
+    a("--max-model-len", type=int_at_least(2), default=8192, help="context limit in tokens, "
+      "prompt + output (default: %(default)s, capped by the model)")
+    a("--default-max-tokens", type=positive_int, default=1024,
+      help="chat max_tokens when the client "
       "sends none (default: %(default)s)")
     a("--tenants", default=None, help="tenants TOML file (keys, token budgets) (default: none, "
       "auth off)")
-    a("--max-waiting", type=int, default=256, help="queue bound before 503 "
+    a("--max-waiting", type=positive_int, default=256, help="requests queued before new ones "
+      "get 503 "
       "(default: %(default)s)")
-    a("--max-body-bytes", type=int, default=4 * 2**20, help="request body limit "
+    a("--max-body-bytes", type=positive_int, default=4 * 2**20, help="request body limit in bytes "
       "(default: %(default)s)")
-    a("--admin-port", type=int, default=None, help="admin listener port (drain/undrain); off "
+    a("--api-key", action="append", default=[], metavar="KEY", help="an API key clients "
+      "must send (Bearer or x-api-key); repeatable, or a comma-separated BATCHER_API_KEY; one "
+      "tenant with no budget: use --tenants for budgets and several tenants (default: none, "
+      "auth off)")
+    a("--keepalive-timeout", type=positive_float, default=None, help="seconds an idle "
+      "client connection stays open, also the limit for sending a request's headers; set it "
+      "above the idle timeout of a load balancer in front (default: 20)")
+    a("--admin-port", type=port, default=None, help="admin listener port (drain/undrain); off "
       "unless given")
     a("--admin-host", default="127.0.0.1", help="admin listener address (default: %(default)s)")
     a("--admin-key", default=None, help="admin key (default: env BATCHER_ADMIN_KEY)")
-    a("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="time-to-first-token SLO "
+    a("--slo-ttft-ms", type=non_negative_float, default=DEFAULT_SLO_TTFT_MS,
+      help="time-to-first-token SLO "
       "in ms: a request is admitted only when its predicted TTFT is within 85%% of it (batch "
       "within half of it), otherwise refused at once with 503 + Retry-After; also the goodput "
       "threshold. The default keeps an interactive client's wait for its first token bounded "
       "on a server started with no flags, instead of letting the queue (--max-waiting) grow "
       "to minutes; 0 turns the check off (the queue is then bounded only by count) "
       "(default: %(default)g)")
-    a("--slo-tpot-ms", type=float, default=None, help="time-per-output-token SLO in ms: new "
+    a("--slo-tpot-ms", type=non_negative_float, default=None,
+      help="time-per-output-token SLO in ms: new "
       "work is refused (503) when one more stream would make the running streams' step "
       "slower than this, as predicted from the measured step times; also the goodput "
       "threshold (default: none, no TPOT check)")
-    a("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
-      "finish on SIGTERM (default: %(default)s)")
+    a("--shutdown-timeout", type=non_negative_float, default=30.0, help="seconds in-flight "
+      "requests get to finish on SIGTERM (default: %(default)s)")
     a("--embedding-model", default="minilm", choices=["minilm", "none"],
       help="serve /v1/embeddings with the bundled all-MiniLM-L6-v2 (default: %(default)s)")
-    a("--embedding-batch-size", type=int, default=32, help="most embedding inputs in one "
-      "model call (default: %(default)s)")
-    a("--embedding-max-wait-ms", type=float, default=5.0, help="longest an embedding input "
-      "waits for its batch to fill (default: %(default)s)")
-    a("--version", default="v1", help="version label reported in /v1/state "
+    a("--embedding-batch-size", type=positive_int, default=32, help="most embedding inputs in "
+      "one model call (default: %(default)s)")
+    a("--embedding-max-wait-ms", type=non_negative_float, default=5.0, help="longest an "
+      "embedding input waits for its batch to fill, in ms (default: %(default)s)")
+    a("--deployment-version", "--version", dest="version", default="v1", action=DeprecatedAlias,
+      old="--version", new="--deployment-version", help="deployment label reported in "
+      "/v1/state and the metrics, for canaries and rollouts; --version is a deprecated alias "
       "(default: %(default)s)")
-    a("--log-level", default="info", help="debug, info, warning or error "
-      "(default: %(default)s)")
+    a("--log-level", default="info", type=lower, choices=LOG_LEVELS, help="debug also prints "
+      "the traceback of a startup error (default: %(default)s)")
     a("--router", action="append", default=[], help="router URL to heartbeat /v1/state to "
       "about once a second (repeatable; joins that router's fleet)")
     a("--advertise-url", default=None, help="URL routers should use for this replica "
@@ -115,15 +148,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     add_batch_serve_args(p)
     fake = p.add_argument_group("fake model (--model fake)")
-    fake.add_argument("--fake-prefill-rate", type=float, default=20_000.0,
+    fake.add_argument("--fake-prefill-rate", type=positive_float, default=20_000.0,
                       help="simulated prefill tokens/s (default: %(default)s)")
-    fake.add_argument("--fake-decode-step-ms", type=float, default=20.0,
-                      help="simulated decode step time (default: %(default)s)")
-    fake.add_argument("--fake-step-factor", type=float, default=1.0,
+    fake.add_argument("--fake-decode-step-ms", type=non_negative_float, default=20.0,
+                      help="simulated decode step time in ms (default: %(default)s)")
+    fake.add_argument("--fake-step-factor", type=positive_float, default=1.0,
                       help="every simulated step this many times as long: a slower replica "
                       "(default: %(default)s)")
+    # Fault injection is for the fleet's own tests: accepted, never shown in --help.
     fake.add_argument("--fake-fault", default="none",
                       choices=["none", "hang", "crash", "slow", "error"],
-                      help="inject a fault after --fake-fault-after-steps (default: %(default)s)")
-    fake.add_argument("--fake-fault-after-steps", type=int, default=0,
-                      help="(default: %(default)s)")
+                      help=argparse.SUPPRESS)
+    fake.add_argument("--fake-fault-after-steps", type=non_negative_int, default=0,
+                      help=argparse.SUPPRESS)

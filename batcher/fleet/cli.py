@@ -217,6 +217,9 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse._StoreTrueAction):
             out.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            for item in value:
+                out += [flag, str(item)]
         else:
             out += [flag, str(value)]
     return out

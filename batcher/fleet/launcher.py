@@ -219,7 +219,7 @@ def replica_specs(n: int, serve_flags: list[str], router_urls: list[str],
         argv = [python, "-m", "batcher.cli", "serve", *serve_flags, "--host", host,
                 "--port", str(port), "--admin-port", str(admin), "--replica-id", rid]
         if versions:
-            argv += ["--version", versions[i % len(versions)]]
+            argv += ["--deployment-version", versions[i % len(versions)]]
         for r in router_urls:
             argv += ["--router", r]
         specs.append(ReplicaSpec(rid, f"http://{host}:{port}", f"http://{host}:{admin}", argv))

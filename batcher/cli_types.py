@@ -1,0 +1,109 @@
+"""Argparse value types that refuse a bad value while the command line is read: a server must
+never load a model for minutes and then find that `--port 99999` cannot be bound or that
+`--max-num-seqs 0` means nothing.
+
+Each type raises `argparse.ArgumentTypeError`, which argparse reports as one line naming the
+flag, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from batcher.config import parse_bytes
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def port(text: str) -> int:
+    """A TCP port, 1-65535, or 0 for any free port."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free port), got {value}")
+    return value
+
+
+def float_at_least(low: float, *, strict: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {low:g} and finite, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+non_negative_float = float_at_least(0.0)
+positive_float = float_at_least(0.0, strict=True)
+
+
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {value}")
+    return value
+
+
+def byte_size(text: str) -> str:
+    """A size such as 512MiB or 2GiB; kept as text (the engine parses it), checked here."""
+    try:
+        value = parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 512MiB or 2GiB, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return text
+
+
+def lower(text: str) -> str:
+    """Choices compared case-insensitively (`--log-level INFO`)."""
+    return text.lower()
+
+
+class DeprecatedAlias(argparse.Action):
+    """Stores like `store` and warns on stderr when the option is spelled by its old name."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, old: str, new: str,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.old, self.new = old, new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if option_string == self.old:
+            print(f"{parser.prog}: warning: {self.old} is deprecated and will be removed; "
+                  f"use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
