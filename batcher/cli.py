@@ -24,11 +24,7 @@ import traceback
 from typing import NoReturn
 
 from batcher.cli_env import add_config_arg, apply_defaults
-
-# Re-exported: the replica's flags, for the callers that still import them from here.
-from batcher.serve_args import DEFAULT_SLO_TTFT_MS, add_serve_args
-
-__all__ = ["DEFAULT_SLO_TTFT_MS", "add_serve_args", "main"]
+from batcher.serve_args import add_serve_args
 
 
 class Parser(argparse.ArgumentParser):
