@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 
 MODEL = "tiny"
 KEY, OTHER_KEY, POOR_KEY = "batch-key-0123", "other-key-4567", "poor-key-8901"
+LIVE_KEY = "live-only-key-2345"
 MAX_FILE_BYTES = 64 * 1024
 
 
@@ -30,6 +31,8 @@ def setup(tmp: pytest.TempPathFactory) -> list[str]:
         "other": {"key": OTHER_KEY, "tokens_per_minute": 10_000_000, "max_concurrent": 64},
         # One line of about 25 tokens fits; the bucket then refills at 1 token a second.
         "poor": {"key": POOR_KEY, "tokens_per_minute": 60, "burst": 40, "max_concurrent": 4},
+        "live": {"key": LIVE_KEY, "tokens_per_minute": 10_000, "max_concurrent": 4,
+                 "priorities": ["interactive"]},
     })
     return ["--tenants", str(tenants), "--data-dir", str(root / "data"),
             "--batch-max-file-bytes", str(MAX_FILE_BYTES)]
@@ -179,6 +182,15 @@ def test_bad_batch_requests(client: OpenAI) -> None:
     assert b.errors.data[0].code == "mismatched_url" and b.errors.data[0].line == 1
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(b.id)
+
+
+def test_a_key_without_batch_priority_cannot_create_batches(server: Server) -> None:
+    with client_for(server, LIVE_KEY) as live:
+        f = upload(live, [line("a")])
+        with pytest.raises(openai.PermissionDeniedError) as err:
+            live.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                completion_window="24h")
+        assert err.value.body["code"] == "priority_not_allowed"  # type: ignore[index]
 
 
 def test_cancel_answers_every_line_once(client: OpenAI) -> None:

@@ -208,6 +208,9 @@ async def create_batch(request: web.Request) -> web.Response:
 
     svc = _service(request)
     tenant = _tenant(request)
+    if "batch" not in request["tenant"].priorities:  # every line would be refused
+        raise ApiError(403, "this API key may not submit batch work (priority 'batch' is not "
+                       "allowed for it)", code="priority_not_allowed")
     body = await read_json(request)
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_type")
