@@ -157,11 +157,15 @@ def _step_observer(admission: Admission, engine: AsyncEngine,
 
 
 async def run_server(args: argparse.Namespace) -> int:
+    from batcher.batch import service as batch
+
     # Everything checkable without the model is checked, and the ports bound, before it loads.
     pre = preflight(args)
     try:
         app = create_app(gateway_factory(args, pre.tenants), args.max_body_bytes,
-                         probe_keys=(pre.admin_key, os.environ.get("BATCHER_FLEET_KEY")))
+                         probe_keys=(pre.admin_key, os.environ.get("BATCHER_FLEET_KEY")),
+                         extend=None if pre.batch_config is None
+                         else lambda a: batch.install(a, pre.batch_config))
         quiet_log = server_log()
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=args.shutdown_timeout,
@@ -199,6 +203,9 @@ async def run_server(args: argparse.Namespace) -> int:
     await stop.wait()
     # Drain: readiness 503, new work 503 + Retry-After, in-flight requests finish in time.
     gw.set_draining(True)
+    # Batch lines stop at once (they stay pending and resume after a restart): the drain waits
+    # only for live requests.
+    await batch.stop_executor(app)
     deadline = time.monotonic() + args.shutdown_timeout
     while gw.jobs and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
