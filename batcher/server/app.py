@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 HANDLERS = web.AppKey("handlers", dict)
 PROBE = web.AppKey("probe", ProbeGuard)
+# Optional: a request's body limit when it differs from the server's (None: the server's).
+BODY_LIMIT = web.AppKey("body_limit", Callable[[web.Request], "int | None"])
 # Routes without a tenant key: liveness, readiness, capacity, metrics; the probe checks its own.
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
 
@@ -44,9 +46,12 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         request["request_id"] = rid
         request["state_header"] = state_header
         length = request.content_length
-        if length is not None and length > gw.cfg.max_body_bytes:
+        # An extension may give some requests their own limit (the batch API's file uploads).
+        override = request.app.get(BODY_LIMIT)
+        limit = (override(request) if override is not None else None) or gw.cfg.max_body_bytes
+        if length is not None and length > limit:
             raise ApiError(413, f"the request body is {length} bytes; the limit is "
-                           f"{gw.cfg.max_body_bytes}", code="body_too_large")
+                           f"{limit}", code="body_too_large")
         if request.path not in OPEN_PATHS:
             try:
                 request["tenant"] = gw.auth.authenticate_headers(request.headers)
@@ -122,9 +127,11 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int,
-               probe_keys: tuple[str | None, ...] = ()) -> web.Application:
+               probe_keys: tuple[str | None, ...] = (),
+               extend: Callable[[web.Application], None] | None = None) -> web.Application:
     """The public app. `gw_factory` builds the gateway (model, engine) at startup; cleanup
-    stops the engine. `/v1/probe` takes any of `probe_keys` (the admin and fleet keys)."""
+    stops the engine. `/v1/probe` takes any of `probe_keys` (the admin and fleet keys).
+    `extend` adds routes and lifetimes of optional tiers (the batch API)."""
     app = web.Application(middlewares=[gateway_middleware], client_max_size=max_body_bytes)
     app[PROBE] = ProbeGuard(probe_keys)
 
@@ -156,5 +163,7 @@ def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int
     app.router.add_post("/v1/completions", generation, **ex)
     app.router.add_post("/v1/chat/completions", generation, **ex)
     app.router.add_post("/v1/embeddings", embeddings_route.handle, **ex)
+    if extend is not None:
+        extend(app)  # before the catch-all route, which would shadow later ones
     add_fallback_route(app)
     return app
