@@ -100,7 +100,8 @@ def test_every_flag_has_help_and_test_flags_are_hidden() -> None:
 @pytest.mark.slow
 async def test_api_key_from_the_environment_on_the_bundled_model() -> None:
     """The default model, default settings, one key from BATCHER_API_KEY: no key is a 401 in
-    OpenAI's error shape, the key completes."""
+    OpenAI's error shape, the key completes; a deadline 504 and a 400 carry
+    `x-should-retry: false`."""
     with serve("--model", "smollm2-135m", num_blocks=None, ready_timeout=120,
                env={"BATCHER_API_KEY": "s3cret"}) as server:
         body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 4}
@@ -113,3 +114,15 @@ async def test_api_key_from_the_environment_on_the_bundled_model() -> None:
                                  headers={"Authorization": "Bearer s3cret"}) as resp:
                 assert resp.status == 200, await resp.text()
                 assert (await resp.json())["usage"]["completion_tokens"] >= 1
+            # What a retry cannot fix says so, for OpenAI's SDKs: the request's own deadline
+            # and a bad request.
+            auth = {"Authorization": "Bearer s3cret"}
+            late = {**body, "max_tokens": 200, "timeout": 0.001}
+            async with http.post(server.url + "/v1/completions", json=late,
+                                 headers=auth) as resp:
+                assert resp.status == 504, await resp.text()
+                assert resp.headers["x-should-retry"] == "false"
+            async with http.post(server.url + "/v1/completions", json={**body, "max_tokens": -1},
+                                 headers=auth) as resp:
+                assert resp.status == 400
+                assert resp.headers["x-should-retry"] == "false"

@@ -30,6 +30,26 @@ def error_body(status: int, message: str, *, param: str | None = None,
                       "code": code}}
 
 
+# Statuses a client may retry as they are: a timeout of the connection, a conflict that passes,
+# a rate limit. Every other 4xx is the request itself; sending it again cannot succeed.
+_RETRYABLE_4XX = frozenset({408, 409, 429})
+# 504s that are the request's own deadline (its `timeout`): a retry would time out again.
+_DEADLINE_CODES = frozenset({"deadline_exceeded", "timeout"})
+
+
+def should_retry(status: int, code: str | None) -> str | None:
+    """The `x-should-retry` header OpenAI's SDKs obey: "false" where a retry cannot help (a 4xx
+    other than 408/409/429, a 504 for the request's own deadline), "true" for a 503 or 429
+    (capacity that comes back), None to leave the client's default."""
+    if status in (429, 503):
+        return "true"
+    if 400 <= status < 500 and status not in _RETRYABLE_4XX:
+        return "false"
+    if status == 504 and code in _DEADLINE_CODES:
+        return "false"
+    return None
+
+
 def retry_after_header(seconds: float) -> str:
     """Whole seconds, rounded up and at least 1: a client honouring it must not come back early."""
     return str(max(1, int(-(-seconds // 1))))
@@ -55,6 +75,9 @@ class ApiError(Exception):
 
     def response(self, request_id: str | None = None) -> web.Response:
         headers = dict(self.headers)
+        retry = should_retry(self.status, self.code)
+        if retry is not None and not any(k.lower() == "x-should-retry" for k in headers):
+            headers["x-should-retry"] = retry
         if self.retry_after is not None:
             headers["Retry-After"] = retry_after_header(self.retry_after)
         if request_id:
