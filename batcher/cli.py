@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import traceback
 from typing import NoReturn
 
+from batcher.access_log import LOG_FORMATS
+from batcher.access_log import configure as configure_logging
 from batcher.cli_env import add_config_arg, apply_defaults
 from batcher.serve_args import add_serve_args
 
@@ -65,6 +66,11 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     from batcher.batch.offline import add_batch_args
 
     add_batch_args(sub.add_parser("batch", help="run a batch input file offline, in-process"))
+    for name in ("serve", "router", "fleet"):
+        sub.choices[name].add_argument(
+            "--log-format", default="text", type=str.lower, choices=LOG_FORMATS,
+            help="text for people, json for machines: one object per line, the access line's "
+            "fields as keys (default: %(default)s)")
     return parser, dict(sub.choices)
 
 
@@ -73,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     _env_defaults(commands, argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     if args.command == "serve":
         return _serve(args)
     if args.command == "bench":

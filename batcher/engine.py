@@ -29,6 +29,7 @@ from batcher.engine_state import EngineSnapshot
 from batcher.request import Request, RequestStatus
 from batcher.request_registry import RequestRegistry, iter_stream
 from batcher.sampling import SamplingParams
+from batcher.timings import EngineTimes
 from batcher.tokenizer import IncrementalDetokenizer, Tokenizer
 from batcher.ttft_predictor import Backlog
 
@@ -120,6 +121,8 @@ class EngineEvent:
     ttft: float | None = None
     e2e: float | None = None
     token_times: list[float] = field(default_factory=list)  # monotonic time of each token
+    priority: int = 0
+    times: EngineTimes | None = None  # the request's engine-side marks, on the final event
 
     @property
     def finished(self) -> bool:
@@ -139,6 +142,21 @@ class _Live:
     detok: IncrementalDetokenizer
     token_times: list[float] = field(default_factory=list)
     abort_time: float | None = None
+    # Waiting again after a preemption: since when, and the waits so far (split at the first
+    # token, so the latency anatomy can move them out of prefill or decode into queue).
+    preempted_at: float | None = None
+    requeue_before: float = 0.0
+    requeue_after: float = 0.0
+
+    def end_requeue(self, now: float) -> None:
+        if self.preempted_at is None:
+            return
+        wait = max(0.0, now - self.preempted_at)
+        if self.request.first_token_time is None:
+            self.requeue_before += wait
+        else:
+            self.requeue_after += wait
+        self.preempted_at = None
 
 
 class AsyncEngine:
@@ -153,6 +171,11 @@ class AsyncEngine:
                  prefix_cache_scope: str = "tenant"):
         self.runner = runner
         self.tokenizer = tokenizer
+        # Grammar-constrained rows need a runner that masks tokens (the fake one does not).
+        attach = getattr(runner, "attach_tokenizer", None)
+        self.supports_grammar = attach is not None
+        if attach is not None:
+            attach(tokenizer)
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching,
                                  prefix_cache_scope)
         # Fed every step's measured model time; read by the scheduler's step budget and admission.
@@ -164,6 +187,7 @@ class AsyncEngine:
         self.clock = clock
         self._streams = RequestRegistry()
         self._live: dict[str, _Live] = {}
+        self._preempted: set[str] = set()  # waiting again after a preemption
         self._wake = asyncio.Event()
         self._executor = _ModelThread("batcher-model")
         self._task: asyncio.Task[None] | None = None
@@ -328,6 +352,8 @@ class AsyncEngine:
             if self.busy_since is None:
                 self.busy_since = self.clock()
             started = self.clock()
+            if self._preempted:
+                self._note_rescheduled(sched, started)
             try:
                 out, model_seconds = await loop.run_in_executor(
                     self._executor, self._timed_execute, sched)
@@ -343,6 +369,7 @@ class AsyncEngine:
             self._emit(updates, now)
             if self.metrics is not None:
                 self.metrics.observe_step(self.snapshot(), self.scheduler.stats, len(sched.seqs))
+                self.metrics.observe_step_shape(sched, model_seconds)
             for listener in self.step_listeners:
                 listener(sched, now - started)
 
@@ -358,11 +385,24 @@ class AsyncEngine:
         now = self.clock()
         for rid in freed_ids:
             live = self._live.get(rid)
-            if live is None or not live.request.is_finished:
-                continue  # preempted, not finished
+            if live is None:
+                continue
+            if not live.request.is_finished:  # preempted: waiting again from now
+                live.preempted_at = now
+                self._preempted.add(rid)
+                continue
             if live.abort_time is not None and self.metrics is not None:
                 self.metrics.observe_cancel_delay(now - live.abort_time)
             self._finish(live, now)
+
+    def _note_rescheduled(self, sched: SchedulerOutput, now: float) -> None:
+        """Preempted requests that run again in this step: their wait ends now."""
+        ids = {s.request_id for s in sched.seqs}
+        for rid in [r for r in self._preempted if r in ids]:
+            self._preempted.discard(rid)
+            live = self._live.get(rid)
+            if live is not None:
+                live.end_requeue(now)
 
     def _emit(self, updates: list[RequestUpdate], now: float) -> None:
         for u in updates:
@@ -398,6 +438,14 @@ class AsyncEngine:
             ev.ttft = req.first_token_time - req.arrival_time
         ev.e2e = now - req.arrival_time
         ev.token_times = live.token_times
+        ev.priority = int(req.priority)
+        live.end_requeue(now)
+        self._preempted.discard(rid)
+        ev.times = EngineTimes(
+            first_scheduled=req.first_scheduled_time, first_token=req.first_token_time,
+            last_token=live.token_times[-1] if live.token_times else None, finished=now,
+            requeue_before_first_token=live.requeue_before,
+            requeue_after_first_token=live.requeue_after, preemptions=req.num_preemptions)
         del self._live[rid]
         self._streams.push(rid, ev)
         self._streams.close_stream(rid)

@@ -15,8 +15,11 @@ from prometheus_client import (
     generate_latest,
 )
 
+from batcher.core.outputs import SchedulerOutput
 from batcher.core.scheduler import SchedulerStats
 from batcher.engine_state import EngineSnapshot
+from batcher.request import Priority
+from batcher.timings import PHASES, Timings
 
 if TYPE_CHECKING:  # the engine imports this module; its event type is only annotated here
     from batcher.engine import EngineEvent
@@ -24,6 +27,22 @@ if TYPE_CHECKING:  # the engine imports this module; its event type is only anno
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                1, 2, 5)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def priority_label(priority: int) -> str:
+    """The class a request's priority falls in (integer priorities at or past batch are batch)."""
+    return "batch" if priority >= Priority.BATCH else "interactive"
+
+
+def step_kind(sched: SchedulerOutput) -> str:
+    """`decode` (one token per row), `prefill` (prompt chunks only) or `mixed`."""
+    if sched.num_decodes == len(sched.seqs):
+        return "decode"
+    return "prefill" if sched.num_decodes == 0 else "mixed"
 
 
 class Metrics:
@@ -38,10 +57,26 @@ class Metrics:
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
             return Histogram(f"batcher_{name}", doc, buckets=buckets, registry=r)
 
-        self.ttft = hist("ttft_seconds", "Arrival to first token")
+        def labelled(name: str, doc: str, labels: list[str], buckets=PHASE_BUCKETS
+                     ) -> Histogram:
+            return Histogram(f"batcher_{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = labelled("ttft_seconds", "Arrival to first token", ["priority"],
+                             LATENCY_BUCKETS)
         self.tpot = hist("tpot_seconds", "Mean time per output token after the first",
                          TPOT_BUCKETS)
-        self.queue_wait = hist("queue_wait_seconds", "Arrival to first scheduled step")
+        self.queue_wait = labelled("queue_wait_seconds", "Arrival to first scheduled step",
+                                   ["priority"], LATENCY_BUCKETS)
+        # The latency anatomy, per phase, from HTTP receipt (see batcher.timings).
+        self.phases = {p: (labelled(f"request_{p}_seconds", f"Time in the {p} phase",
+                                    ["priority"]) if p == "queue" else
+                           hist(f"request_{p}_seconds", f"Time in the {p} phase", PHASE_BUCKETS))
+                       for p in PHASES}
+        self.request_total = hist("request_total_seconds", "HTTP receipt to answer written")
+        self.step_time = labelled("step_seconds", "Model time of one engine step, by kind",
+                                  ["kind"], STEP_BUCKETS)
+        self.step_tokens = labelled("step_tokens", "Tokens computed in one engine step, by kind",
+                                    ["kind"], STEP_TOKEN_BUCKETS)
         self.service = hist("service_seconds", "First scheduled step to finish")
         self.e2e = hist("e2e_seconds", "Arrival to finish")
         self.batch_size = hist("batch_size", "Sequences per engine step", BATCH_BUCKETS)
@@ -105,14 +140,15 @@ class Metrics:
     def observe_finished(self, ev: EngineEvent) -> None:
         self.finished.labels(ev.finish_reason).inc()
         self.prompt_tokens.inc(ev.num_prompt_tokens)
+        prio = priority_label(ev.priority)
         if ev.queue_wait is not None:
-            self.queue_wait.observe(ev.queue_wait)
+            self.queue_wait.labels(prio).observe(ev.queue_wait)
             if ev.e2e is not None:
                 self.service.observe(max(0.0, ev.e2e - ev.queue_wait))
         if ev.e2e is not None:
             self.e2e.observe(ev.e2e)
         if ev.ttft is not None:
-            self.ttft.observe(ev.ttft)
+            self.ttft.labels(prio).observe(ev.ttft)
         tpot = ev.tpot
         if tpot is not None:
             self.tpot.observe(tpot)
@@ -125,6 +161,20 @@ class Metrics:
         if self.slo_ttft_s is not None and ttft > self.slo_ttft_s:
             return False
         return not (self.slo_tpot_s is not None and tpot is not None and tpot > self.slo_tpot_s)
+
+    def observe_step_shape(self, sched: SchedulerOutput, seconds: float) -> None:
+        kind = step_kind(sched)
+        self.step_time.labels(kind).observe(seconds)
+        self.step_tokens.labels(kind).observe(sum(s.num_tokens for s in sched.seqs))
+
+    def observe_phases(self, t: Timings, priority: int) -> None:
+        """One answered generation request's phases (see batcher.timings)."""
+        for p, ms in t.phases().items():
+            h = self.phases.get(p)
+            if h is None:
+                continue
+            (h.labels(priority_label(priority)) if p == "queue" else h).observe(ms / 1000.0)
+        self.request_total.observe(t.total_ms / 1000.0)
 
     def observe_cancel_delay(self, seconds: float) -> None:
         self.cancel_delay.observe(seconds)

@@ -34,7 +34,7 @@ def parse_metrics(text: str) -> dict[str, float]:
             if s.name.endswith("_created"):
                 continue
             key = f"{s.name}{{le={s.labels['le']}}}" if "le" in s.labels else s.name
-            out[key] = float(s.value)
+            out[key] = out.get(key, 0.0) + float(s.value)  # summed over other labels
     return out
 
 

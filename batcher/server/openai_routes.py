@@ -18,6 +18,7 @@ from batcher.http.listener import read_json
 from batcher.http.sse import DONE, SSE_HEADERS, sse_event
 from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
+from batcher.server.timing import RequestTiming
 
 
 def engine_refusal(exc: Exception) -> ApiError:
@@ -90,23 +91,48 @@ class GenerationHandler:
         self.prefix = "chatcmpl-" if chat else "cmpl-"
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
+        timing = RequestTiming(self.gw.metrics, request)
+        try:
+            resp = await self._handle(request, timing)
+        except ApiError as err:
+            timing.done(err.status)
+            raise
+        except asyncio.CancelledError:  # the client went away
+            timing.done(499)
+            raise
+        except Exception:
+            timing.done(500)
+            raise
+        timing.done(resp.status)
+        return resp
+
+    async def _handle(self, request: web.Request, timing: RequestTiming) -> web.StreamResponse:
         gw = self.gw
         body = await read_json(request)
         spec = parse_generation(body, self.chat, {gw.cfg.model_name}, gw.tokenizer.vocab_size)
+        if spec.sampling.grammar is not None and not gw.engine.supports_grammar:
+            raise invalid("structured outputs are not supported by this model",
+                          "response_format", "unsupported")
+        timing.marks.mark_parsed()
         prompts = await gw.tokenize(spec)
         gw.fit_context(spec, prompts)
+        timing.marks.mark_tokenized()
         tenant = request["tenant"]
         rid: str = request["request_id"]
         job = gw.admit(tenant, spec, prompts, rid)
+        timing.job = job
         generated = 0
         try:
             if spec.stream:
-                return await self._stream(request, spec, job)
+                return await self._stream(request, spec, job, timing)
             choices = await self._collect(spec, job)
             generated = sum(len(c.tokens) for c in choices)
-            return web.Response(body=orjson.dumps(self._whole(spec, rid, choices)),
-                                content_type="application/json",
-                                headers={"X-Replica-State": request["state_header"]()})
+            answer = self._whole(spec, rid, choices)
+            t = timing.finish([c.final for c in choices], answer["usage"])
+            answer["timings"] = t.to_json()
+            return web.Response(body=orjson.dumps(answer), content_type="application/json",
+                                headers={"X-Replica-State": request["state_header"](),
+                                         "Server-Timing": t.server_timing()})
         finally:
             gw.release(job, generated or sum(r.num_output_tokens for r in job.requests))
 
@@ -156,8 +182,8 @@ class GenerationHandler:
                 "model": spec.model, "choices": out, "usage": tally.body()}
 
     # streams -------------------------------------------------------------------------------
-    async def _stream(self, request: web.Request, spec: GenerationSpec, job: Job
-                      ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, spec: GenerationSpec, job: Job,
+                      timing: RequestTiming) -> web.StreamResponse:
         """Status and headers once the first event is in, then one SSE chunk per event; the
         deadline, the engine's failure and the client's disconnect each end it explicitly."""
         rid = request["request_id"]
@@ -170,7 +196,7 @@ class GenerationHandler:
                 await resp.prepare(request)
                 base = {"id": self.prefix + rid, "object": self.object + ".chunk"
                         if self.chat else self.object, "created": now_s(), "model": spec.model}
-                await self._relay(resp, spec, job, base, first, events)
+                await self._relay(resp, spec, job, base, first, events, timing)
                 deadline.reschedule(None)
         except TimeoutError:
             if not resp.prepared:
@@ -201,7 +227,8 @@ class GenerationHandler:
 
     async def _relay(self, resp: web.StreamResponse, spec: GenerationSpec, job: Job,
                      base: dict[str, Any], first: tuple[int, EngineEvent],
-                     events: AsyncIterator[tuple[int, EngineEvent]]) -> None:
+                     events: AsyncIterator[tuple[int, EngineEvent]], timing: RequestTiming
+                     ) -> None:
         """Write every choice's events as chunks, then the usage chunk when asked for; an
         engine failure ends the stream with an error event instead."""
         if self.chat:
@@ -211,6 +238,7 @@ class GenerationHandler:
             for i in range(len(job.requests)):
                 await resp.write(sse_event(self._chunk(base, i, text=self._echo(spec, i))))
         tally = UsageTally(spec.n)
+        finals: list[EngineEvent | None] = [None] * len(job.requests)
         prompt_sent: set[int] = set()
         item: tuple[int, EngineEvent] | None = first
         while item is not None:
@@ -224,9 +252,14 @@ class GenerationHandler:
                 await resp.write(sse_event(chunk))
             if ev.finished:
                 tally.add(i, ev)
+                finals[i] = ev
             item = await anext(events, None)
+        # The usage chunk is the stream's last word: its timings end as it is written; without
+        # it they end when the last choice's chunk was written.
+        t = timing.finish(finals, tally.body())
         if spec.include_usage:
-            await resp.write(sse_event(dict(base, choices=[], usage=tally.body())))
+            await resp.write(sse_event(dict(base, choices=[], usage=tally.body(),
+                                            timings=t.to_json())))
 
     def _event_chunk(self, base: dict[str, Any], spec: GenerationSpec, job: Job, i: int,
                      ev: EngineEvent, prompt_sent: set[int]) -> dict[str, Any] | None:
