@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from batcher.config import parse_bytes
+from batcher.engine_config import DEVICES, DTYPES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
+__all__ = ["DEVICES", "DTYPES", "LOG_LEVELS"]
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

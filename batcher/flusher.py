@@ -27,13 +27,16 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from batcher.request_registry import RequestRegistry, new_request_id
 
-BatchFn = Callable[[list[Any]], Sequence[Any] | Awaitable[Sequence[Any]]]
+ItemT = TypeVar("ItemT")
+ResultT = TypeVar("ResultT")
+# `fn(items) -> results`, one result per item in order; sync (run in a worker thread) or async.
+BatchFn = Callable[[list[ItemT]], Sequence[ResultT] | Awaitable[Sequence[ResultT]]]
 
 # A deadline this close counts as due, so float round-off never costs a second (fake-clock) sleep.
 _DUE_EPSILON_S = 1e-6
@@ -103,15 +106,16 @@ class _Entry:
     enqueued_at: float
 
 
-class Flusher:
+class Flusher(Generic[ItemT, ResultT]):
     """Size-or-timeout flusher around `fn`; the module docstring states the contract.
+    `Flusher[str, list[float]]` takes `str` items and resolves each to a `list[float]`.
 
     Bound to the event loop of its first `submit`.
     """
 
     def __init__(
         self,
-        fn: BatchFn,
+        fn: BatchFn[ItemT, ResultT],
         max_batch_size: int = 100,
         max_wait_ms: float = 20,
         max_queue: int | None = None,
@@ -176,8 +180,8 @@ class Flusher:
         return max(per_batch * depth, _MIN_RETRY_AFTER_S)
 
     async def submit(
-        self, item: Any, request_id: str | None = None, timeout: float | None = None
-    ) -> Any:
+        self, item: ItemT, request_id: str | None = None, timeout: float | None = None
+    ) -> ResultT:
         """Queue `item` and return its result.
 
         Raises `Closed`, `Overloaded`, `DuplicateRequestId` (`request_id` already in flight),

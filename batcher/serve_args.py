@@ -28,14 +28,17 @@ from batcher.config import (
     CUDA_MAX_NUM_SEQS,
     PREFILL_BUDGETS,
 )
+from batcher.engine_config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
 
+# The engine settings' defaults, one copy for these flags and the in-process API.
+_E = EngineConfig()
 # Time-to-first-token a server started with no flags admits requests for (see --slo-ttft-ms).
 DEFAULT_SLO_TTFT_MS = 2000.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--model", default="smollm2-135m", help="smollm2-135m (bundled), tiny (random weights, "
+    a("--model", default=DEFAULT_MODEL, help="smollm2-135m (bundled), tiny (random weights, "
       "for tests), fake (simulated engine for fleet tests), a .gguf file or a Hugging Face "
       "folder (default: %(default)s)")
     a("--served-model-name", default=None, help="name clients use in 'model' (default: derived "
@@ -43,53 +46,57 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     a("--port", type=port, default=8000, help="TCP port to listen on, 0 for any free one "
       "(default: %(default)s)")
-    a("--dtype", default="auto", type=lower, choices=DTYPES, help="weight and activation type; "
+    a("--dtype", default=_E.dtype, type=lower, choices=DTYPES, help="weight and activation type; "
       "auto is bfloat16 (default: %(default)s)")
-    a("--device", default="auto", type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
+    a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
-    a("--kv-cache-memory", type=byte_size, default=None,
+    a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,
       help="KV cache budget, e.g. 1GiB (default: 2GiB on "
       "CPU, at most a quarter of RAM; free GPU memory x 0.9 on CUDA)")
-    a("--num-blocks", type=positive_int, default=None,
+    a("--num-blocks", type=positive_int, default=_E.num_blocks,
       help="KV blocks (overrides --kv-cache-memory; "
       "default: sized from --kv-cache-memory)")
-    a("--block-size", type=power_of_two, default=16, help="tokens per KV block, a power of two "
+    a("--block-size", type=power_of_two, default=_E.block_size,
+      help="tokens per KV block, a power of two "
       "(default: %(default)s)")
     a("--no-prefix-caching", action="store_true", help="disable prefix caching (default: "
       "prefix caching on)")
-    a("--prefix-cache-scope", choices=("tenant", "global"), default="tenant", help="share "
+    a("--prefix-cache-scope", choices=("tenant", "global"), default=_E.prefix_cache_scope,
+      help="share "
       "cached prompt blocks within a tenant only, or across all tenants (only when every "
       "tenant may learn what the others send) (default: %(default)s)")
-    a("--max-num-seqs", type=positive_int, default=None,
+    a("--max-num-seqs", type=positive_int, default=_E.max_num_seqs,
       help=f"most sequences in one step (default: {CPU_MAX_NUM_SEQS} on CPU, "
       f"{CUDA_MAX_NUM_SEQS} on CUDA)")
-    a("--max-num-batched-tokens", type=positive_int, default=None,
+    a("--max-num-batched-tokens", type=positive_int, default=_E.max_num_batched_tokens,
       help=f"most tokens in one step, an upper bound on every step's budget; a step with no "
       f"decodes gives prefill all of it (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, "
       f"{CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
-    a("--prefill-budget", default="time", choices=list(PREFILL_BUDGETS),
+    a("--prefill-budget", default=_E.prefill_budget, choices=list(PREFILL_BUDGETS),
       help="how much prefill a step carrying decodes takes: 'time' sizes each chunk with a "
       "model of step time fitted online from the engine's measured steps, so the step stays "
       "within --slo-tpot-ms when set, else within --max-step-slowdown times the decode-only "
       "step; 'fixed' fills --max-num-batched-tokens whatever the step then costs "
       "(default: %(default)s)")
-    a("--max-step-slowdown", type=float, default=1.5,
+    a("--max-step-slowdown", type=float, default=_E.max_step_slowdown,
       help="without --slo-tpot-ms, a step carrying decodes may take at most this times the "
       "steady step, the decode-only step of the running streams plus the requests waiting "
       "to join them: streams then keep within this factor of their steady time per token "
       "while a new prompt is read. 1.5 keeps streams visibly smooth and still reads a prompt "
       "at a useful pace; lower protects streams more and slows time to first token "
       "(default: %(default)s)")
-    a("--min-prefill-chunk", type=positive_int, default=16,
+    a("--min-prefill-chunk", type=positive_int, default=_E.min_prefill_chunk,
       help="prompt tokens the longest-waiting prefill gets every step even when the target "
       "leaves no room, so a long prompt always progresses (default: %(default)s)")
-    a("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+    a("--attention-backend", default=_E.attention_backend, choices=ATTENTION_BACKENDS,
       help="decode attention: the fused Triton kernel on CUDA when available (default: "
       "%(default)s)")
     a("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    a("--torch-threads", type=positive_int, default=None, help="intra-op threads for the model "
+    a("--torch-threads", type=positive_int, default=_E.torch_threads,
+      help="intra-op threads for the model "
       "(default: the CPU quota of the container or cgroup, else all cores)")
-    a("--max-model-len", type=int_at_least(2), default=8192, help="context limit in tokens, "
+    a("--max-model-len", type=int_at_least(2), default=_E.max_model_len,
+      help="context limit in tokens, "
       "prompt + output (default: %(default)s, capped by the model)")
     a("--default-max-tokens", type=positive_int, default=1024,
       help="chat max_tokens when the client "
@@ -120,7 +127,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "on a server started with no flags, instead of letting the queue (--max-waiting) grow "
       "to minutes; 0 turns the check off (the queue is then bounded only by count) "
       "(default: %(default)g)")
-    a("--slo-tpot-ms", type=non_negative_float, default=None,
+    a("--slo-tpot-ms", type=non_negative_float, default=_E.slo_tpot_ms,
       help="time-per-output-token SLO in ms: new "
       "work is refused (503) when one more stream would make the running streams' step "
       "slower than this, as predicted from the measured step times; also the goodput "
