@@ -51,7 +51,7 @@ class FleetConfig:
     num_blocks: int = 4096
     block_size: int = 16
     prefix_caching: bool = True
-    policy: str = "p2c-kv"
+    policy: str = "fleet"  # the fleet router's own policy
     heartbeat_interval: float = 1.0
     heartbeat_delay: float = 0.05
     stale_after: float = 3.0

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import math
 
-DEFAULT_STEP_MODEL = "workloads/step_time_cpu.json"
+from batcher.resources import DEFAULT_STEP_MODEL as PACKAGED_STEP_MODEL
+
+DEFAULT_STEP_MODEL = str(PACKAGED_STEP_MODEL)  # the calibrated CPU model, shipped in the package
 
 
 def fleet_args(p: argparse.ArgumentParser) -> None:
@@ -17,7 +19,7 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
     a("--zones", type=int, default=3)
     a("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
     a("--warmup", type=float, default=10.0, help="arrivals before this are not measured")
-    a("--policy", default="p2c-kv", help="p2c-kv, round-robin, random, least-loaded, oracle "
+    a("--policy", default="fleet", help="p2c-kv, round-robin, random, least-loaded, oracle "
       "(least predicted TTFT from live state), or fleet (the fleet router's policy)")
     a("--arrivals", default="poisson", choices=["poisson", "burst", "diurnal", "all"])
     a("--rate", type=float, default=None, help="requests/s (default: from --load)")
