@@ -10,10 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-# The repository root when run from a checkout; BENCHMARKS.md and the workloads live there.
+from batcher.resources import DEFAULT_WORKLOAD
+
+# The repository root when run from a checkout (installed, the folder above the package).
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ROOT / "BENCHMARKS.md"
-DEFAULT_WORKLOAD = ROOT / "workloads" / "chat64.json"
+# Relative: results go to the current directory's BENCHMARKS.md, never into an installed package
+# (run from a checkout's root, that is the tracked file).
+BENCHMARKS = Path("BENCHMARKS.md")
+__all__ = ["DEFAULT_WORKLOAD"]
 
 
 def load_workload(path: str | os.PathLike[str] | None = None, limit: int | None = None

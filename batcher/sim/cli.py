@@ -73,25 +73,36 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_sim_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="sim_command", required=True)
     c = sub.add_parser("calibrate", help="fit a step-time model to the real model runner")
-    c.add_argument("--out", default=DEFAULT_STEP_MODEL)
-    c.add_argument("--reps", type=int, default=3)
-    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--out", default="step_time.json", help="JSON file to write, for "
+                   "--step-model (default: %(default)s in the current directory)")
+    c.add_argument("--reps", type=int, default=3, help="timed repetitions per grid point "
+                   "(default: %(default)s)")
+    c.add_argument("--rounds", type=int, default=3, help="passes over the grid, the median "
+                   "kept (default: %(default)s)")
     c.add_argument("--quick", action="store_true", help="a 10-point grid")
-    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="dtype of the bundled model measured on this CPU (default: %(default)s)")
     fleet_args(sub.add_parser("run", help="simulate a fleet"))
     v = sub.add_parser("validate", help="one simulated replica vs the real engine")
-    v.add_argument("--step-model", default=DEFAULT_STEP_MODEL)
-    v.add_argument("--workload", default=None, help="default: workloads/chat64.json")
-    v.add_argument("--poisson-rate", type=float, default=None, help="also a Poisson run")
-    v.add_argument("--num-blocks", type=int, default=4096)
+    v.add_argument("--step-model", default=DEFAULT_STEP_MODEL, help="calibrated JSON "
+                   "(default: the packaged CPU model)")
+    v.add_argument("--workload", default=None, help="workload JSON (default: the packaged "
+                   "chat64.json)")
+    v.add_argument("--poisson-rate", type=float, default=None, help="also a Poisson run at "
+                   "this many requests/s (default: none)")
+    v.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of the real and "
+                   "the simulated engine (default: %(default)s)")
     v.add_argument("--runs", type=int, default=1, help="real runs per case (median taken)")
-    v.add_argument("--no-append", action="store_true", help="do not write BENCHMARKS.md")
+    v.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md "
+                   "in the current directory")
     s = sub.add_parser("study", help="the docs/capacity.md studies")
     s.add_argument("name", choices=["policies", "policies-kv", "retry", "headroom", "cells",
                                     "speed", "routing"])
-    s.add_argument("--step-model", default=DEFAULT_STEP_MODEL)
+    s.add_argument("--step-model", default=DEFAULT_STEP_MODEL, help="calibrated JSON "
+                   "(default: the packaged CPU model)")
     s.add_argument("--quick", action="store_true", help="smaller and shorter (for a smoke run)")
-    s.add_argument("--out-dir", default="docs/img")
+    s.add_argument("--out-dir", default=".", help="folder for the figures and tables "
+                   "(default: the current directory; docs/img in a checkout for the docs)")
     s.add_argument("--replicas", type=int, default=None, help="routing: only the rows of this "
                    "fleet size")
 
