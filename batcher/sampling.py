@@ -32,12 +32,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens below min_p x the best token's probability; 0 = off
+    # A compiled grammar (see `batcher.structured`) the output must follow; None = free text.
+    grammar: str | None = None
 
     @property
     def needs_history(self) -> bool:
-        """Whether the sampler must see the sequence's tokens so far (penalties)."""
+        """Whether the sampler must see the sequence's tokens so far (penalties; a grammar, to
+        rebuild its state after preemption)."""
         return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.grammar is not None)
 
     @property
     def adjusts_logits(self) -> bool:

@@ -9,6 +9,7 @@ official `openai` client."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -108,12 +109,12 @@ def test_logprobs_report_the_model_distribution_and_twenty_alternatives() -> Non
 
 # the request schema ----------------------------------------------------------------------------
 UNSUPPORTED = [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("tools", [{"type": "function"}]),
     ("tool_choice", "required"), ("parallel_tool_calls", True), ("functions", [{}]),
     ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"]), ("prediction", {}),
     ("web_search_options", {}), ("reasoning_effort", "low"), ("store", True),
-    ("service_tier", "flex"), ("guided_json", {}), ("guided_regex", "a+"),
-    ("guided_choice", ["a"]), ("use_beam_search", True), ("prompt_logprobs", 1),
+    ("service_tier", "flex"), ("guided_decoding_backend", "xgrammar"), ("ebnf", "x"),
+    ("use_beam_search", True), ("prompt_logprobs", 1),
 ]
 
 
@@ -277,8 +278,9 @@ def test_bundled_model_parity_with_the_openai_client(real: Server) -> None:
         assert len(entry.top_logprobs) == 20 and entry.bytes
     with pytest.raises(openai.BadRequestError) as err:
         oc.chat.completions.create(model="smollm2-135m", messages=msgs,
-                                   response_format={"type": "json_object"})
-    assert err.value.body["param"] == "response_format"
+                                   tools=[{"type": "function", "function": {"name": "f"}}])
+    assert err.value.body["param"] == "tools"
+    _structured_outputs(oc)
     # No `model`, an integer priority, and an answer cut mid-emoji ends without U+FFFD.
     status, out = _post(real.url + "/v1/completions", {
         "prompt": "Emoji: 😀😀😀😀", "max_tokens": 2, "temperature": 0, "priority": -1})
@@ -300,3 +302,102 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
             return resp.status, json.load(resp)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
+
+
+# structured outputs ----------------------------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"), ({"guided_grammar": "start: ???"},
+                                                    "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
+])
+def test_bad_grammars_are_a_400_naming_the_field(body: dict, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_generation({"prompt": "x", **body}, False, SERVED, 1000)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_every_grammar_source_compiles() -> None:
+    for body in ({"response_format": {"type": "json_object"}},
+                 {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "p", "schema": PERSON,
+                                                      "strict": True}}},
+                 {"guided_json": PERSON}, {"guided_regex": "[0-9]{3}"},
+                 {"guided_choice": ["yes", "no"]},
+                 {"guided_grammar": 'start: "a" | "b"'},
+                 {"guided_grammar": 'root ::= "a" | "b"'}):
+        assert parse_generation({"prompt": "x", **body}, False, SERVED, 9).sampling.grammar
+    text = {"response_format": {"type": "text"}}
+    assert parse_generation({"prompt": "x", **text}, False, SERVED, 9).sampling.grammar is None
+
+
+def test_grammar_masks_survive_preemption_and_leave_free_rows_alone() -> None:
+    from batcher.runtime.grammar import GrammarMasks
+    from batcher.structured import choice_grammar
+
+    tok = load_tokenizer()
+    masks = GrammarMasks(tok)
+    sp = SamplingParams(temperature=0, grammar=choice_grammar(["yes please", "no"], "c"))
+    free = seq(SamplingParams(temperature=0))
+    assert masks.start([free]) is None  # nothing constrained: no work at all
+    first = ScheduledSeq("a", [1], 0, [0], True, sp, output_index=0, history=(1,))
+    step = masks.wait(masks.start([free, first]), [free, first])
+    assert step.rows == [1]
+    logits = torch.zeros(2, tok.vocab_size)
+    tokens, _ = Sampler().sample(logits, [free, first], step)
+    piece = tok.decode([tokens[1]])
+    assert piece and ("yes please".startswith(piece) or "no".startswith(piece))
+    masks.advance([free, first], tokens)
+    prompt_and_out = (1, tokens[1])
+    nxt = ScheduledSeq("a", [tokens[1]], 1, [0], True, sp, output_index=1,
+                       history=prompt_and_out)
+    kept = masks.wait(masks.start([nxt]), [nxt]).bitmask.clone()
+    masks.drop(["a"])  # preempted: the matcher is rebuilt from the output so far
+    rebuilt = masks.wait(masks.start([nxt]), [nxt]).bitmask
+    assert torch.equal(kept, rebuilt)
+
+
+async def test_structured_output_over_http_streamed_with_n(client) -> None:
+    body = {"prompt": "Answer:", "max_tokens": 8, "guided_choice": ["alpha", "beta"],
+            "n": 2, "temperature": 1.0, "seed": 3}
+    out = await (await client.post("/v1/completions", json=body, headers=AUTH)).json()
+    assert [c["text"] for c in out["choices"]] and all(
+        c["text"] in ("alpha", "beta") and c["finish_reason"] == "stop" for c in out["choices"])
+    resp = await client.post("/v1/completions", json={**body, "stream": True}, headers=AUTH)
+    texts = ["", ""]
+    async for ev in _events(resp):
+        for c in ev["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in out["choices"]]  # seeded: the same answers
+
+
+def _structured_outputs(oc: OpenAI) -> None:
+    """On the bundled model: a strict JSON schema (whole and streamed with n=2), a regex."""
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}
+    out = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=60,
+                                     temperature=0, response_format=fmt)
+    person = json.loads(out.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert out.choices[0].finish_reason == "stop"
+    stream = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=60,
+                                        temperature=1.0, seed=7, n=2, response_format=fmt,
+                                        stream=True)
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    for t in texts:
+        assert set(json.loads(t)) == {"name", "age"}
+    out = oc.completions.create(model="smollm2-135m", prompt="The year was", max_tokens=10,
+                                extra_body={"guided_regex": " [12][0-9]{3}\\."})
+    assert re.fullmatch(r" [12][0-9]{3}\.", out.choices[0].text), out.choices[0].text

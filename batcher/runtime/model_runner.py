@@ -3,12 +3,13 @@ it owns the KV cache tensors and never touches scheduler state."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from batcher.runtime.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
 from batcher.runtime.sampler import Sampler
 
@@ -51,6 +52,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(loaded.config, num_blocks + int(use_graphs),
                                            block_size, loaded.dtype, loaded.device)
         self.sampler = Sampler()
+        self.grammar: GrammarMasks | None = None  # see attach_tokenizer
         # NOTE: one-token SDPA with enable_gqa is several times slower on CPU in reduced
         # precision; in fp32 it is the faster choice.
         self.fold_gqa = loaded.dtype != torch.float32 or loaded.device.type != "cpu"
@@ -66,16 +68,30 @@ class ModelRunner:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
         if sched.is_empty:
             return RunnerOutput()
+        if self.grammar is not None:
+            self.grammar.drop(sched.freed_ids)
+        pending = None
         if self.graphs is not None and self.graphs.can_run(sched):
-            logits = self.graphs.run(sched)  # decode-only: every row samples, in order
-            sample_seqs = sched.seqs
+            sample_seqs = sched.seqs  # decode-only: every row samples, in order
+            if self.grammar is not None:
+                pending = self.grammar.start(sample_seqs)  # masks fill while the model runs
+            logits = self.graphs.run(sched)
         else:
             ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched)
+            if self.grammar is not None:
+                pending = self.grammar.start(sample_seqs)
             logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
         if not sample_seqs:
             return RunnerOutput()
-        tokens, logprobs = self.sampler.sample(logits, sample_seqs)
+        masks = None if pending is None else self.grammar.wait(pending, sample_seqs)
+        tokens, logprobs = self.sampler.sample(logits, sample_seqs, masks)
+        if masks is not None:
+            self.grammar.advance(sample_seqs, tokens)
         return RunnerOutput([s.request_id for s in sample_seqs], tokens, logprobs)
+
+    def attach_tokenizer(self, tokenizer: Any) -> None:
+        """Enable grammar-constrained rows (structured outputs): their masks need the vocabulary."""
+        self.grammar = GrammarMasks(tokenizer)
 
     def prepare(self, sched: SchedulerOutput):
         bs, dev = self.block_size, self.device

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from batcher.core.outputs import ScheduledSeq, TokenLogprobs
+from batcher.runtime.grammar import StepMasks, apply_masks
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,7 +75,7 @@ class Sampler:
         return gen
 
     def sample(
-        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], masks: StepMasks | None = None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Sample a token for each sequence with `sample=True`.
 
@@ -83,6 +84,8 @@ class Sampler:
         when the request asked for logprobs (else None). Logprobs come from the raw logits
         (temperature 1, no top-k/top-p). Math stays on `logits.device`; one host sync at the end
         (plus one per widening step for a top-p row whose nucleus outgrows its candidates).
+        `masks` (grammar rows) bans every token a row's grammar does not allow, after penalties
+        and bias, so nothing can bring a banned token back.
         """
         rows = [s for s in seqs if s.sample]
         n = logits.shape[0]
@@ -102,6 +105,8 @@ class Sampler:
         raw = logits
         if any(p.adjusts_logits for p in params):
             logits = _adjusted(logits, rows)
+        if masks is not None:
+            logits = apply_masks(logits if logits is not raw else logits.clone(), masks)
         if all(p.greedy for p in params) and all(k is None for k in want):
             return logits.argmax(dim=-1).tolist(), [None] * n  # fast path: no softmax at all
 

@@ -11,6 +11,7 @@ from typing import Any
 from batcher.http.errors import invalid
 from batcher.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from batcher.server.unsupported import refuse_unsupported
+from batcher.structured import GUIDED, request_grammar
 from batcher.tenants import PRIORITY_NAMES
 
 MAX_N = 16
@@ -238,6 +239,12 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.01, 10.0) or 1.0,
         logit_bias=_logit_bias(body, vocab_size),
         min_p=_num(body, "min_p", 0.0, 0.0, 1.0) or 0.0)
+    try:
+        spec.sampling.grammar, _ = request_grammar(body)
+    except ValueError as exc:
+        field = next((k for k in ("response_format", *GUIDED) if body.get(k) is not None),
+                     "response_format")
+        raise invalid(str(exc), field) from None
     return spec
 
 

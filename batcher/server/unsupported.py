@@ -37,10 +37,6 @@ class Unsupported:
     harmless: Callable[[Any], bool] = _absent
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text")
-
-
 def _text_modalities(v: Any) -> bool:
     return v is None or v == ["text"]
 
@@ -53,11 +49,11 @@ def _default_tier(v: Any) -> bool:
     return v is None or v in ("auto", "default")
 
 
-STRUCTURED = "structured outputs (a grammar-constrained answer) are not supported by this server"
+STRUCTURED = ("this form of structured output is not supported; use 'response_format' or "
+              "'guided_json', 'guided_regex', 'guided_choice', 'guided_grammar'")
 TOOLS = "tool calling is not supported by this server"
 
 COMMON: tuple[Unsupported, ...] = (
-    Unsupported("response_format", f"only {{'type': 'text'}}: {STRUCTURED}", _text_format),
     Unsupported("tools", TOOLS, _empty),
     Unsupported("tool_choice", f"only 'none': {TOOLS}", _no_tool_choice),
     Unsupported("parallel_tool_calls", TOOLS),
@@ -72,11 +68,7 @@ COMMON: tuple[Unsupported, ...] = (
     Unsupported("store", "stored completions are not supported", _falsy),
     Unsupported("service_tier", "only 'auto' or 'default'", _default_tier),
     # vLLM's and SGLang's extensions for the same features.
-    Unsupported("guided_json", STRUCTURED),
-    Unsupported("guided_regex", STRUCTURED),
-    Unsupported("guided_choice", STRUCTURED),
-    Unsupported("guided_grammar", STRUCTURED),
-    Unsupported("guided_decoding_backend", STRUCTURED),
+    Unsupported("guided_decoding_backend", "one grammar engine serves every request"),
     Unsupported("structured_outputs", STRUCTURED),
     Unsupported("regex", STRUCTURED),
     Unsupported("json_schema", STRUCTURED),

@@ -1,0 +1,140 @@
+"""Token masks for rows that must follow a grammar (structured outputs), per row, off the critical
+path.
+
+One llguidance matcher per constrained request lives here, on the model thread. Each step,
+`start` brings every constrained row's matcher up to the tokens sampled so far and hands the mask
+computation to one helper thread, which fills a bitmask while the model step runs; `wait` then
+gives the sampler the finished masks. Unconstrained rows cost nothing. The helper thread only
+calls llguidance (Rust, no torch), so it never starts a second OpenMP team; the bitmask tensor is
+made on the model thread and the helper writes through its pointer.
+
+A matcher is rebuilt from the request's output tokens whenever it is missing or out of step (the
+request was preempted and recomputed, or this is its first sample), so preemption and the prefix
+cache need nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from batcher.core.outputs import ScheduledSeq
+
+
+@dataclass(slots=True)
+class _Row:
+    grammar: str
+    matcher: Any  # llguidance.LLMatcher
+    consumed: int  # output tokens the matcher has seen
+
+
+@dataclass(slots=True)
+class StepMasks:
+    """Masks of one step: `rows` index the sampling rows, `bitmask: [len(rows), words]` int32
+    holds bit `t % 32` of word `t // 32` set when token t is allowed."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
+class GrammarMasks:
+    """Matchers of the constrained requests in flight. Used from the model thread only."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ll: Any = None  # llguidance.LLTokenizer, built on first use (about a second)
+        self._rows: dict[str, _Row] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _lltokenizer(self) -> Any:
+        if self._ll is None:
+            tok = self._tokenizer
+            self._ll = llguidance.hf.from_tokenizer(tok.hf, n_vocab=tok.vocab_size,
+                                                    eos_token=list(tok.eos_token_ids))
+        return self._ll
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        """Forget finished or preempted requests (a preempted one is rebuilt when it returns)."""
+        for rid in request_ids:
+            self._rows.pop(rid, None)
+
+    def start(self, seqs: Sequence[ScheduledSeq]) -> Future[StepMasks] | None:
+        """Begin the masks of this step's constrained sampling rows (`seqs` are the sampling
+        rows in logit order); None when no row is constrained."""
+        rows = [i for i, s in enumerate(seqs) if s.sampling.grammar is not None]
+        if not rows:
+            return None
+        matchers = [self._synced(seqs[i]) for i in rows]
+        words = (self._lltokenizer().vocab_size + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)  # made here, not in the helper
+        ptr, stride = bitmask.data_ptr(), words * 4
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="batcher-grammar")
+
+        def fill() -> StepMasks:
+            for j, m in enumerate(matchers):
+                if not m.is_error():
+                    m.unsafe_compute_mask_ptr(ptr + j * stride, stride)
+            return StepMasks(rows, bitmask)
+
+        return self._pool.submit(fill)
+
+    def wait(self, pending: Future[StepMasks], seqs: Sequence[ScheduledSeq]) -> StepMasks:
+        """The step's masks once the helper is done. A matcher in error (see `advance`) allows
+        only end of sequence."""
+        masks = pending.result()
+        for j, i in enumerate(masks.rows):
+            row = self._rows.get(seqs[i].request_id)
+            if row is not None and row.matcher.is_error():
+                masks.bitmask[j].zero_()
+                for t in self._tokenizer.eos_token_ids:
+                    masks.bitmask[j, t // 32] |= 1 << (t % 32)
+        return masks
+
+    def advance(self, seqs: Sequence[ScheduledSeq], tokens: Sequence[int]) -> None:
+        """Feed each constrained row its sampled token."""
+        for s, t in zip(seqs, tokens, strict=True):
+            row = self._rows.get(s.request_id) if s.sampling.grammar is not None else None
+            if row is None:
+                continue
+            # A token outside the grammar (only possible when every allowed token was banned,
+            # e.g. EOS under min_tokens) leaves the matcher in error: its masks then allow only
+            # end of sequence, so the answer ends rather than run on unconstrained.
+            row.matcher.consume_token(t)
+            row.consumed += 1
+
+    def _synced(self, s: ScheduledSeq) -> Any:
+        grammar = s.sampling.grammar
+        assert grammar is not None
+        row = self._rows.get(s.request_id)
+        if row is None or row.consumed != s.output_index or row.grammar != grammar:
+            m = llguidance.LLMatcher(self._lltokenizer(), grammar)
+            made = s.history[len(s.history) - s.output_index:] if s.output_index else ()
+            if made:
+                m.consume_tokens(list(made))
+            row = self._rows[s.request_id] = _Row(grammar, m, s.output_index)
+        return row.matcher
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def apply_masks(logits: torch.Tensor, masks: StepMasks) -> torch.Tensor:
+    """`logits: [n, vocab]` with every disallowed token of the masked rows at -inf (in place)."""
+    n_rows, words = masks.bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((masks.bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(n_rows, words * 32)
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:  # model rows past the tokenizer's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab].to(logits.device)
+    idx = torch.tensor(masks.rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    return logits
