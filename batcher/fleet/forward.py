@@ -43,6 +43,7 @@ from batcher.fleet.policy import (
     estimate_tokens,
 )
 from batcher.fleet.registry import Replica
+from batcher.fleet.route_timing import RouteClock
 from batcher.fleet.stream_ledger import StreamLedger
 from batcher.http.errors import ApiError
 from batcher.http.sse import DONE, SSE_HEADERS
@@ -98,6 +99,7 @@ class Relay:
     def __init__(self, ctx: RouterContext, request: web.Request, chat: bool,
                  body: dict[str, Any], raw: bytes, rid: str, scope: str = ""):
         self.ctx, self.request, self.chat, self.body, self.rid = ctx, request, chat, body, rid
+        self.route = RouteClock()  # the router's `route` phase runs from here to the answer
         self.rkey = (scope, rid)  # request ids are the caller's own, as on a replica
         self.payload = raw
         policy = ctx.cfg.policy
@@ -237,8 +239,9 @@ class Relay:
                         return result
                     data = await up.read()
             outcome = "ok"
-            return web.Response(body=data, headers=self._reply_headers(up),
-                                content_type="application/json")
+            headers = self._reply_headers(up)
+            data = self.route.whole(data, headers)
+            return web.Response(body=data, headers=headers, content_type="application/json")
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -303,7 +306,8 @@ class Relay:
                         buf += chunk
                         taken = self.ledger.take(buf, self.rkey in ctx.cancelled)
                         if taken.out or taken.done:
-                            await self.write(taken.out, eof=taken.done)
+                            await self.write(self.route.stream(taken.out),
+                                             eof=taken.done)
                         if taken.failure is not None:
                             return Failure(taken.failure)
                         if taken.done:

@@ -1,0 +1,62 @@
+"""The router's share of a request's latency: its `route` phase (choosing a replica, connecting,
+retries, relaying) added in front of the replica's own phases, on whole answers (body and
+`Server-Timing`) and on a stream's usage chunk. The router's clock starts when its handler
+does; the replica's phases are forwarded unchanged."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import orjson
+
+from batcher.timings import Timings
+
+_MARK = b'"timings"'
+
+
+class RouteClock:
+    __slots__ = ("clock", "received")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.received = clock()
+
+    def elapsed_ms(self) -> float:
+        return (self.clock() - self.received) * 1000.0
+
+    def whole(self, data: bytes, headers: dict[str, str]) -> bytes:
+        """A whole answer's body with `route` added to its timings (and the `Server-Timing`
+        header set in `headers`); an answer without timings is passed on unchanged."""
+        if _MARK not in data:
+            return data
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return data
+        t = Timings.from_json(obj.get("timings")) if isinstance(obj, dict) else None
+        if t is None:
+            return data
+        routed = t.through_router(self.elapsed_ms())
+        obj["timings"] = routed.to_json()
+        headers["Server-Timing"] = routed.server_timing()
+        return orjson.dumps(obj)
+
+    def stream(self, data: bytes) -> bytes:
+        """SSE bytes on their way to the client, with `route` added to a usage chunk's timings.
+        Only chunks that carry timings are parsed; every other byte passes untouched."""
+        if _MARK not in data:
+            return data
+        events = data.split(b"\n\n")
+        for i, ev in enumerate(events):
+            if _MARK not in ev or not ev.startswith(b"data: {"):
+                continue
+            try:
+                obj = orjson.loads(ev[6:])
+            except orjson.JSONDecodeError:
+                continue
+            t = Timings.from_json(obj.get("timings")) if isinstance(obj, dict) else None
+            if t is not None:
+                obj["timings"] = t.through_router(self.elapsed_ms()).to_json()
+                events[i] = b"data: " + orjson.dumps(obj)
+        return b"\n\n".join(events)
