@@ -5,6 +5,7 @@ commands:
   bench   load-test a server               batcher bench --base-url http://127.0.0.1:8000
   fleet   N local replicas behind a router batcher fleet --replicas 2
   router  route over replicas anywhere     batcher router --replica http://10.0.0.5:8000
+  balancer  balance over cells (routers)   batcher balancer --cell http://10.0.1.5:8000
   plan    replicas for a given load        batcher plan --help
   sim     simulate a fleet                 batcher sim run --help
   batch   run a batch input file offline   batcher batch --help
@@ -61,6 +62,9 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     add_bench_args(sub.add_parser("bench", help="load-test an OpenAI-compatible server"))
     add_fleet_args(sub.add_parser("fleet", help="N local replicas behind a router"))
     add_router_args(sub.add_parser("router", help="route over replicas anywhere"))
+    from batcher.fleet.balancer_cli import add_balancer_args
+
+    add_balancer_args(sub.add_parser("balancer", help="balance over cells (routers) anywhere"))
     add_plan_args(sub.add_parser("plan", help="capacity arithmetic: how many replicas"))
     add_sim_args(sub.add_parser("sim", help="simulate a fleet on a simulated clock"))
     from batcher.batch.offline import add_batch_args
@@ -90,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         from batcher.fleet.cli import run_fleet, run_router
 
         return _run(run_fleet(args) if args.command == "fleet" else run_router(args))
+    if args.command == "balancer":
+        from batcher.fleet.balancer_cli import run_balancer
+
+        return _run(run_balancer(args))
     if args.command == "plan":
         from batcher.sim.cli import run_plan
 

@@ -114,7 +114,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    "the replicas in turn (default: --version for all)")
     g.add_argument("--slow-replicas", default=None, metavar="K:F", help="with --model fake: "
                    "the first K replicas step F times slower (a mixed fleet)")
+    g.add_argument("--cells", type=int, default=1, help="cells, each its own router over "
+                   "--replicas replicas, behind one balancer on --port (default: %(default)s)")
     _policy_args(p)
+    from batcher.fleet.balancer_cli import add_cell_policy_args
+
+    add_cell_policy_args(p)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -243,6 +248,12 @@ def _slow(args: argparse.Namespace) -> tuple[int, float]:
 async def run_fleet(args: argparse.Namespace) -> int:
     from batcher.fleet.launcher import Supervisor, replica_specs, serve_router, wait_for_signal
 
+    if args.cells < 1:
+        raise SystemExit("--cells must be >= 1")
+    if args.cells > 1:
+        from batcher.fleet.balancer_cli import run_cells
+
+        return await run_cells(args)
     cfg = router_config(args)
     cfg.replica_admin_key = secrets.token_hex(16)
     fleet_key = cfg.fleet_key or secrets.token_hex(16)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from batcher.fleet.cell_state import aggregate
 from batcher.fleet.context import RouterContext
 from batcher.fleet.forward import PASS_HEADERS, Relay
 from batcher.fleet.health import HealthChecker
@@ -39,6 +41,7 @@ log = logging.getLogger("batcher.fleet.proxy")
 ROUTER = web.AppKey("router", RouterContext)
 # Routes that read no credential (as on a replica); the rest scope by it.
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 
 
 @web.middleware
@@ -113,20 +116,20 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def state(request: web.Request) -> web.Response:
-    """Capacity summed over routable replicas. Anyone may read it, so it names no replica
-    address (the admin listener's /admin/status does)."""
-    ctx = request.app[ROUTER]
-    reg = ctx.registry
-    live = [r.state for r in reg if reg.routable(r) and r.state is not None]
-    versions = sorted({s.version for s in live})
-    return json_response({
-        "free_blocks": sum(s.free_blocks for s in live),
-        "total_blocks": sum(s.total_blocks for s in live),
-        "block_size": min((s.block_size for s in live), default=16),
-        "running": sum(s.running for s in live), "waiting": sum(s.waiting for s in live),
-        "version": ",".join(versions), "draining": False, "healthy": bool(live),
-        "in_flight": ctx.inflight, "router": True, "weights": ctx.rollout.weights,
-        "replicas": len(reg), "routable": len(live)})
+    """Capacity summed over routable replicas, with the cell's saturation (`cell_state.py`).
+    Anyone may read it, so it names no replica address (the admin listener's /admin/status
+    does)."""
+    return json_response(aggregate(request.app[ROUTER]))
+
+
+async def state_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer to a forwarded request carries the cell's aggregate state, as a replica's
+    carries its own: a balancer in front learns it from traffic as well as from polls."""
+    if request.path in GENERATION_PATHS and ROUTER in request.app:
+        state = aggregate(request.app[ROUTER])
+        state.pop("weights", None)
+        # ASCII-only JSON: a header must be Latin-1, and version labels are the operator's.
+        response.headers["X-Replica-State"] = json.dumps(state, separators=(",", ":"))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -245,6 +248,7 @@ def create_router_app(ctx: RouterContext) -> web.Application:
         await ctx.session.close()
 
     app.cleanup_ctx.append(lifetime)
+    app.on_response_prepare.append(state_header)
     routes = [("POST", "/v1/completions", generation(chat=False)),
               ("POST", "/v1/chat/completions", generation(chat=True)),
               ("POST", "/v1/embeddings", generation(chat=False)),

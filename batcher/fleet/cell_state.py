@@ -1,0 +1,63 @@
+"""A router's aggregate state, as a cell publishes it upward: on `GET /v1/state` and in the
+`X-Replica-State` header of every answer, so a balancer reads a cell exactly as a router reads a
+replica.
+
+The `/v1/state` contract keys are sums over the routable replicas (`healthy` when any is); the
+additions are `saturation` in [0, 1] (`balancer.cell_saturation`), `predicted_wait_s` (the least
+predicted queue wait over the routable replicas for a reference request, the routing policy's
+own estimate minus what the request would take on an idle replica), `healthy_replicas`,
+`waiting_prefill_tokens`, and the router's own `in_flight`. No replica address is named: anyone
+may read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from batcher.fleet.balancer import BalancerConfig, cell_saturation
+from batcher.fleet.context import RouterContext
+from batcher.fleet.policy import Priors, predicted_wait
+
+REFERENCE_PROMPT_TOKENS = 256  # the request `predicted_wait_s` is quoted for
+
+
+def predicted_queue_wait(ctx: RouterContext) -> float:
+    """Seconds of queue ahead of a new reference request on the best routable replica; 0 when
+    none is routable (saturation then says 1 through `healthy_replicas`)."""
+    cands = ctx.candidates(ctx.clock())
+    if not cands:
+        return 0.0
+    pcfg = ctx.cfg.policy
+    priors = Priors.of(cands, pcfg)
+    p = REFERENCE_PROMPT_TOKENS
+    tokens = p + pcfg.default_max_tokens
+    best = float("inf")
+    for c in cands:
+        idle = dataclasses.replace(c, free_blocks=c.total_blocks, waiting=0, inflight=0,
+                                   others=0, prefill_tokens=0, overdue_s=0.0)
+        queue = predicted_wait(c, p, tokens, pcfg, priors) - predicted_wait(
+            idle, p, tokens, pcfg, priors)
+        best = min(best, max(0.0, queue))
+    return best
+
+
+def aggregate(ctx: RouterContext, cfg: BalancerConfig | None = None) -> dict[str, Any]:
+    cfg = cfg or BalancerConfig()
+    reg = ctx.registry
+    live = [r.state for r in reg if reg.routable(r) and r.state is not None]
+    free = sum(s.free_blocks for s in live)
+    total = sum(s.total_blocks for s in live)
+    waiting = sum(s.waiting for s in live)
+    wait_s = predicted_queue_wait(ctx) if live else 0.0
+    return {
+        "free_blocks": free, "total_blocks": total,
+        "block_size": min((s.block_size for s in live), default=16),
+        "running": sum(s.running for s in live), "waiting": waiting,
+        "version": ",".join(sorted({s.version for s in live})), "draining": False,
+        "healthy": bool(live), "in_flight": ctx.inflight, "router": True,
+        "weights": ctx.rollout.weights, "replicas": len(reg), "routable": len(live),
+        "healthy_replicas": len(live),
+        "waiting_prefill_tokens": sum(s.waiting_prefill_tokens for s in live),
+        "predicted_wait_s": round(wait_s, 4),
+        "saturation": round(cell_saturation(free, total, waiting, len(live), wait_s, cfg), 4)}
