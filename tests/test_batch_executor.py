@@ -69,11 +69,15 @@ class FakeGate:
         self.cap = cap
         self.open = True
         self.interactive = False
+        self.shedding = False
         self.last_reason = ""
         self.seen: list[tuple[int, int, int]] = []
 
     def interactive_waiting(self) -> bool:
         return self.interactive
+
+    def shed(self) -> bool:
+        return self.shedding
 
     def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
              ) -> bool:
@@ -299,3 +303,29 @@ async def test_lines_in_prefill_make_way_for_interactive_requests(
     assert [x["custom_id"] for x in out] == [f"c{i}" for i in range(8)]
     assert all(runner.finished[f"p{i}"] == 1 for i in range(8))
     assert all(runner.calls[f"p{i}"] == 2 for i in range(4))  # the yielded ones ran again
+
+
+async def test_running_lines_are_shed_newest_first_while_interactive_needs_room(
+        tmp_path: Path, clock: list[float]) -> None:
+    runner = FakeRunner(delay=0.5)
+    gate = FakeGate(cap=3)
+    rig = Rig(tmp_path, runner, gate, clock)
+    await rig.ex.start()
+    try:
+        bid = rig.create(lines_file(5))
+        while runner.running < 3:
+            await asyncio.sleep(0.005)
+        gate.open = False
+        gate.shedding = True
+        while rig.ex.in_flight:
+            await asyncio.sleep(0.005)
+        assert rig.metrics.deferrals.labels("shed")._value.get() == 3
+        assert list(rig.ex.batches[bid].pending) == [0, 1, 2, 3, 4]  # back at the head, in order
+        gate.shedding = False
+        gate.open = True
+        rec = await rig.wait(bid)
+    finally:
+        await rig.ex.stop()
+    assert rec.completed == 5
+    assert [x["custom_id"] for x in rig.read(rec.output_file_id)] == [f"c{i}" for i in range(5)]
+    assert all(runner.finished[f"p{i}"] == 1 for i in range(5))

@@ -111,3 +111,16 @@ def test_one_line_may_always_start_on_an_idle_engine() -> None:
     assert gate.room(0, 300, 16)
     add(engine, "b0", 50, Priority.BATCH)
     assert not gate.room(0, 300, 16) and "SLO" in gate.last_reason
+
+
+
+@pytest.mark.parametrize("rate, sheds", [(10_000.0, False), (50.0, True)])
+def test_shedding_follows_the_prediction(rate: float, sheds: bool) -> None:
+    gate, _engine, adm, now = rig(slo_ttft_s=2.0)
+    assert not gate.shed()  # nothing measured
+    for _ in range(20):
+        now[0] += 0.1
+        adm.observe_step(0.1, max(1, int(rate * 0.1)), True)
+    # 128 tokens of the next interactive prompt at 50 tokens/s: 2.6 s, past 0.8 of the SLO.
+    assert gate.shed() is sheds
+    assert not rig(slo_ttft_s=None)[0].shed()

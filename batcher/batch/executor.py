@@ -53,6 +53,8 @@ class Gate(Protocol):
 
     def interactive_waiting(self) -> bool: ...
 
+    def shed(self) -> bool: ...
+
     def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
              ) -> bool: ...
 
@@ -195,17 +197,27 @@ class BatchExecutor:
                 await self._finalize(b, "completed")
 
     def _make_way(self) -> None:
-        """Interactive requests are queued: cancel the lines still in prefill (their prompts
-        would be computed first) and put them back at the head of their batch. A line that is
-        decoding keeps running: it is past the costly part and holds only a decode row."""
-        if not self.gate.interactive_waiting():
-            return
-        for b in self.batches.values():
-            for index, task in b.running.items():
-                if index not in b.yielded and self.runner.in_prefill(b.request_ids[index]):
-                    b.yielded.add(index)
-                    task.cancel()
-                    self.metrics.deferrals.labels("yield").inc()
+        """Batch work gives way to interactive work. Interactive requests are queued: cancel the
+        lines still in prefill (their prompts would be computed first). Interactive requests are
+        predicted past `shed_share` of their SLO: cancel the newest running line, one per pass
+        (a pass follows every step), until the prediction recovers. Cancelled lines go back to
+        the head of their batch and run again later."""
+        if self.gate.interactive_waiting():
+            for b in self.batches.values():
+                for index, task in b.running.items():
+                    if index not in b.yielded and self.runner.in_prefill(b.request_ids[index]):
+                        self._give_way(b, index, task, "yield")
+        if self.in_flight and self.gate.shed():
+            for b in reversed(list(self.batches.values())):
+                live = [(i, t) for i, t in b.running.items() if i not in b.yielded]
+                if live:
+                    self._give_way(b, *live[-1], "shed")
+                    return
+
+    def _give_way(self, b: _Batch, index: int, task: asyncio.Task[None], why: str) -> None:
+        b.yielded.add(index)
+        task.cancel()
+        self.metrics.deferrals.labels(why).inc()
 
     def _start_lines(self) -> None:
         mono = time.monotonic()

@@ -26,11 +26,15 @@ from batcher.ttft_predictor import Backlog
 class GateConfig:
     """`max_running`: batch lines in flight at once. `ttft_share`: an interactive request
     arriving after a new line must be predicted within this share of the TTFT SLO.
-    `free_blocks_share`: KV blocks kept free for interactive requests. `probe_tokens`: the prompt
+    `shed_share`: running lines are shed (cancelled, run again later) while an interactive
+    request arriving now is predicted past this share of the SLO; above `ttft_share`, so starting
+    and shedding do not chase each other. `free_blocks_share`: KV blocks kept free for interactive
+    requests. `probe_tokens`: the prompt
     of the interactive request assumed to arrive next."""
 
     max_running: int = 16
     ttft_share: float = 0.5
+    shed_share: float = 0.8
     free_blocks_share: float = 0.25
     probe_tokens: int = 128
 
@@ -39,6 +43,9 @@ class GateConfig:
             raise ValueError(f"batch max running must be >= 1, got {self.max_running}")
         if not 0 < self.ttft_share <= 1:
             raise ValueError(f"batch TTFT share must be in (0, 1], got {self.ttft_share}")
+        if not self.ttft_share <= self.shed_share <= 1:
+            raise ValueError(f"batch shed share must be in [{self.ttft_share}, 1], got "
+                             f"{self.shed_share}")
         if not 0 <= self.free_blocks_share < 1:
             raise ValueError(f"batch free-block share must be in [0, 1), got "
                              f"{self.free_blocks_share}")
@@ -58,6 +65,17 @@ class SpareCapacity:
         """An interactive request is queued: running batch lines still in prefill should give
         way (running requests are served first, whatever their priority)."""
         return any(r.priority <= Priority.INTERACTIVE for r in self.engine.scheduler.waiting)
+
+    def shed(self) -> bool:
+        """Interactive traffic is predicted to miss its SLO with the work running now (the
+        machine slowed, or interactive load rose): batch work should give way."""
+        slo = self.admission.slo_ttft_s
+        if slo is None:
+            return False
+        predicted = self.admission.predictor.predict(
+            self.admission.clock(), Backlog.of_scheduler(self.engine.scheduler), "interactive",
+            self.cfg.probe_tokens)
+        return predicted is not None and predicted > self.cfg.shed_share * slo
 
     def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
              ) -> bool:

@@ -92,6 +92,10 @@ def add_batch_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-ttft-share", type=float, default=GateConfig().ttft_share,
                    help="a batch line starts only while an interactive request arriving after "
                    "it is predicted within this share of the TTFT SLO (default: %(default)s)")
+    g.add_argument("--batch-shed-share", type=float, default=GateConfig().shed_share,
+                   help="running batch lines are shed (and run again later) while an "
+                   "interactive request arriving now is predicted past this share of the TTFT "
+                   "SLO (default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> BatchConfig | None:
@@ -101,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> BatchConfig | None:
         return None
     if args.batch_max_file_bytes < 1:
         raise ValueError("--batch-max-file-bytes must be >= 1")
-    gate = GateConfig(max_running=args.batch_max_running, ttft_share=args.batch_ttft_share)
+    gate = GateConfig(max_running=args.batch_max_running, ttft_share=args.batch_ttft_share,
+                      shed_share=args.batch_shed_share)
     return BatchConfig(Path(args.data_dir), Path(args.batch_db) if args.batch_db else None,
                        BatchLimits(max_file_bytes=args.batch_max_file_bytes), gate.validate())
