@@ -188,6 +188,7 @@ async def main_async(args: argparse.Namespace) -> int:
     tokens = m.get("batcher_batch_spare_capacity_tokens_total", 0.0)
     deferrals = sum(v for k, v in m.items() if k.startswith("batcher_batch_deferrals_total"))
     yields = m.get('batcher_batch_deferrals_total{reason="yield"}', 0.0)
+    sheds = m.get('batcher_batch_deferrals_total{reason="shed"}', 0.0)
     rows = []
     for name, s in (("interactive alone (before)", alone), ("interactive + batch", mixed),
                     ("interactive alone (after)", after)):
@@ -202,8 +203,9 @@ async def main_async(args: argparse.Namespace) -> int:
              f"out, streamed; TTFT SLO {args.slo_ttft_ms:g} ms. Batch: {args.lines} lines of the "
              f"same shape (sized to finish in a few minutes on this CPU, not 1,000). The server "
              f"ran the bundled model at its defaults; batch line starts put off "
-             f"{deferrals:.0f} times ({yields:.0f} of them lines in prefill making way for "
-             f"interactive requests).\n"
+             f"{deferrals:.0f} times ({yields:.0f} lines in prefill made way for queued "
+             f"interactive requests, {sheds:.0f} running lines shed; the rest admission "
+             f"refusals).\n"
              f"- Interactive p99 TTFT within the SLO while the batch completed: "
              f"{'yes' if ok else 'NO'} (p99 {mixed['p99'] * 1000:,.0f} ms with the batch vs "
              f"{alone['p99'] * 1000:,.0f} / {after['p99'] * 1000:,.0f} ms alone before / "
