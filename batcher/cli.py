@@ -9,6 +9,7 @@ commands:
   plan    replicas for a given load        batcher plan --help
   sim     simulate a fleet                 batcher sim run --help
   batch   run a batch input file offline   batcher batch --help
+  diagnose  where a server's latency goes  batcher diagnose http://127.0.0.1:8000
 
 Every flag may also come from the environment as BATCHER_<FLAG> (BATCHER_MAX_NUM_SEQS=32 for
 --max-num-seqs 32), and `batcher serve --config FILE` reads a TOML file of flags; the command
@@ -70,6 +71,9 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     from batcher.batch.offline import add_batch_args
 
     add_batch_args(sub.add_parser("batch", help="run a batch input file offline, in-process"))
+    from batcher.diagnose import add_diagnose_args
+
+    add_diagnose_args(sub.add_parser("diagnose", help="which latency is slow, and why"))
     for name in ("serve", "router", "fleet"):
         sub.choices[name].add_argument(
             "--log-format", default="text", type=str.lower, choices=LOG_FORMATS,
@@ -106,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         from batcher.sim.cli import run_sim
 
         return run_sim(args)
+    if args.command == "diagnose":
+        from batcher.diagnose import run_diagnose
+
+        return run_diagnose(args)
     if args.command == "batch":
         from batcher.batch.offline import run_offline
 

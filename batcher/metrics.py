@@ -4,6 +4,9 @@ both latency SLOs. Each server owns its own registry (several can live in one pr
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -103,11 +106,18 @@ class Metrics:
         self.goodput = Counter("batcher_goodput_requests", "Requests finished within both the "
                                "TTFT and the TPOT SLO", registry=r)
         self.info = Gauge("batcher_info", "Server identity", ["version", "model"], registry=r)
+        # The configured SLOs, so a reader of /metrics (`batcher diagnose`, a dashboard) can
+        # judge latencies against them without the server's flags.
+        self.slo = Gauge("batcher_slo_seconds", "Configured latency SLO", ["kind"], registry=r)
+        for kind, value in (("ttft", slo_ttft_s), ("tpot", slo_tpot_s)):
+            if value is not None:
+                self.slo.labels(kind).set(value)
         # Leak watch (the soak test): tasks on the event loop, counted when scraped; and the
         # standard process_* series (open fds, resident memory, CPU), where the OS offers them.
         self.asyncio_tasks = Gauge("batcher_asyncio_tasks", "Tasks alive on the event loop",
                                    registry=r)
         self.asyncio_tasks.set_function(_count_tasks)
+        self._contract()
         if registry is None:
             ProcessCollector(registry=r)
         self._last: dict[str, int] = {}
@@ -126,6 +136,7 @@ class Metrics:
         self.kv_used.set(snap.used_blocks)
         self.running.set(snap.running)
         self.waiting.set(snap.waiting)
+        self._observe_contract(snap)
         st = stats
         for name, counter in (("generated_tokens", self.generated_tokens),
                               ("prompt_tokens_computed", self.prefill_computed),
@@ -154,6 +165,7 @@ class Metrics:
             self.tpot.observe(tpot)
         if ev.finish_reason in ("stop", "length") and self.met_slo(ev.ttft, tpot):
             self.goodput.inc()
+            self._goodput_n += 1
 
     def met_slo(self, ttft: float | None, tpot: float | None) -> bool:
         if ttft is None:
@@ -165,6 +177,7 @@ class Metrics:
     def observe_step_shape(self, sched: SchedulerOutput, seconds: float) -> None:
         kind = step_kind(sched)
         self.step_time.labels(kind).observe(seconds)
+        self._busy.add(time.monotonic(), seconds)
         self.step_tokens.labels(kind).observe(sum(s.num_tokens for s in sched.seqs))
 
     def observe_phases(self, t: Timings, priority: int) -> None:
@@ -176,11 +189,99 @@ class Metrics:
             (h.labels(priority_label(priority)) if p == "queue" else h).observe(ms / 1000.0)
         self.request_total.observe(t.total_ms / 1000.0)
 
+    # the autoscaler / inference-gateway contract --------------------------------------------
+    def _contract(self) -> None:
+        """Gauges KEDA, an HPA (through a Prometheus adapter) and the Gateway API Inference
+        Extension read as they are: exported from start (at 0 until the first step) under the
+        `model_name` label `configure` sets."""
+        r = self.registry
+        self.model_name = "unknown"
+        self.kv_usage = Gauge("batcher_kv_cache_usage_ratio", "KV cache blocks in use, 0-1",
+                              ["model_name"], registry=r)
+        self.waiting_tokens = Gauge("batcher_waiting_tokens", "Prompt tokens accepted and not "
+                                    "yet prefilled", ["model_name"], registry=r)
+        self.queue_wait_predicted = Gauge(
+            "batcher_predicted_queue_wait_seconds", "Seconds to prefill the unserved prompt "
+            "tokens at the measured prefill rate (a new request's queue wait)", ["model_name"],
+            registry=r)
+        self.busy = Gauge("batcher_engine_busy_ratio", "Share of the last minute the engine "
+                          "spent in model steps, 0-1", ["model_name"], registry=r)
+        self.goodput_rate = Gauge("batcher_goodput_requests_per_replica_hour", "Requests "
+                                  "within both SLOs per hour this replica has run",
+                                  ["model_name"], registry=r)
+        self.cache_config = Gauge("batcher_cache_config_info", "KV cache configuration",
+                                  ["model_name", "block_size", "num_blocks", "max_num_seqs"],
+                                  registry=r)
+        self._busy = BusyWindow()
+        self._goodput_n = 0
+        self._started = time.monotonic()
+        self._prefill_rate: Callable[[], float | None] = lambda: None
+        self._label_contract()
+
+    def _label_contract(self) -> None:
+        m = self.model_name
+        for g in (self.kv_usage, self.waiting_tokens, self.queue_wait_predicted):
+            g.labels(m).set(0)
+        self.busy.labels(m).set_function(lambda: self._busy.ratio(time.monotonic()))
+        self.goodput_rate.labels(m).set_function(
+            lambda: self._goodput_n * 3600.0 / max(1.0, time.monotonic() - self._started))
+
+    def configure(self, model_name: str, block_size: int, num_blocks: int, max_num_seqs: int,
+                  prefill_rate: Callable[[], float | None] | None = None) -> None:
+        """Name the model and the cache once the engine is built (before the server is ready).
+        `prefill_rate`: the measured prompt tokens per second (None until measured)."""
+        for g in (self.kv_usage, self.waiting_tokens, self.queue_wait_predicted, self.busy,
+                  self.goodput_rate):
+            g.clear()
+        self.model_name = model_name
+        self.cache_config.clear()
+        self.cache_config.labels(model_name, str(block_size), str(num_blocks),
+                                 str(max_num_seqs)).set(1)
+        if prefill_rate is not None:
+            self._prefill_rate = prefill_rate
+        self._label_contract()
+
+    def _observe_contract(self, snap: EngineSnapshot) -> None:
+        m = self.model_name
+        if snap.total_blocks > 0:
+            self.kv_usage.labels(m).set(snap.used_blocks / snap.total_blocks)
+        tokens = snap.unserved_prefill_tokens
+        self.waiting_tokens.labels(m).set(tokens)
+        rate = self._prefill_rate()
+        self.queue_wait_predicted.labels(m).set(tokens / rate if rate else 0.0)
+
     def observe_cancel_delay(self, seconds: float) -> None:
         self.cancel_delay.observe(seconds)
 
     def observe_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
+
+
+class BusyWindow:
+    """Model seconds over the last `window` seconds of wall time (the engine's occupancy); a
+    replica up for less than the window is judged over its uptime."""
+
+    __slots__ = ("_started", "_steps", "_sum", "window")
+
+    def __init__(self, window: float = 60.0, started: float | None = None):
+        self.window = window
+        self._started = time.monotonic() if started is None else started
+        self._steps: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+
+    def add(self, now: float, seconds: float) -> None:
+        self._steps.append((now, seconds))
+        self._sum += seconds
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        while self._steps and self._steps[0][0] < now - self.window:
+            self._sum -= self._steps.popleft()[1]
+
+    def ratio(self, now: float) -> float:
+        self._prune(now)
+        span = min(self.window, now - self._started)
+        return min(1.0, max(0.0, self._sum / span)) if span > 0 else 0.0
 
 
 def _count_tasks() -> float:

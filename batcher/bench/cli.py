@@ -33,6 +33,7 @@ from batcher.bench.report import (
     TABLE_HEADER,
     MetricsScraper,
     markdown_table,
+    phase_lines,
     server_lines,
     summarize,
     table_row,
@@ -194,7 +195,7 @@ def write_run(out: Path, label: str, args: argparse.Namespace, arr: Arrivals,
            "cpu": None if cpu is None else asdict(cpu), "requests": reqs}
     (out / "report.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     text = markdown_table([table_row(label, summary)]) + "\n" + "\n".join(
-        f"- {line}" for line in server_lines(server)) + "\n"
+        f"- {line}" for line in server_lines(server) + phase_lines(summary)) + "\n"
     if cpu is not None:
         text += f"- {cpu.describe()}\n"
     if summary["length_mismatches"]:

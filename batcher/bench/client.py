@@ -84,6 +84,7 @@ class RequestResult:
     status: int = 0
     error: str | None = None
     retry_after: str | None = None
+    timings: dict[str, Any] | None = None  # the server's phase split, from the usage chunk
 
     @property
     def ok(self) -> bool:
@@ -143,6 +144,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, sent: f
             res.error = f"stream error after {res.chunks} chunks: {msg}"
             break
         usage = chunk.get("usage")
+        if isinstance(chunk.get("timings"), dict):
+            res.timings = chunk["timings"]
         if usage and usage.get("completion_tokens") is not None:
             res.output_tokens = int(usage["completion_tokens"])
             res.tokens_from = "usage"

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batcher.bench.client import RequestResult
 from batcher.bench.common import pct
+from batcher.timings import ROUTER_PHASES
 
 # Series kept from each scrape (histograms keep their _sum, _count and _bucket samples).
 SCRAPED = ("batcher_kv_blocks_used", "batcher_kv_blocks_total", "batcher_running",
@@ -188,7 +189,44 @@ def summarize(results: list[RequestResult], slo_ttft_ms: float | None = None,
         "goodput_share": good / len(results) if results else 0.0,
         "length_mismatches": len(mismatches), "mismatched": mismatches[:20],
         "tokens_from_usage": sum(r.tokens_from == "usage" for r in ok),
+        "server_phases": phase_split(ok),
     }
+
+
+def phase_split(results: list[RequestResult]) -> dict[str, Any] | None:
+    """The server's own phase split (its `timings`) of the requests at the 50th, 90th and 99th
+    percentile of the server's total, and how often each phase was the bottleneck: where the
+    time of a typical and of a slow request went."""
+    timed = sorted((r.timings for r in results if r.timings and "total_ms" in r.timings),
+                   key=lambda t: float(t["total_ms"]))
+    if not timed:
+        return None
+    phases = [p for p in ROUTER_PHASES if any(p + "_ms" in t for t in timed)]
+    out: dict[str, Any] = {"requests": len(timed), "phases": phases, "at": {}, "bottlenecks": {}}
+    for q in (50, 90, 99):
+        t = timed[min(len(timed) - 1, max(0, math.ceil(q / 100 * len(timed)) - 1))]
+        out["at"][f"p{q}"] = {p: float(t.get(p + "_ms", 0.0)) for p in [*phases, "total"]}
+    for t in timed:
+        b = str(t.get("bottleneck", "?"))
+        out["bottlenecks"][b] = out["bottlenecks"].get(b, 0) + 1
+    out["mean_ms"] = {p: sum(float(t.get(p + "_ms", 0.0)) for t in timed) / len(timed)
+                      for p in [*phases, "total"]}
+    return out
+
+
+def phase_lines(summary: dict[str, Any]) -> list[str]:
+    """The server-side phase split as readable lines (nothing when the server sent none)."""
+    split = summary.get("server_phases")
+    if not split:
+        return []
+    lines = []
+    for q, row in split["at"].items():
+        parts = ", ".join(f"{p} {row[p]:,.1f}" for p in split["phases"])
+        lines.append(f"server phases at {q} of total ({row['total']:,.1f} ms): {parts}")
+    counts = ", ".join(f"{p} {n}" for p, n in sorted(split["bottlenecks"].items(),
+                                                     key=lambda kv: -kv[1]))
+    lines.append(f"bottleneck by request: {counts} (of {split['requests']})")
+    return lines
 
 
 TABLE_HEADER = ["run", "sent", "ok", "errors", "time s", "req/s", "output tok/s",

@@ -1,0 +1,142 @@
+"""`batcher diagnose` on three loads whose bottleneck is known: far above capacity (queue), long
+prompts one at a time (prefill), long answers one at a time (decode). The first two on the fake
+model (its prefill and decode rates are set), decode also on the bundled model at default
+settings; then the window's deltas, the SLO judgement, and a bench report file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from batcher.admission import Admission
+from batcher.bench.client import RequestResult
+from batcher.bench.report import phase_lines, summarize
+from batcher.cli import main
+from batcher.config import SchedulerConfig
+from batcher.diagnose import diagnose_url, flatten, from_metrics
+from batcher.engine import AsyncEngine
+from batcher.fake_runner import FakeRunner, FakeSpeed
+from batcher.metrics import Metrics
+from batcher.server.app import create_app
+from batcher.server.auth import Authenticator
+from batcher.server.gateway import Gateway, GatewayConfig
+from batcher.tokenizer import load_tokenizer
+from tests.test_gateway_inprocess import ALICE, TENANTS, auth
+
+C = "/v1/completions"
+
+
+def fake_app(speed: FakeSpeed, max_num_seqs: int = 8, slo_ttft_s: float | None = None
+             ) -> web.Application:
+    async def build() -> Gateway:
+        tok = load_tokenizer()
+        metrics = Metrics(slo_ttft_s=slo_ttft_s)
+        runner = FakeRunner(1024, 16, tok.vocab_size, speed)
+        engine = AsyncEngine(runner, tok, SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=4096),
+            metrics=metrics)
+        return Gateway(GatewayConfig("fake", 4096), engine, Authenticator(TENANTS),
+                       Admission(TENANTS), metrics)
+
+    return create_app(build, 1 << 20)
+
+
+async def send(client, prompt: Any, max_tokens: int, model: str = "fake") -> dict[str, Any]:
+    r = await client.post(C, json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                   "ignore_eos": True, "temperature": 0}, headers=auth(ALICE))
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+def url(client) -> str:
+    return str(client.make_url("")).rstrip("/")
+
+
+async def test_far_above_capacity_is_queue(aiohttp_client) -> None:
+    # Two slots, twenty requests of 30 tokens at 10 ms a step: ten waves, most time waiting.
+    client = await aiohttp_client(fake_app(FakeSpeed(decode_step_s=0.01), max_num_seqs=2,
+                                           slo_ttft_s=0.2))
+    await asyncio.gather(*(send(client, [300 + i] * 8, 30) for i in range(20)))
+    d = await diagnose_url(url(client), 0, {})
+    assert d.bottleneck == "queue", d.lines()
+    assert "first_token" in d.slow  # against the exported 200 ms TTFT SLO
+    assert d.phases_ms["queue"] > 2 * d.phases_ms["decode"]
+    text = "\n".join(d.lines())
+    assert "SLO of 200 ms" in text and "admission" in d.action and "batch" in d.action
+
+
+async def test_long_prompts_one_at_a_time_is_prefill(aiohttp_client) -> None:
+    client = await aiohttp_client(fake_app(FakeSpeed(prefill_tokens_per_s=5000,
+                                                     decode_step_s=0.005)))
+    for i in range(3):
+        await send(client, [300 + i] * 2000, 2)
+    d = await diagnose_url(url(client), 0, {})
+    assert d.bottleneck == "prefill", d.lines()
+    assert d.slow == ["first_token"]  # no SLO exported: judged by where the time goes
+    assert "prompt" in d.action and any("2,000 prompt tokens" in e for e in d.evidence)
+
+
+async def test_long_answers_one_at_a_time_is_decode_and_the_window_is_a_delta(
+        aiohttp_client) -> None:
+    client = await aiohttp_client(fake_app(FakeSpeed(prefill_tokens_per_s=5000,
+                                                     decode_step_s=0.01)))
+    # Earlier traffic of another shape (long prompts) must not count in the window.
+    for i in range(3):
+        await send(client, [300 + i] * 2000, 1)
+    before = flatten(await (await client.get("/metrics")).text())
+    for i in range(3):
+        await send(client, [400 + i] * 8, 40)
+    after = flatten(await (await client.get("/metrics")).text())
+    d = from_metrics("x", before, after, None, {})
+    assert d.requests == 3 and d.bottleneck == "decode", d.lines()
+    assert d.slow == ["total"] and "max_tokens" in d.action
+    assert any("40 output tokens" in e for e in d.evidence)
+    # Since start, the prefill-heavy requests weigh in: same phases, other counts.
+    assert from_metrics("x", {}, after, None, {}).requests == 6
+
+
+async def test_report_file_and_json_form(aiohttp_client, tmp_path, capsys) -> None:
+    client = await aiohttp_client(fake_app(FakeSpeed(decode_step_s=0.01)))
+    results = []
+    for i in range(3):
+        answer = await send(client, [400 + i] * 8, 40)
+        r = RequestResult(f"r{i}", 8, 40, status=200, ttft=0.01, e2e=0.5, output_tokens=40)
+        r.timings = answer["timings"]
+        results.append(r)
+    summary = summarize(results)
+    assert summary["server_phases"]["bottlenecks"] == {"decode": 3}
+    assert phase_lines(summary)[0].startswith("server phases at p50 of total")
+    path = tmp_path / "report.json"
+    timed = [{"timings": {"prompt_tokens": 8, "completion_tokens": 40}}] * 3
+    path.write_text(json.dumps({"summary": summary, "requests": timed}))
+    assert main(["diagnose", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bottleneck"] == "decode" and out["slow"] == ["total"]
+    assert set(out["phases_ms"]) >= {"queue", "prefill", "decode", "post"}
+    assert main(["diagnose", str(tmp_path / "missing.json")]) == 1
+    assert main(["diagnose", "http://127.0.0.1:9", "--window", "-1"]) == 2
+
+
+@pytest.mark.slow
+async def test_real_model_long_answers_are_decode(aiohttp_client) -> None:
+    """The bundled SmolLM2 at `batcher serve`'s defaults (the embedding model left out)."""
+    import argparse
+
+    from batcher.serve import gateway_factory
+    from batcher.serve_args import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--embedding-model", "none"])
+    client = await aiohttp_client(create_app(gateway_factory(args), args.max_body_bytes))
+    for _ in range(2):
+        body = await send(client, "Count slowly:", 48, model="smollm2-135m")
+        t = body["timings"]
+        assert t["completion_tokens"] == 48 and t["bottleneck"] == "decode"
+    d = await diagnose_url(url(client), 0, {})
+    assert d.bottleneck == "decode", d.lines()
+    assert d.phases_ms["decode"] > 5 * d.phases_ms["prefill"]
