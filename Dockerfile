@@ -1,6 +1,8 @@
 # batcher: an OpenAI-compatible LLM server with the bundled SmolLM2-135M model baked in.
 #   docker build -t batcher .                      (CPU torch)
-#   docker build -t batcher --build-arg TORCH_SPEC=torch==2.13.0 .   (CUDA torch from PyPI)
+#   docker build -t batcher --build-arg TORCH_SPEC=torch==2.13.0 --build-arg RUNTIME_APT=gcc .
+#                                                  (CUDA torch from PyPI, with the C compiler
+#                                                   Triton needs to build its kernel launchers)
 #   docker run -p 8000:8000 batcher                (serves on 0.0.0.0:8000)
 #   docker run -p 8080:8080 --entrypoint batcher batcher router --host 0.0.0.0 --port 8080 ...
 # Both stages use the same base, so the virtual environment's interpreter links stay valid.
@@ -27,6 +29,13 @@ load_tokenizer()" \
  && test -n "$(ls /opt/batcher-cache/weights)"
 
 FROM ${PYTHON_IMAGE}
+# Extra Debian packages of the runtime image: `gcc` for a CUDA image (Triton compiles a small C
+# launcher per kernel at first use; the Python headers are in the base image already).
+ARG RUNTIME_APT=""
+RUN if [ -n "${RUNTIME_APT}" ]; then \
+      apt-get update && apt-get install -y --no-install-recommends ${RUNTIME_APT} \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 # A fixed numeric uid: Kubernetes' runAsNonRoot can only verify a numeric USER.
 RUN groupadd --gid 10001 batcher && useradd --uid 10001 --gid 10001 --create-home batcher
 COPY --from=build /opt/batcher /opt/batcher

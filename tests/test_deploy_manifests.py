@@ -260,3 +260,58 @@ def test_the_secrets_the_manifests_need_are_documented():
         assert name in docs, f"docs/deploy.md does not say how to create Secret {name}"
         if key:
             assert f"--from-literal={key}=" in docs, f"docs/deploy.md: {name} needs key {key}"
+
+
+# Pod Security Standards, "restricted" profile (Kubernetes 1.25+): what the admission controller
+# checks, field by field, so a namespace enforcing it admits our pods.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+
+
+def test_pods_meet_pod_security_restricted():
+    for d in kind("Deployment"):
+        pod = d["spec"]["template"]["spec"]
+        name = d["metadata"]["name"]
+        for host in ("hostNetwork", "hostPID", "hostIPC"):
+            assert not pod.get(host), (name, host)
+        pod_sc = pod.get("securityContext", {})
+        for volume in pod.get("volumes", []):
+            kinds = set(volume) - {"name"}
+            assert kinds <= RESTRICTED_VOLUMES, (name, volume)
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            where = (name, c["name"])
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert not sc.get("privileged"), where
+            assert "ALL" in sc.get("capabilities", {}).get("drop", []), where
+            assert set(sc.get("capabilities", {}).get("add", [])) <= {"NET_BIND_SERVICE"}, where
+            assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
+            assert sc.get("runAsUser", pod_sc.get("runAsUser", 1)) != 0, where
+            seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile", {}))
+            assert seccomp.get("type") in ("RuntimeDefault", "Localhost"), where
+            for port in c.get("ports", []):
+                assert not port.get("hostPort"), where
+
+
+def test_replica_threads_and_keepalive_come_from_the_manifest():
+    """The replica's env sets flags by name (BATCHER_<FLAG>): they must parse as those flags."""
+    from batcher.cli_env import apply_defaults
+
+    for d, c in containers():
+        env = {e["name"]: e.get("value", "1") for e in c.get("env", [])}
+        assert float(env["BATCHER_KEEPALIVE_TIMEOUT"]) > 60  # above an ALB's idle timeout
+        if d["metadata"]["labels"].get("role") == "replica":
+            refs = {e["name"]: e["valueFrom"] for e in c["env"] if "valueFrom" in e}
+            assert refs["BATCHER_TORCH_THREADS"]["resourceFieldRef"]["resource"] == "requests.cpu"
+            p = argparse.ArgumentParser()
+            add_serve_args(p)
+            apply_defaults(p, [], {"BATCHER_TORCH_THREADS": "2",
+                                   "BATCHER_KEEPALIVE_TIMEOUT": env["BATCHER_KEEPALIVE_TIMEOUT"]})
+            args = p.parse_args([])
+            assert (args.torch_threads, args.keepalive_timeout) == (2, 75.0)
+
+
+def test_dockerfile_runtime_stage_can_add_a_compiler_for_triton():
+    final = DOCKERFILE.rsplit("\nFROM ", 1)[1]
+    assert 'ARG RUNTIME_APT=""' in final and "apt-get install" in final
+    assert "RUNTIME_APT=gcc" in DOCKERFILE  # the CUDA build line says how
