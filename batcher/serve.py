@@ -115,6 +115,10 @@ def gateway_factory(args: argparse.Namespace,
         engine.step_listeners.append(_step_observer(admission, engine, decode_step))
         name = "fake" if args.model == "fake" else engine_model_name(args.model)
         metrics.info.labels(args.version, name).set(1)
+        metrics.configure(args.served_model_name or name, engine.scheduler.kv.block_size,
+                          engine.scheduler.kv.num_total_blocks,
+                          engine.scheduler.config.max_num_seqs,
+                          prefill_rate=lambda: admission.prefill_rate)
         cfg = GatewayConfig(model_name=args.served_model_name or name,
                             max_model_len=engine.scheduler.config.max_model_len,
                             default_max_tokens=args.default_max_tokens,
