@@ -9,7 +9,7 @@ import pytest
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.fake_runner import FakeRunner, FakeSpeed
-from batcher.fleet.context import RouterConfig
+from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.load import EWMA_ALPHA, SAMPLE_CLAMP, STALL_STEPS, ReplicaLoad
 from batcher.fleet.policy import Candidate, choose_round_robin
 from batcher.sampling import SamplingParams
@@ -92,3 +92,33 @@ def test_the_fake_models_step_factor_slows_every_step() -> None:
     assert slow == pytest.approx(2 * base) and base > 0
     with pytest.raises(ValueError, match="step factor"):
         FakeRunner(64, 16, 1000, FakeSpeed(step_factor=0.0))
+
+
+def _router(routing: str = "predicted-wait") -> RouterContext:
+    ctx = RouterContext(RouterConfig(routing=routing), clock=lambda: 100.0,
+                        rng=random.Random(0))
+    for rid in ("a", "b"):
+        ctx.registry.beat({"replica_id": rid, "url": f"http://127.0.0.1:1/{rid}", "epoch": 1,
+                           "seq": 1, "free_blocks": 1000, "total_blocks": 1000,
+                           "block_size": 16, "running": 0, "waiting": 0, "version": "v1",
+                           "draining": False, "healthy": True}, 100.0)
+    return ctx
+
+
+def test_the_router_routes_on_its_own_account_until_replicas_report() -> None:
+    ctx = _router()
+    a = ctx.registry.get("a")
+    attempts = [ctx.begin(a, 600, stream=True, prompt_tokens=500) for _ in range(3)]
+    # Heartbeats still say both are idle; the router knows "a" has 1,500 prompt tokens queued.
+    assert {ctx.pick(600, None, set(), 500).replica_id for _ in range(20)} == {"b"}
+    for att in attempts:
+        ctx.progress(att, 100.0)
+        ctx.end(att)
+    assert ctx.loads["a"].inflight == 0 and ctx.loads["a"].prefill_tokens == 0
+    assert {ctx.pick(600, None, set(), 500).replica_id for _ in range(40)} == {"a", "b"}
+
+
+def test_round_robin_routing_ignores_load() -> None:
+    ctx = _router("round-robin")
+    ctx.begin(ctx.registry.get("a"), 600, prompt_tokens=500)
+    assert [ctx.pick(600, None, set(), 500).replica_id for _ in range(4)] == ["a", "b", "a", "b"]
