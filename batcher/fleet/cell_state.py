@@ -13,7 +13,11 @@ may read it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from batcher.fleet.balancer import BalancerConfig, cell_saturation
 from batcher.fleet.context import RouterContext
@@ -61,3 +65,29 @@ def aggregate(ctx: RouterContext, cfg: BalancerConfig | None = None) -> dict[str
         "waiting_prefill_tokens": sum(s.waiting_prefill_tokens for s in live),
         "predicted_wait_s": round(wait_s, 4),
         "saturation": round(cell_saturation(free, total, waiting, len(live), wait_s, cfg), 4)}
+
+
+class CellCollector(Collector):
+    """A router's `batcher_cell_saturation{cell}` (its own, as a balancer would read it) and its
+    fleet aggregates, computed at scrape time."""
+
+    def __init__(self, ctx: RouterContext, cell: str):
+        self.ctx, self.cell = ctx, cell
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        agg = aggregate(self.ctx)
+        sat = GaugeMetricFamily("batcher_cell_saturation", "Saturation this cell publishes, 0-1",
+                                labels=["cell"])
+        sat.add_metric([self.cell], agg["saturation"])
+        yield sat
+        for name, doc, key in (
+                ("batcher_fleet_kv_free_blocks", "Free KV blocks over routable replicas",
+                 "free_blocks"),
+                ("batcher_fleet_kv_total_blocks", "KV blocks over routable replicas",
+                 "total_blocks"),
+                ("batcher_fleet_running", "Running requests over routable replicas", "running"),
+                ("batcher_fleet_waiting", "Waiting requests over routable replicas", "waiting"),
+                ("batcher_fleet_healthy_replicas", "Routable replicas", "healthy_replicas"),
+                ("batcher_fleet_predicted_queue_wait_seconds",
+                 "Least predicted queue wait over routable replicas", "predicted_wait_s")):
+            yield GaugeMetricFamily(name, doc, value=agg[key])

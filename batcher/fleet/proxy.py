@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from batcher.fleet.cell_state import aggregate
+from batcher.fleet.cell_state import CellCollector, aggregate
 from batcher.fleet.context import RouterContext
 from batcher.fleet.forward import PASS_HEADERS, Relay
 from batcher.fleet.health import HealthChecker
@@ -227,10 +227,12 @@ async def cancel(request: web.Request) -> web.StreamResponse:
                        retry_after=1) from None
 
 
-def create_router_app(ctx: RouterContext) -> web.Application:
+def create_router_app(ctx: RouterContext, cell_name: str = "local") -> web.Application:
     """The public app. Its cleanup context owns the upstream session and the health checker."""
     app = web.Application(middlewares=[middleware], client_max_size=ctx.cfg.max_body_bytes)
     app[ROUTER] = ctx
+    with contextlib.suppress(ValueError):  # registered already (this context's other app)
+        ctx.metrics.registry.register(CellCollector(ctx, cell_name))
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         cfg = ctx.cfg

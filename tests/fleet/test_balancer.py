@@ -116,6 +116,10 @@ async def test_a_router_publishes_its_aggregate(aiohttp_client) -> None:
     assert resp.status == 400
     header = orjson.loads(resp.headers["X-Replica-State"])
     assert header["saturation"] == body["saturation"] and "weights" not in header
+    text = await (await client.get("/metrics")).text()
+    assert f'batcher_cell_saturation{{cell="local"}} {body["saturation"]}' in text
+    assert "batcher_fleet_kv_free_blocks 60.0" in text
+    assert "batcher_fleet_healthy_replicas 2.0" in text
     ctx.registry.get("r1").evicted = True
     body = await (await client.get("/v1/state")).json()
     assert body["healthy_replicas"] == 1 and body["total_blocks"] == 100
