@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 import llguidance
-from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 # A grammar may be large, but a schema of megabytes is a mistake or an attack.
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -75,7 +75,7 @@ def lark_grammar(text: Any, field: str) -> str:
         if "::=" in text:
             text = gbnf_to_lark(text)
         grammar = llguidance.LLMatcher.grammar_from_lark(text)
-    except (ValueError, TypeError, RuntimeError, GbnfToLarkError) as exc:
+    except Exception as exc:  # noqa: BLE001 (the converter raises bare Exception; all are 400s)
         raise ValueError(f"'{field}' is not a usable grammar: {str(exc)[:300]}") from None
     return _compiled(grammar, field)
 

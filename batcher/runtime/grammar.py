@@ -15,6 +15,7 @@ cache need nothing else.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,21 @@ import llguidance.hf
 import torch
 
 from batcher.core.outputs import ScheduledSeq
+
+
+class _Failed:
+    """Stands in for a matcher that could not be built: it is always in error, so the row's
+    mask allows only end of sequence."""
+
+    def is_error(self) -> bool:
+        return True
+
+    def consume_token(self, token: int) -> bool:
+        return False
+
+
+_FAILED = _Failed()
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -114,10 +130,14 @@ class GrammarMasks:
         assert grammar is not None
         row = self._rows.get(s.request_id)
         if row is None or row.consumed != s.output_index or row.grammar != grammar:
-            m = llguidance.LLMatcher(self._lltokenizer(), grammar)
             made = s.history[len(s.history) - s.output_index:] if s.output_index else ()
-            if made:
-                m.consume_tokens(list(made))
+            try:
+                m = llguidance.LLMatcher(self._lltokenizer(), grammar)
+                if made:
+                    m.consume_tokens(list(made))
+            except Exception:  # one request's grammar must never fail the step
+                log.exception("grammar matcher failed for %s", s.request_id)
+                m = _FAILED
             row = self._rows[s.request_id] = _Row(grammar, m, s.output_index)
         return row.matcher
 

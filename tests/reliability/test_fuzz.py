@@ -230,6 +230,8 @@ GENERATION_OPTIONAL: dict[str, Field] = {
     "audio": (st.none(), json_values),
     "prediction": (st.none(), json_values),
     "guided_json": (st.none(), json_values),
+    "guided_regex": (st.none(), st.one_of(small_text, json_values)),
+    "guided_grammar": (st.none(), st.one_of(small_text, json_values)),
     "return_token_ids": legal(st.booleans()),
     "tools": (st.just([]), json_values),
     "logit_bias": (st.dictionaries(token_ids.map(str), st.floats(-100, 100), max_size=2),
