@@ -315,3 +315,118 @@ def test_dockerfile_runtime_stage_can_add_a_compiler_for_triton():
     final = DOCKERFILE.rsplit("\nFROM ", 1)[1]
     assert 'ARG RUNTIME_APT=""' in final and "apt-get install" in final
     assert "RUNTIME_APT=gcc" in DOCKERFILE  # the CUDA build line says how
+
+
+# Autoscaling, monitoring and the inference gateway --------------------------------------------
+GATEWAY = sorted((ROOT / "deploy" / "kubernetes" / "gateway").glob("*.yaml"))
+METRIC_NAME = re.compile(r"\bbatcher_[a-z0-9_]*[a-z0-9]")
+
+
+def gateway_docs() -> list[Doc]:
+    return [d for p in GATEWAY for d in yaml.safe_load_all(p.read_text()) if d is not None]
+
+
+def strings(node: Any) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [s for k, v in node.items() if k != "__file__" for s in strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in strings(v)]
+    return []
+
+
+def registry_names(registry: Any) -> set[str]:
+    """Every series name the registry behind a /metrics route can show: families, the `_total`
+    of counters, histogram parts, and the samples themselves."""
+    out: set[str] = set()
+    for fam in registry.collect():
+        out.add(fam.name)
+        if fam.type == "counter":
+            out.add(fam.name + "_total")
+        if fam.type == "histogram":
+            out |= {fam.name + s for s in ("_bucket", "_sum", "_count")}
+        out |= {s.name for s in fam.samples}
+    return out
+
+
+def exported_names() -> set[str]:
+    """What replicas, routers and the balancer export on /metrics."""
+    from batcher.fleet.balancer_app import BalancerContext, create_balancer_app
+    from batcher.fleet.context import RouterConfig, RouterContext
+    from batcher.fleet.proxy import create_router_app
+    from batcher.metrics import Metrics
+
+    replica = Metrics()
+    replica.configure("m", 16, 64, 8)
+    router, balancer = RouterContext(RouterConfig()), BalancerContext(RouterConfig())
+    create_router_app(router)
+    create_balancer_app(balancer)
+    return (registry_names(replica.registry) | registry_names(router.metrics.registry)
+            | registry_names(balancer.metrics.registry))
+
+
+def test_every_metric_a_manifest_names_is_exported():
+    named = {m for d in [*DOCS, *gateway_docs()] for s in strings(d)
+             for m in METRIC_NAME.findall(s)}
+    # The contract names the autoscalers, the alerts and the gateway read must all appear.
+    assert {"batcher_waiting", "batcher_running", "batcher_kv_cache_usage_ratio",
+            "batcher_cache_config_info", "batcher_cell_saturation",
+            "batcher_goodput_requests_total"} <= named
+    missing = named - exported_names()
+    assert not missing, f"manifests name metrics nothing exports: {sorted(missing)}"
+
+
+def test_autoscalers_target_the_replica_deployment():
+    dep, _ = by_role()["serve"]
+    name = dep["metadata"]["name"]
+    (scaled,) = kind("ScaledObject")
+    (hpa,) = kind("HorizontalPodAutoscaler")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == name
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": name}
+    assert scaled["__file__"] != hpa["__file__"], "apply one or the other, never both"
+    for s in (scaled["spec"]["minReplicaCount"], hpa["spec"]["minReplicas"]):
+        assert s >= 2  # the PodDisruptionBudget keeps one while another drains
+    # The queries' job label is the replica Service's name (the ServiceMonitor's default job).
+    services = {s["metadata"]["name"] for s in kind("Service")}
+    for t in scaled["spec"]["triggers"]:
+        for job in re.findall(r'job="([^"]+)"', t["metadata"]["query"]):
+            assert job in services, job
+
+
+def test_service_monitor_scrapes_a_metrics_route_on_every_selected_service():
+    (mon,) = kind("ServiceMonitor")
+    pods = [(d["spec"]["template"]["metadata"]["labels"], c) for d, c in containers()]
+    chosen = [s for s in kind("Service")
+              if matches(mon["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+    assert {s["metadata"]["name"] for s in chosen} >= {"batcher", "batcher-replicas"}
+    for ep in mon["spec"]["endpoints"]:
+        for svc in chosen:
+            port = next(p for p in svc["spec"]["ports"] if p["name"] == ep["port"])
+            for labels, c in pods:
+                if not matches(svc["spec"]["selector"], labels):
+                    continue
+                args = parsed(c)
+                assert port_number(c, port["targetPort"]) == args.port, svc["metadata"]["name"]
+                assert ("GET", ep["path"]) in routes(args.command), (c["name"], ep["path"])
+    (rules,) = kind("PrometheusRule")
+    alerts = {r["alert"] for g in rules["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert {"BatcherSLOBurnFast", "BatcherNoReadyReplica", "BatcherKVPressure"} <= alerts
+
+
+def test_inference_pool_selects_the_replicas_on_their_port():
+    docs = gateway_docs()
+    (pool,) = [d for d in docs if d["kind"] == "InferencePool"]
+    dep, rep = by_role()["serve"]
+    assert matches(pool["spec"]["selector"]["matchLabels"],
+                   dep["spec"]["template"]["metadata"]["labels"])
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [parsed(rep).port]
+    epp = next(d for d in docs if d["kind"] == "Deployment"
+               and d["metadata"]["name"] == pool["spec"]["endpointPickerRef"]["name"])
+    flags = dict(a.removeprefix("--").split("=", 1) for a in
+                 epp["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert flags["pool-name"] == pool["metadata"]["name"]
+    assert flags["total-queued-requests-metric"] == "batcher_waiting"
+    assert flags["kv-cache-usage-percentage-metric"] == "batcher_kv_cache_usage_ratio"
+    assert int(flags["grpc-port"]) == pool["spec"]["endpointPickerRef"]["port"]["number"]
