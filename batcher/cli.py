@@ -28,6 +28,7 @@ from batcher.access_log import LOG_FORMATS
 from batcher.access_log import configure as configure_logging
 from batcher.cli_env import add_config_arg, apply_defaults
 from batcher.serve_args import add_serve_args
+from batcher.tracing import configure as configure_tracing
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,6 +80,10 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
             "--log-format", default="text", type=str.lower, choices=LOG_FORMATS,
             help="text for people, json for machines: one object per line, the access line's "
             "fields as keys (default: %(default)s)")
+        sub.choices[name].add_argument(
+            "--otlp-endpoint", default=None, help="send a trace span per request, with its "
+            "phases, to this OTLP/HTTP endpoint (e.g. http://collector:4318/v1/traces; needs "
+            "the otel extra; default: no traces)")
     return parser, dict(sub.choices)
 
 
@@ -88,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     _env_defaults(commands, argv)
     args = parser.parse_args(argv)
     configure_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
+    try:
+        configure_tracing(getattr(args, "otlp_endpoint", None), f"batcher-{args.command}")
+    except ValueError as exc:
+        print(f"batcher {args.command}: {exc}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return _serve(args)
     if args.command == "bench":

@@ -47,6 +47,8 @@ from batcher.fleet.route_timing import RouteClock
 from batcher.fleet.stream_ledger import StreamLedger
 from batcher.http.errors import ApiError
 from batcher.http.sse import DONE, SSE_HEADERS
+from batcher.tracing import current as current_tracer
+from batcher.tracing import forward_headers
 
 RETRYABLE = frozenset({500, 502, 503})
 PASS_HEADERS = ("Authorization", "x-api-key")
@@ -100,6 +102,8 @@ class Relay:
                  body: dict[str, Any], raw: bytes, rid: str, scope: str = ""):
         self.ctx, self.request, self.chat, self.body, self.rid = ctx, request, chat, body, rid
         self.route = RouteClock()  # the router's `route` phase runs from here to the answer
+        tracer = current_tracer()
+        self.span = None if tracer is None else tracer.open("batcher.router", request.headers)
         self.rkey = (scope, rid)  # request ids are the caller's own, as on a replica
         self.payload = raw
         policy = ctx.cfg.policy
@@ -177,6 +181,7 @@ class Relay:
         h = {k: v for k in PASS_HEADERS if (v := self.request.headers.get(k)) is not None}
         h.update({"Content-Type": "application/json", "X-Request-Id": self.rid,
                   "X-Attempt": str(self.attempts)})
+        h.update(forward_headers(self.request.headers, self.span))
         return h
 
     def _reply_headers(self, up: aiohttp.ClientResponse) -> dict[str, str]:
@@ -212,14 +217,23 @@ class Relay:
         return resp
 
     async def whole(self) -> web.StreamResponse:
-        while True:
-            rep = await self._next(charge=True)
-            if isinstance(rep, web.StreamResponse):
-                return rep
-            result = await self._whole_attempt(rep)
-            if isinstance(result, web.StreamResponse):
-                return result
-            self.last = result
+        try:
+            while True:
+                rep = await self._next(charge=True)
+                if isinstance(rep, web.StreamResponse):
+                    return rep
+                result = await self._whole_attempt(rep)
+                if isinstance(result, web.StreamResponse):
+                    return result
+                self.last = result
+        finally:
+            self._end_span()
+
+    def _end_span(self) -> None:
+        if self.span is not None:
+            self.span.set_attribute("batcher.request_id", self.rid)
+            self.span.set_attribute("batcher.attempts", self.attempts)
+            self.span.end()
 
     async def _whole_attempt(self, rep: Replica) -> Failure | web.StreamResponse:
         ctx = self.ctx
@@ -278,6 +292,8 @@ class Relay:
                     return self.client
         except ClientGone:
             return self.client  # type: ignore[return-value]
+        finally:
+            self._end_span()
 
     async def _stream_attempt(self, rep: Replica) -> Failure | web.StreamResponse | None:
         ctx = self.ctx

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from batcher import tracing
 from batcher.access_log import log_access
 from batcher.metrics import Metrics, priority_label
 from batcher.timings import PhaseClock, Timings, split
@@ -54,7 +55,15 @@ class RequestTiming:
         prio = self.job.requests[0].priority if self.job and self.job.requests else 0
         if ran and status < 400:
             self.metrics.observe_phases(t, prio)
-        tenant = self.request.get("tenant")
-        log_access(request_id=self.request.get("request_id", ""),
-                   tenant=getattr(tenant, "name", "-"), route=self.request.path, status=status,
+        tenant = getattr(self.request.get("tenant"), "name", "-")
+        rid = self.request.get("request_id", "")
+        log_access(request_id=rid, tenant=tenant, route=self.request.path, status=status,
                    timings=t, finish_reason=self.finish_reason, priority=priority_label(prio))
+        tracer = tracing.current()
+        if tracer is not None:
+            tracer.record("batcher.request", self.request.headers, t, {
+                "batcher.request_id": rid, "batcher.tenant": tenant,
+                "http.route": self.request.path, "http.status_code": status,
+                "batcher.priority": priority_label(prio), "batcher.bottleneck": t.bottleneck,
+                "batcher.prompt_tokens": t.prompt_tokens,
+                "batcher.completion_tokens": t.completion_tokens})
