@@ -74,9 +74,11 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
         url = _wait_url(server)
         # The default workload (packaged), two of its requests.
         bench = _run([batcher, "bench", "--base-url", url, "--num-requests", "2",
-                      "--no-plots", "--no-metrics", "--warmup", "0",
-                      "--out", str(work / "bench")], work, env, timeout=180)
+                      "--no-plots", "--warmup", "0", "--out", str(work / "bench")],
+                     work, env, timeout=180)
         assert "| 2 | 2 | 0 |" in bench.stdout, bench.stdout  # sent, ok, errors
+        # The rates `batcher plan` sizes with, read from the server's step metrics.
+        assert "-> batcher plan --prefill-rate " in bench.stdout, bench.stdout
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

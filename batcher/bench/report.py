@@ -23,12 +23,21 @@ SCRAPED = ("batcher_kv_blocks_used", "batcher_kv_blocks_total", "batcher_running
            "batcher_waiting", "batcher_preemptions", "batcher_prefix_cache_hit_tokens",
            "batcher_prompt_tokens", "batcher_prefill_tokens_computed",
            "batcher_generated_tokens", "batcher_queue_wait_seconds", "batcher_service_seconds")
+# Per step kind (prefill / decode / mixed): the model time and tokens of the engine's steps, for
+# the prefill and decode rates `batcher plan` sizes a fleet with.
+BY_KIND = ("batcher_step_seconds", "batcher_step_tokens")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {'name' or 'name{le=...}': value} for the series in SCRAPED."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
+        if fam.name in BY_KIND:
+            for s in fam.samples:
+                if s.name.endswith(("_sum", "_count")) and "kind" in s.labels:
+                    key = f"{s.name}{{kind={s.labels['kind']}}}"
+                    out[key] = out.get(key, 0.0) + float(s.value)
+            continue
         if fam.name not in SCRAPED:
             continue
         for s in fam.samples:
@@ -111,10 +120,27 @@ class MetricsScraper:
             "prefix_cache_hit_rate": (delta("batcher_prefix_cache_hit_tokens_total") / prompt
                                       if prompt > 0 else None),
             "prefill_tokens_computed": delta("batcher_prefill_tokens_computed_total"),
+            **_rates(delta),
             "series": [{"t": t, "kv_used": v.get("batcher_kv_blocks_used"),
                         "running": v.get("batcher_running"), "waiting": v.get("batcher_waiting")}
                        for t, v in self.samples],
         }
+
+
+def _rates(delta: Any) -> dict[str, float | None]:
+    """Tokens per second of model time in prefill-only and in decode-only steps over the run
+    (None without such steps), and the mean decode rows the decode rate was measured at: the
+    replica rates `batcher plan --prefill-rate --decode-rate` takes. A decode rate holds at about
+    that many streams; measure at the concurrency the fleet will run."""
+    out: dict[str, float | None] = {}
+    for kind in ("prefill", "decode"):
+        seconds = delta(f"batcher_step_seconds_sum{{kind={kind}}}")
+        tokens = delta(f"batcher_step_tokens_sum{{kind={kind}}}")
+        out[f"{kind}_rate"] = tokens / seconds if seconds > 0 and tokens > 0 else None
+    steps = delta("batcher_step_tokens_count{kind=decode}")
+    tokens = delta("batcher_step_tokens_sum{kind=decode}")
+    out["decode_rows_mean"] = tokens / steps if steps > 0 else None
+    return out
 
 
 def _hist_delta(first: dict[str, float], last: dict[str, float], name: str
@@ -271,4 +297,15 @@ def server_lines(server: dict[str, Any] | None) -> list[str]:
             (f"KV blocks used: max {_f(server['kv_blocks_used_max'], 0)} / "
              f"{_f(server['kv_blocks_total'], 0)}, mean {_f(server['kv_blocks_used_mean'], 0)}; "
              f"preemptions {int(server['preemptions'])}; prefix-cache hit rate "
-             f"{'—' if hit is None else f'{hit:.1%}'}")]
+             f"{'—' if hit is None else f'{hit:.1%}'}"),
+            _rates_line(server)]
+
+
+def _rates_line(server: dict[str, Any]) -> str:
+    pre, dec, rows = (server.get("prefill_rate"), server.get("decode_rate"),
+                      server.get("decode_rows_mean"))
+    text = (f"replica rates (model time): prefill {_f(pre, 0)} tok/s in prefill-only steps, "
+            f"decode {_f(dec, 0)} tok/s in decode-only steps at {_f(rows, 1)} streams")
+    if pre is not None and dec is not None:
+        text += f" -> batcher plan --prefill-rate {pre:.0f} --decode-rate {dec:.0f}"
+    return text

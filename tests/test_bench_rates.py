@@ -1,0 +1,38 @@
+"""`batcher bench` reports a replica's prefill and decode rates from the server's step metrics:
+tokens per second of model time in prefill-only and decode-only steps over the run."""
+
+from __future__ import annotations
+
+from batcher.bench.report import _rates, parse_metrics, server_lines
+from batcher.metrics import Metrics
+
+
+def test_rates_from_step_metrics() -> None:
+    m = Metrics()
+    m.step_time.labels("prefill").observe(9.0)  # before the run: not counted
+    m.step_tokens.labels("prefill").observe(1.0)
+    first = parse_metrics(m.exposition().decode())
+    for _ in range(4):
+        m.step_time.labels("prefill").observe(0.25)
+        m.step_tokens.labels("prefill").observe(1000)
+    for _ in range(10):
+        m.step_time.labels("decode").observe(0.02)
+        m.step_tokens.labels("decode").observe(8)
+    m.step_time.labels("mixed").observe(5.0)  # neither rate
+    m.step_tokens.labels("mixed").observe(1)
+    last = parse_metrics(m.exposition().decode())
+    rates = _rates(lambda name: last.get(name, 0.0) - first.get(name, 0.0))
+    assert rates["prefill_rate"] == 4000.0
+    assert abs(rates["decode_rate"] - 400.0) < 1e-6
+    assert rates["decode_rows_mean"] == 8.0
+
+
+def test_no_decode_steps_means_no_decode_rate() -> None:
+    rates = _rates(lambda name: 0.0)
+    assert rates == {"prefill_rate": None, "decode_rate": None, "decode_rows_mean": None}
+    line = server_lines({"queue_wait": {"mean": None, "p50": None, "p99": None, "count": 0},
+                         "service": {"mean": None, "p50": None, "p99": None},
+                         "prefix_cache_hit_rate": None, "kv_blocks_used_max": 0,
+                         "kv_blocks_total": 0, "kv_blocks_used_mean": 0, "preemptions": 0,
+                         **rates})[-1]
+    assert "prefill — tok/s" in line and "batcher plan" not in line
