@@ -97,7 +97,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    "in the current directory")
     s = sub.add_parser("study", help="the docs/capacity.md studies")
     s.add_argument("name", choices=["policies", "policies-kv", "retry", "headroom", "cells",
-                                    "speed", "routing"])
+                                    "speed", "routing", "cells-balancer"])
     s.add_argument("--step-model", default=DEFAULT_STEP_MODEL, help="calibrated JSON "
                    "(default: the packaged CPU model)")
     s.add_argument("--quick", action="store_true", help="smaller and shorter (for a smoke run)")
@@ -141,6 +141,10 @@ def run_sim(args: argparse.Namespace) -> int:
         from batcher.sim.validate import run_validation
 
         return run_validation(args)
+    if args.name == "cells-balancer":
+        from batcher.sim.cells_study import main as cells_main
+
+        return cells_main(["--quick"] if args.quick else [])
     if args.name == "routing":
         from batcher.sim.routing_study import run_routing_study
 
