@@ -58,5 +58,8 @@ def test_heterogeneity_flags_reach_the_replicas() -> None:
     assert [r.total_blocks for r in sim.replicas[1:4]] == [cfg.num_blocks, 300, cfg.num_blocks]
     assert sim._stretch(5, 0.5, 1.5) == pytest.approx(3.5)  # held through the stall
     assert sim._stretch(4, 0.5, 1.5) == 1.5
-    with pytest.raises(ValueError, match="slow-replicas"):
-        fleet_from_args(p.parse_args(["run", "--slow-replicas", "2"]))
+    for bad in (["--slow-replicas", "2"], ["--small-kv", "x:1"], ["--stall", "1@2"]):
+        with pytest.raises(SystemExit):  # a usage error naming the flag, not a trace
+            p.parse_args(["run", *bad])
+    with pytest.raises(ValueError, match="slow replicas"):
+        fleet_from_args(p.parse_args(["run", "--replicas", "4", "--slow-replicas", "5:2"]))

@@ -5,10 +5,23 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import Any
 
 from batcher.resources import DEFAULT_STEP_MODEL as PACKAGED_STEP_MODEL
+from batcher.sim.hetero import parse_pair, parse_stall
 
 DEFAULT_STEP_MODEL = str(PACKAGED_STEP_MODEL)  # the calibrated CPU model, shipped in the package
+
+
+def _arg(parse: Callable[..., Any], *extra: str) -> Callable[[str], Any]:
+    """An argparse `type` from a parser that raises ValueError: a usage error, not a trace."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text, *extra)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
 def fleet_args(p: argparse.ArgumentParser) -> None:
@@ -55,12 +68,13 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
     a("--max-attempts", type=int, default=5)
     a("--fail-zone", action="append", default=[], metavar="Z@T[:D]")
     a("--fail-replica", action="append", default=[], metavar="I@T[:D]")
-    a("--slow-replicas", default=None, metavar="K:F", help="the first K replicas step F times "
+    a("--slow-replicas", type=_arg(parse_pair, "--slow-replicas"), default=(0, 1.0),
+      metavar="K:F", help="the first K replicas step F times "
       "slower")
-    a("--small-kv", default=None, metavar="K:BLOCKS", help="the next K replicas have BLOCKS KV "
-      "blocks")
-    a("--stall", action="append", default=[], metavar="I@T:D", help="replica I takes no step "
-      "from T for D seconds (repeatable)")
+    a("--small-kv", type=_arg(parse_pair, "--small-kv"), default=(0, 0), metavar="K:BLOCKS",
+      help="the next K replicas have BLOCKS KV blocks")
+    a("--stall", type=_arg(parse_stall), action="append", default=[], metavar="I@T:D",
+      help="replica I takes no step from T for D seconds (repeatable)")
     a("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT bound "
       "(default: %(default)s)")
     a("--slo-tpot-ms", type=float, default=200.0, help="goodput TPOT bound "
@@ -88,16 +102,14 @@ def fleet_from_args(args: argparse.Namespace):
     """(FleetConfig, step model, ShapeSpec, ArrivalSpec) from `sim run` arguments."""
     from batcher.bench.common import load_workload
     from batcher.sim.fleet_sim import FleetConfig
-    from batcher.sim.hetero import parse_pair, parse_stall
     from batcher.sim.stepmodel import load_step_model
     from batcher.sim.studies import replica_capacity
     from batcher.sim.workload import ArrivalSpec, ShapeSpec
 
     model = load_step_model(args.step_model)
     ratio = None if args.retry_ratio == "none" else float(args.retry_ratio)
-    slow_k, slow_f = parse_pair(args.slow_replicas, "--slow-replicas") if args.slow_replicas \
-        else (0, 1.0)
-    small_k, small_b = parse_pair(args.small_kv, "--small-kv") if args.small_kv else (0, 0)
+    slow_k, slow_f = args.slow_replicas
+    small_k, small_b = args.small_kv
     cfg = FleetConfig(
         replicas=args.replicas, zones=args.zones, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
@@ -110,7 +122,7 @@ def fleet_from_args(args: argparse.Namespace):
         slo_ttft=args.slo_ttft_ms / 1e3, slo_tpot=args.slo_tpot_ms / 1e3,
         duration=args.duration, warmup=args.warmup, failures=parse_failures(args),
         slow_replicas=slow_k, slow_factor=slow_f, small_kv_replicas=small_k,
-        small_kv_blocks=int(small_b), stalls=[parse_stall(x) for x in args.stall],
+        small_kv_blocks=int(small_b), stalls=list(args.stall),
         seed=args.seed)
     shape = ShapeSpec(input_median=args.input_median, input_sigma=args.sigma,
                       output_median=args.output_median, output_sigma=args.sigma,
