@@ -30,11 +30,11 @@ from tests.test_gateway_inprocess import ALICE, TENANTS, auth
 C = "/v1/completions"
 
 
-def fake_app(speed: FakeSpeed, max_num_seqs: int = 8, slo_ttft_s: float | None = None
-             ) -> web.Application:
+def fake_app(speed: FakeSpeed, max_num_seqs: int = 8, slo_ttft_s: float | None = None,
+             slo_tpot_s: float | None = None) -> web.Application:
     async def build() -> Gateway:
         tok = load_tokenizer()
-        metrics = Metrics(slo_ttft_s=slo_ttft_s)
+        metrics = Metrics(slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
         runner = FakeRunner(1024, 16, tok.vocab_size, speed)
         engine = AsyncEngine(runner, tok, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=4096),
