@@ -43,7 +43,8 @@ from batcher.bench.workload import BenchRequest, from_file, synthetic, take
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="(default: %(default)s)")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server or router to "
+                   "load (default: %(default)s)")
     s.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
                    help="completions (prompt as token ids or text) or chat (text) "
                    "(default: %(default)s)")
@@ -54,34 +55,44 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="completions prompts as token ids or text (default: %(default)s)")
     s.add_argument("--no-ignore-eos", action="store_true", help="let answers stop at EOS (the "
                    "length check then reports short answers)")
-    s.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent "
+                   "with every request (default: %(default)s)")
     s.add_argument("--priority", default=None, help="priority class to send, e.g. batch")
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds one request may take (default: %(default)s)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default=None, help="workload file (default: chat64)")
     w.add_argument("--synthetic", action="store_true", help="lognormal synthetic requests")
-    w.add_argument("--input-median", type=float, default=256, help="(default: %(default)s)")
+    w.add_argument("--input-median", type=float, default=256, help="synthetic prompt length "
+                   "median, tokens (default: %(default)s)")
     w.add_argument("--input-spread", type=float, default=0.5, help="lognormal sigma "
                    "(default: %(default)s)")
-    w.add_argument("--output-median", type=float, default=128, help="(default: %(default)s)")
-    w.add_argument("--output-spread", type=float, default=0.5, help="(default: %(default)s)")
-    w.add_argument("--max-input", type=int, default=4096, help="(default: %(default)s)")
-    w.add_argument("--max-output", type=int, default=2048, help="(default: %(default)s)")
+    w.add_argument("--output-median", type=float, default=128, help="synthetic output length "
+                   "median, tokens (default: %(default)s)")
+    w.add_argument("--output-spread", type=float, default=0.5, help="lognormal sigma of the "
+                   "output length (default: %(default)s)")
+    w.add_argument("--max-input", type=int, default=4096, help="synthetic prompt length cap, "
+                   "tokens (default: %(default)s)")
+    w.add_argument("--max-output", type=int, default=2048, help="synthetic output length cap, "
+                   "tokens (default: %(default)s)")
     w.add_argument("--shared-prefix-tokens", type=int, default=0, help="a system prompt of "
                    "this many tokens shared by every request (default: %(default)s)")
     w.add_argument("--seed", type=int, default=0, help="workload and arrivals seed "
                    "(default: %(default)s)")
     a = p.add_argument_group("arrivals (every run is bounded by a count, a duration or both)")
-    a.add_argument("--arrivals", choices=KINDS, default="all", help="(default: %(default)s)")
+    a.add_argument("--arrivals", choices=KINDS, default="all", help="all: every request at "
+                   "t=0; poisson: --rate per second; burst: --burst-size every --burst-interval; "
+                   "closed: --concurrency users (default: %(default)s)")
     a.add_argument("--num-requests", type=int, default=None, help="(default: the workload's "
                    "size, or unbounded with --duration)")
     a.add_argument("--duration", type=float, default=None, help="stop sending after this many "
                    "seconds")
     a.add_argument("--rate", type=float, default=1.0, help="Poisson requests/s "
                    "(default: %(default)s)")
-    a.add_argument("--burst-size", type=int, default=8, help="(default: %(default)s)")
-    a.add_argument("--burst-interval", type=float, default=1.0, help="(default: %(default)s)")
+    a.add_argument("--burst-size", type=int, default=8, help="requests per burst "
+                   "(default: %(default)s)")
+    a.add_argument("--burst-interval", type=float, default=1.0, help="seconds between bursts "
+                   "(default: %(default)s)")
     a.add_argument("--concurrency", type=int, default=8, help="closed-loop users "
                    "(default: %(default)s)")
     a.add_argument("--sweep-rates", default=None, help="comma-separated Poisson rates: one run "
@@ -96,7 +107,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
     m.add_argument("--out", default=None, help="output folder (default: bench_out/<time>)")
     m.add_argument("--label", default=None, help="name of this run in tables")
-    m.add_argument("--no-plots", action="store_true")
+    m.add_argument("--no-plots", action="store_true", help="write no PNG plots (no "
+                   "matplotlib needed)")
     m.add_argument("--server-pid", type=int, default=None, help="the server's process id, to "
                    "split the CPU time of a run into server, client and background")
     m.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
