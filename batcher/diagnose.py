@@ -22,6 +22,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from batcher.bench.report import _bucket_quantile
+from batcher.review import Review, review
 from batcher.timings import ROUTER_PHASES
 
 LATENCIES = {"first_token": "batcher_ttft_seconds", "per_token": "batcher_tpot_seconds",
@@ -240,13 +241,25 @@ async def diagnose_url(url: str, window: float, slo: dict[str, float | None],
     return from_metrics(base, first, last, state, slo)
 
 
+async def review_url(url: str, api_key: str | None) -> Review:
+    """The deployment review of a replica's or router's admin listener."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        cfg = json.loads(await _get(session, url.rstrip("/") + "/admin/config", headers))
+    return review(cfg if isinstance(cfg, dict) else {})
+
+
 def add_diagnose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="a replica's or router's base URL, or a bench report.json")
     p.add_argument("--window", type=float, default=10.0, help="seconds between the two reads "
                    "of /metrics; 0 reads once, everything since the server started "
                    "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
-    p.add_argument("--api-key", default=None, help="bearer key, where /metrics needs one")
+    p.add_argument("--api-key", default=None, help="bearer key: the admin key with --review, "
+                   "else where /metrics needs one")
+    p.add_argument("--review", action="store_true", help="review the deployment instead: read "
+                   "the effective configuration from TARGET, an admin listener's URL, and rank "
+                   "its three highest risks")
     for k in LATENCIES:
         p.add_argument(f"--slo-{SLO_KINDS[k]}-ms", type=float, default=None,
                        help=f"{k.replace('_', ' ')} SLO in ms (default: what the server "
@@ -260,6 +273,10 @@ def run_diagnose(args: argparse.Namespace) -> int:
         return 2
     target = str(args.target)
     try:
+        if args.review:
+            rv = asyncio.run(review_url(target, args.api_key))
+            print(json.dumps(rv.to_json()) if args.json else "\n".join(rv.lines()))
+            return 0
         if target.startswith(("http://", "https://")):
             d = asyncio.run(diagnose_url(target, args.window, slo, args.api_key))
         else:

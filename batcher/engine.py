@@ -307,6 +307,16 @@ class AsyncEngine:
                     raise EngineError(ev.error or "probe failed")
         return self.clock() - start
 
+    def settings(self) -> dict[str, Any]:
+        """The engine's effective configuration (the admin listener's `/admin/config`)."""
+        cfg = self.scheduler.config
+        return {"max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                "max_model_len": cfg.max_model_len, "block_size": self.kv.block_size,
+                "num_blocks": self.kv.num_total_blocks,
+                "prefix_caching": self.kv.enable_prefix_caching,
+                "prefix_cache_scope": self.kv.prefix_cache_scope}
+
     def snapshot(self, *, draining: bool = False, in_flight: int = 0) -> EngineSnapshot:
         """Capacity and health now (the `/v1/state` contract); the gateway supplies what only
         it knows: whether it is draining and how many client requests it holds."""

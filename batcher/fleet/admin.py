@@ -171,13 +171,29 @@ async def weights(request: web.Request) -> web.Response:
     return json_response({"weights": rollout.weights})
 
 
+async def config(request: web.Request) -> web.Response:
+    """The effective configuration, for `batcher diagnose --review` (no keys in it)."""
+    ctx = request.app[CONTEXT]
+    cfg = ctx.cfg
+    return json_response({
+        "kind": "router", "routing": cfg.routing, "replicas": len(ctx.registry),
+        "retry": {"max_attempts": cfg.max_attempts, "retry_ratio": cfg.retry_ratio,
+                  "retry_floor": cfg.retry_floor},
+        # The deep probe needs a key the replicas accept on /v1/probe.
+        "deep_probe": bool(cfg.replica_admin_key or cfg.fleet_key),
+        "probe_interval_s": cfg.health.probe_interval,
+        "default_max_tokens": cfg.policy.default_max_tokens,
+        "upstream_timeout_s": cfg.upstream_timeout})
+
+
 def create_admin_app(ctx: RouterContext, admin_key: str) -> web.Application:
     if not admin_key:
         raise ValueError("the admin listener needs a key")
     app = web.Application(middlewares=[check_key])
     app[CONTEXT], app[KEY] = ctx, admin_key
     routes: list[tuple[str, str, Handler]] = [
-        ("GET", "/admin/status", status), ("POST", "/admin/drain", drain),
+        ("GET", "/admin/status", status), ("GET", "/admin/config", config),
+        ("POST", "/admin/drain", drain),
         ("POST", "/admin/undrain", drain), ("GET", "/admin/replicas/{id}", one),
         ("GET", "/admin/weights", weights),
         *(("POST", f"/admin/{a}", weights) for a in ("weights", "canary", "promote", "rollback"))]
