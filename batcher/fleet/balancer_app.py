@@ -182,7 +182,7 @@ def shed_middleware(ctx: BalancerContext) -> Callable[..., Awaitable[web.StreamR
 
 def create_balancer_app(ctx: BalancerContext) -> web.Application:
     """The router's public app over cells, shedding early when every cell is saturated."""
-    app = create_router_app(ctx)
+    app = create_router_app(ctx, cell_name=None)
     # Inside the router's middleware, so a shed answer gets its request id and error shape.
     app.middlewares.append(shed_middleware(ctx))
     return app

@@ -74,20 +74,27 @@ class CellCollector(Collector):
     def __init__(self, ctx: RouterContext, cell: str):
         self.ctx, self.cell = ctx, cell
 
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Names without computing values: a second registration is then refused (ValueError).
+        yield GaugeMetricFamily("batcher_cell_saturation", "", labels=["cell"])
+        for name, _, _ in FLEET_GAUGES:
+            yield GaugeMetricFamily(name, "")
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         agg = aggregate(self.ctx)
         sat = GaugeMetricFamily("batcher_cell_saturation", "Saturation this cell publishes, 0-1",
                                 labels=["cell"])
         sat.add_metric([self.cell], agg["saturation"])
         yield sat
-        for name, doc, key in (
-                ("batcher_fleet_kv_free_blocks", "Free KV blocks over routable replicas",
-                 "free_blocks"),
-                ("batcher_fleet_kv_total_blocks", "KV blocks over routable replicas",
-                 "total_blocks"),
-                ("batcher_fleet_running", "Running requests over routable replicas", "running"),
-                ("batcher_fleet_waiting", "Waiting requests over routable replicas", "waiting"),
-                ("batcher_fleet_healthy_replicas", "Routable replicas", "healthy_replicas"),
-                ("batcher_fleet_predicted_queue_wait_seconds",
-                 "Least predicted queue wait over routable replicas", "predicted_wait_s")):
+        for name, doc, key in FLEET_GAUGES:
             yield GaugeMetricFamily(name, doc, value=agg[key])
+
+
+FLEET_GAUGES = (
+    ("batcher_fleet_kv_free_blocks", "Free KV blocks over routable replicas", "free_blocks"),
+    ("batcher_fleet_kv_total_blocks", "KV blocks over routable replicas", "total_blocks"),
+    ("batcher_fleet_running", "Running requests over routable replicas", "running"),
+    ("batcher_fleet_waiting", "Waiting requests over routable replicas", "waiting"),
+    ("batcher_fleet_healthy_replicas", "Routable replicas", "healthy_replicas"),
+    ("batcher_fleet_predicted_queue_wait_seconds",
+     "Least predicted queue wait over routable replicas", "predicted_wait_s"))

@@ -227,12 +227,14 @@ async def cancel(request: web.Request) -> web.StreamResponse:
                        retry_after=1) from None
 
 
-def create_router_app(ctx: RouterContext, cell_name: str = "local") -> web.Application:
-    """The public app. Its cleanup context owns the upstream session and the health checker."""
+def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> web.Application:
+    """The public app. Its cleanup context owns the upstream session and the health checker.
+    `cell_name` labels the router's own `batcher_cell_saturation`; None exports none."""
     app = web.Application(middlewares=[middleware], client_max_size=ctx.cfg.max_body_bytes)
     app[ROUTER] = ctx
-    with contextlib.suppress(ValueError):  # registered already (this context's other app)
-        ctx.metrics.registry.register(CellCollector(ctx, cell_name))
+    if cell_name is not None:  # a balancer (cells as upstreams) exports its own per cell
+        with contextlib.suppress(ValueError):  # registered already (this context's other app)
+            ctx.metrics.registry.register(CellCollector(ctx, cell_name))
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         cfg = ctx.cfg

@@ -148,6 +148,7 @@ async def test_balancer_reads_cells_and_sheds_early(aiohttp_client) -> None:
     assert err["code"] == "overloaded" and set(err) == {"message", "type", "param", "code"}
     text = await (await client.get("/metrics")).text()
     assert 'batcher_cell_saturation{cell="c0"} 0.97' in text
+    assert text.count("batcher_cell_saturation{") == 2  # its cells, not a router's own
     assert 'batcher_cell_healthy_replicas{cell="c0"} 3.0' in text
     assert "batcher_fleet_kv_total_blocks 200.0" in text
     # With headroom back in one cell, the same request is no longer shed at the door (it then
