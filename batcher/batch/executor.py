@@ -200,14 +200,17 @@ class BatchExecutor:
         """Batch work gives way to interactive work. Interactive requests are queued: cancel the
         lines still in prefill (their prompts would be computed first). Interactive requests are
         predicted past `shed_share` of their SLO: cancel the newest running line, one per pass
-        (a pass follows every step), until the prediction recovers. Cancelled lines go back to
+        (a pass follows every step), until the prediction recovers or one line is left. Cancelled lines go back to
         the head of their batch and run again later."""
         if self.gate.interactive_waiting():
             for b in self.batches.values():
                 for index, task in b.running.items():
                     if index not in b.yielded and self.runner.in_prefill(b.request_ids[index]):
                         self._give_way(b, index, task, "yield")
-        if self.in_flight and self.gate.shed():
+        # NOTE: the oldest line is never shed. One line on an otherwise idle engine may always
+        # start (the gate's rule); shedding it would restart it at once, and a line forever in
+        # prefill keeps admission from seeing an idle server and refreshing its prediction.
+        if self.in_flight > 1 and self.gate.shed():
             for b in reversed(list(self.batches.values())):
                 live = [(i, t) for i, t in b.running.items() if i not in b.yielded]
                 if live:
