@@ -109,8 +109,7 @@ def test_logprobs_report_the_model_distribution_and_twenty_alternatives() -> Non
 
 # the request schema ----------------------------------------------------------------------------
 UNSUPPORTED = [
-    ("tools", [{"type": "function"}]),
-    ("tool_choice", "required"), ("parallel_tool_calls", True), ("functions", [{}]),
+    ("functions", [{}]), ("function_call", "auto"),
     ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"]), ("prediction", {}),
     ("web_search_options", {}), ("reasoning_effort", "low"), ("store", True),
     ("service_tier", "flex"), ("guided_decoding_backend", "xgrammar"), ("ebnf", "x"),
@@ -258,17 +257,16 @@ def real() -> Iterator[Server]:
 
 @pytest.mark.slow
 def test_bundled_model_parity_with_the_openai_client(real: Server) -> None:
-    oc = OpenAI(base_url=real.url + "/v1", api_key="none", max_retries=0, timeout=60,
-                http_client=openai.DefaultHttpxClient(trust_env=False))
+    oc = _client(real)
     models = {m.id: m.model_extra for m in oc.models.list()}
     assert "smollm2-135m" in models and len(models) == 2
     tasks = sorted(m["task"] for m in models.values())
     assert tasks == ["embed", "generate"]
     msgs = [{"role": "user", "content": "List three colours."}]
     # Penalties change a greedy answer that repeats itself; the default repeats.
-    plain = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40,
+    plain = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24,
                                        temperature=0)
-    penal = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40,
+    penal = oc.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24,
                                        temperature=0, frequency_penalty=2.0,
                                        presence_penalty=2.0)
     assert plain.choices[0].message.content != penal.choices[0].message.content
@@ -278,9 +276,8 @@ def test_bundled_model_parity_with_the_openai_client(real: Server) -> None:
         assert len(entry.top_logprobs) == 20 and entry.bytes
     with pytest.raises(openai.BadRequestError) as err:
         oc.chat.completions.create(model="smollm2-135m", messages=msgs,
-                                   tools=[{"type": "function", "function": {"name": "f"}}])
-    assert err.value.body["param"] == "tools"
-    _structured_outputs(oc)
+                                   audio={"voice": "alloy", "format": "wav"})
+    assert err.value.body["param"] == "audio"
     # No `model`, an integer priority, and an answer cut mid-emoji ends without U+FFFD.
     status, out = _post(real.url + "/v1/completions", {
         "prompt": "Emoji: 😀😀😀😀", "max_tokens": 2, "temperature": 0, "priority": -1})
@@ -291,6 +288,11 @@ def test_bundled_model_parity_with_the_openai_client(real: Server) -> None:
         "prompt": "x", "max_tokens": 1, "logit_bias": {str(tok["tokens"][0]): 100}})
     assert status == 200 and not out["choices"][0]["text"].endswith("\ufffd")
     assert _post(real.url + "/detokenize", {"tokens": tok["tokens"]}) == (200, {"prompt": "😀"})
+
+
+def _client(real: Server) -> OpenAI:
+    return OpenAI(base_url=real.url + "/v1", api_key="none", max_retries=0, timeout=60,
+                  http_client=openai.DefaultHttpxClient(trust_env=False))
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -379,8 +381,10 @@ async def test_structured_output_over_http_streamed_with_n(client) -> None:
     assert texts == [c["text"] for c in out["choices"]]  # seeded: the same answers
 
 
-def _structured_outputs(oc: OpenAI) -> None:
+@pytest.mark.slow
+def test_bundled_model_structured_outputs(real: Server) -> None:
     """On the bundled model: a strict JSON schema (whole and streamed with n=2), a regex."""
+    oc = _client(real)
     msgs = [{"role": "user", "content": "Describe a person as JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
                                                   "strict": True}}
@@ -401,3 +405,101 @@ def _structured_outputs(oc: OpenAI) -> None:
     out = oc.completions.create(model="smollm2-135m", prompt="The year was", max_tokens=10,
                                 extra_body={"guided_regex": " [12][0-9]{3}\\."})
     assert re.fullmatch(r" [12][0-9]{3}\.", out.choices[0].text), out.choices[0].text
+
+
+# tool calling ----------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tools_name_the_field(body: dict, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_generation({"messages": CHAT, **body}, True, SERVED, 1000)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_tools_render_into_the_chat_and_constrain_the_answer() -> None:
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    spec = parse_generation({"messages": history, "tools": [WEATHER]}, True, SERVED, 1000)
+    assert spec.messages[0]["role"] == "system" and "get_weather" in spec.messages[0]["content"]
+    assert json.loads(spec.messages[2]["content"]) == {"name": "get_weather",
+                                                      "arguments": {"city": "Paris"}}
+    assert spec.messages[3] == {"role": "tool", "content": "18 C, sunny"}
+    assert spec.sampling.grammar is not None  # auto: a call or a reply
+    none = parse_generation({"messages": history, "tools": [WEATHER], "tool_choice": "none"},
+                            True, SERVED, 1000)
+    assert none.sampling.grammar is None and none.messages[0]["role"] == "user"
+    load_tokenizer().apply_chat_template(spec.messages)  # the template takes it
+
+
+def test_call_buffer_holds_a_call_and_releases_a_reply() -> None:
+    from batcher.server.tools import CallBuffer, parse_tools
+
+    auto = parse_tools({"tools": [WEATHER]})
+    buf = CallBuffer(auto)
+    assert buf.feed(" ") == "" and buf.feed("It is") == " It is" and buf.feed(" warm") == " warm"
+    assert buf.end() == ("", None)
+    buf = CallBuffer(auto)
+    assert buf.feed('{"name": "get_weather", ') == ""
+    assert buf.feed('"arguments": {"city": "Oslo"}}') == ""
+    rest, calls = buf.end()
+    assert rest == "" and calls is not None and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    cut = CallBuffer(auto)
+    cut.feed('{"name": "get_wea')  # cut by max_tokens: text, not a call
+    assert cut.end() == ('{"name": "get_wea', None)
+
+
+@pytest.mark.slow
+def test_bundled_model_agent_loop(real: Server) -> None:
+    """user -> tool call -> tool result -> answer, on the bundled model."""
+    oc = _client(real)
+    messages: list[dict] = list(CHAT)
+    first = oc.chat.completions.create(model="smollm2-135m", messages=messages, tools=[WEATHER],
+                                       tool_choice="required", max_tokens=40, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    answer = oc.chat.completions.create(model="smollm2-135m", messages=messages,
+                                        tools=[WEATHER], tool_choice="none", max_tokens=16,
+                                        temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    # Streamed, a named choice: the call arrives as tool_calls deltas.
+    stream = oc.chat.completions.create(
+        model="smollm2-135m", messages=list(CHAT), tools=[WEATHER], max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
+    name, args, finish = "", "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or ():
+                name += d.function.name or ""
+                args += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert name == "get_weather" and finish == "tool_calls" and "city" in json.loads(args)
+    # auto: either a valid call or a reply, never anything else.
+    auto = oc.chat.completions.create(model="smollm2-135m", messages=list(CHAT),
+                                      tools=[WEATHER], max_tokens=24, temperature=0)
+    msg = auto.choices[0].message
+    assert (msg.tool_calls and auto.choices[0].finish_reason == "tool_calls") or (
+        msg.content and not msg.content.lstrip().startswith("{"))

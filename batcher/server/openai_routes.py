@@ -19,6 +19,7 @@ from batcher.http.sse import DONE, SSE_HEADERS, sse_event
 from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
 from batcher.server.timing import RequestTiming
+from batcher.server.tools import CallBuffer, parse_call
 
 
 def engine_refusal(exc: Exception) -> ApiError:
@@ -168,7 +169,12 @@ class GenerationHandler:
             lp = self._logprobs(spec, c.tokens, c.logprobs, text)
             item: dict[str, Any] = {"index": i, "logprobs": lp,
                                     "finish_reason": fin.finish_reason}
-            if self.chat:
+            calls = parse_call(text, spec.tools) if self.chat else None
+            if calls:
+                item["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                if fin.finish_reason == "stop":
+                    item["finish_reason"] = "tool_calls"
+            elif self.chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = self._echo(spec, i) + text
@@ -240,6 +246,8 @@ class GenerationHandler:
         tally = UsageTally(spec.n)
         finals: list[EngineEvent | None] = [None] * len(job.requests)
         prompt_sent: set[int] = set()
+        buffers = ({i: CallBuffer(spec.tools) for i in range(len(job.requests))}
+                   if self.chat and spec.tools.active else None)
         item: tuple[int, EngineEvent] | None = first
         while item is not None:
             i, ev = item
@@ -247,7 +255,7 @@ class GenerationHandler:
             if err is not None:
                 await resp.write(sse_event(self._error(err, ev)))
                 return
-            chunk = self._event_chunk(base, spec, job, i, ev, prompt_sent)
+            chunk = self._event_chunk(base, spec, job, i, ev, prompt_sent, buffers)
             if chunk is not None:
                 await resp.write(sse_event(chunk))
             if ev.finished:
@@ -262,14 +270,27 @@ class GenerationHandler:
                                             timings=t.to_json())))
 
     def _event_chunk(self, base: dict[str, Any], spec: GenerationSpec, job: Job, i: int,
-                     ev: EngineEvent, prompt_sent: set[int]) -> dict[str, Any] | None:
-        """The chunk for one event, or None when it carries nothing a client would see."""
+                     ev: EngineEvent, prompt_sent: set[int],
+                     buffers: dict[int, CallBuffer] | None = None) -> dict[str, Any] | None:
+        """The chunk for one event, or None when it carries nothing a client would see. With
+        tools, text that may be a call is held back and a call goes out whole at the end, as
+        one `tool_calls` delta."""
         lp = self._logprobs(spec, ev.token_ids, ev.logprobs, ev.text)
         ids = ev.token_ids if spec.return_token_ids else None
-        if not (ev.text or ev.finished or lp or ids):
+        text, calls = ev.text, None
+        if buffers is not None:
+            text = buffers[i].feed(text)
+            if ev.finished:
+                rest, calls = buffers[i].end()
+                text += rest
+        if not (text or ev.finished or lp or ids):
             return None
-        chunk = self._chunk(base, i, text=ev.text, logprobs=lp, finish=ev.finish_reason,
+        finish = "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
+        chunk = self._chunk(base, i, text=text, logprobs=lp, finish=finish,
                             stop_reason=ev.stop_reason, token_ids=ids)
+        if calls:
+            chunk["choices"][0]["delta"]["tool_calls"] = [
+                dict(c, index=k) for k, c in enumerate(calls)]
         if ids is not None and i not in prompt_sent:
             prompt_sent.add(i)  # once per choice: what a resume re-sends
             chunk["prompt_token_ids"] = job.requests[i].prompt_token_ids

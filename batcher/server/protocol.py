@@ -10,6 +10,7 @@ from typing import Any
 
 from batcher.http.errors import invalid
 from batcher.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from batcher.server.tools import ToolSpec, parse_tools, render_messages, tool_grammar
 from batcher.server.unsupported import refuse_unsupported
 from batcher.structured import GUIDED, request_grammar
 from batcher.tenants import PRIORITY_NAMES
@@ -36,6 +37,7 @@ class GenerationSpec:
     logprobs: int | None = None  # number of top alternatives; None = off
     priority: str = "interactive"
     echo: bool = False  # completions: the prompt's text leads each choice's text
+    tools: ToolSpec = field(default_factory=ToolSpec)  # chat: tools the answer may call
     timeout: float | None = None
     # Extension: each choice carries its token ids (and the first stream chunk the prompt's),
     # so a router can resume a broken stream elsewhere token-exactly.
@@ -187,7 +189,8 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise invalid("'messages' must be a non-empty list", "messages", "invalid_type")
-        spec.messages = msgs
+        spec.tools = parse_tools(body)
+        spec.messages = render_messages(msgs, spec.tools)
         lp = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
         if top is not None and not lp:
@@ -245,6 +248,12 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         field = next((k for k in ("response_format", *GUIDED) if body.get(k) is not None),
                      "response_format")
         raise invalid(str(exc), field) from None
+    calls = tool_grammar(spec.tools)
+    if calls is not None:
+        if spec.sampling.grammar is not None:
+            raise invalid("a tool call and a structured output cannot both constrain one answer"
+                          "; use tool_choice 'none'", "tool_choice")
+        spec.sampling.grammar = calls
     return spec
 
 

@@ -51,14 +51,12 @@ def _default_tier(v: Any) -> bool:
 
 STRUCTURED = ("this form of structured output is not supported; use 'response_format' or "
               "'guided_json', 'guided_regex', 'guided_choice', 'guided_grammar'")
-TOOLS = "tool calling is not supported by this server"
+TOOLS = "tool calling is a chat completions feature"
 
 COMMON: tuple[Unsupported, ...] = (
-    Unsupported("tools", TOOLS, _empty),
-    Unsupported("tool_choice", f"only 'none': {TOOLS}", _no_tool_choice),
-    Unsupported("parallel_tool_calls", TOOLS),
-    Unsupported("functions", TOOLS, _empty),
-    Unsupported("function_call", f"only 'none': {TOOLS}", _no_tool_choice),
+    # The legacy form of tools; clients send `tools` since 2023.
+    Unsupported("functions", "use 'tools'", _empty),
+    Unsupported("function_call", "use 'tool_choice'", _no_tool_choice),
     Unsupported("audio", "audio output is not supported"),
     Unsupported("modalities", "only ['text']: audio output is not supported", _text_modalities),
     Unsupported("prediction", "predicted outputs are not supported"),
@@ -90,6 +88,9 @@ CHAT_ONLY: tuple[Unsupported, ...] = (
     Unsupported("documents", "documents for the chat template are not supported", _empty),
 )
 COMPLETION_ONLY: tuple[Unsupported, ...] = (
+    Unsupported("tools", TOOLS, _empty),
+    Unsupported("tool_choice", f"only 'none': {TOOLS}", _no_tool_choice),
+    Unsupported("parallel_tool_calls", TOOLS),
     Unsupported("suffix", "a suffix (insertion) is not supported", _empty),
 )
 
