@@ -30,7 +30,8 @@ class SchedulerConfig:
     prefill_budget: str = "time"
     slo_tpot_s: float | None = None  # the target of a step carrying decodes, when set
     max_step_slowdown: float = 1.5  # else: this times the step's decode-only time
-    min_prefill_chunk: int = 16  # the first prefill of every step gets at least this many tokens
+    # Tokens the first prefill of a step gets when the time target leaves room for none.
+    min_prefill_chunk: int = 4
 
     def validate(self) -> SchedulerConfig:
         if self.max_num_seqs < 1:

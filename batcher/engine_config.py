@@ -11,6 +11,7 @@ DEFAULT_MODEL = "smollm2-135m"  # bundled
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, CPU (batcher.runtime.quant)
 
 
 @dataclass(slots=True)
@@ -29,10 +30,11 @@ class EngineConfig:
     prefix_cache_scope: str = "tenant"  # or "global"
     prefill_budget: str = "time"  # or "fixed"
     max_step_slowdown: float = 1.5
-    min_prefill_chunk: int = 16  # tokens
+    min_prefill_chunk: int = 4  # tokens
     slo_tpot_ms: float | None = None
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str = "none"
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     torch_threads: int | None = None  # None: the cgroup CPU quota, else all cores
@@ -40,6 +42,7 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         """Raise ValueError naming the first bad setting."""
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES),
+                              ("quantization", QUANTIZATIONS),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("prefill_budget", PREFILL_BUDGETS)):
             if getattr(self, name) not in allowed:

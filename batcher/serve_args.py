@@ -28,7 +28,7 @@ from batcher.config import (
     CUDA_MAX_NUM_SEQS,
     PREFILL_BUDGETS,
 )
-from batcher.engine_config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
+from batcher.engine_config import ATTENTION_BACKENDS, DEFAULT_MODEL, QUANTIZATIONS, EngineConfig
 
 # The engine settings' defaults, one copy for these flags and the in-process API.
 _E = EngineConfig()
@@ -48,6 +48,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--dtype", default=_E.dtype, type=lower, choices=DTYPES, help="weight and activation type; "
       "auto is bfloat16 (default: %(default)s)")
+    a("--quantization", default=_E.quantization, type=lower, choices=QUANTIZATIONS,
+      help="weight-only quantization of the decoder layers on the CPU (int8 per row, int4 in "
+      "groups of 32), run by packed kernels for steps of up to 8 rows and by a dense copy of "
+      "the quantized weights above that; int8 keeps greedy output closest to the unquantized "
+      "model. none is the default: it keeps outputs identical to the checkpoint and the least "
+      "memory, and a single stream's end-to-end gain was not measured reliably on a loaded "
+      "2-core machine (BENCHMARKS.md) (default: %(default)s)")
     a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
     a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,
@@ -86,8 +93,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "at a useful pace; lower protects streams more and slows time to first token "
       "(default: %(default)s)")
     a("--min-prefill-chunk", type=positive_int, default=_E.min_prefill_chunk,
-      help="prompt tokens the longest-waiting prefill gets every step even when the target "
-      "leaves no room, so a long prompt always progresses (default: %(default)s)")
+      help="prompt tokens the longest-waiting prefill gets in a step where the time target "
+      "leaves room for none, so a long prompt always progresses; otherwise its chunk is "
+      "what fits the target, however small, since deep into a long prompt even a few tokens "
+      "cost a sizeable share of a step (default: %(default)s)")
     a("--attention-backend", default=_E.attention_backend, choices=ATTENTION_BACKENDS,
       help="decode attention: the fused Triton kernel on CUDA when available (default: "
       "%(default)s)")

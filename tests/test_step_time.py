@@ -25,7 +25,7 @@ def truth(shape: StepShape, scale: float = 1.0) -> float:
     """A known step-time formula, unlike the prior: a faster device where a prefill token is
     cheap next to a decode row's context."""
     f = shape.features(CPU_PRIOR.knot)
-    coef = (2e-4, 1.5e-3, 6e-5, 0.08, 1e-3, 5e-5)
+    coef = (2e-4, 1.5e-3, 6e-5, 0.08, 1e-3, 5e-5, 1.2e-3)
     return scale * (0.008 + sum(c * x for c, x in zip(coef, f, strict=True)))
 
 
@@ -51,7 +51,8 @@ def test_shape_of_a_step_reads_rows_chunks_and_context() -> None:
                              seq("d", 32, 128)])
     sh = StepShape.of(sched, block_size=16)
     assert sh == StepShape(decode_rows=2, decode_ctx=112, prefill_tokens=96,
-                           prefill_attn=64 * 64 + 32 * 160, prefill_chunks=2)
+                           prefill_attn=64 * 64 + 32 * 160, prefill_chunks=2,
+                           prefill_ctx=64 + 160)
     assert sh.decode_only == StepShape(2, 112)
     assert len(sh.features()) == len(FEATURES)
     assert StepShape().is_empty and OnlineStepTimeModel().predict(StepShape()) == 0.0

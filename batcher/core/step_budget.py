@@ -12,8 +12,12 @@ the scheduler asks for the largest chunk whose predicted step time stays within 
   many arrive at once: two streams' 30 ms step would otherwise hold thirty waiting prompts to
   15 ms of prefill a step, and the batch (and throughput) would grow at a crawl, although those
   streams are about to share their steps with the thirty anyway;
-- the first prefill of a step (the longest-waiting one the scheduler reaches) always gets at least
-  `min_chunk` tokens, so a long prompt progresses every step even when the target leaves no room;
+- the minimum chunk is defined in time, not tokens: the first prefill of a step (the
+  longest-waiting one the scheduler reaches) gets whatever fits the target, however small, and
+  only when not even two tokens fit does it get `min_chunk` tokens anyway, so a long prompt
+  progresses every step. A token minimum applied regardless would break the target on its own
+  at long context: every chunk attends over its whole context, so at 2k tokens of context a
+  16-token chunk costs most of a steady decode step on a CPU;
 - with no decodes in the step there is no time target: prefill gets the whole token budget, and
   TTFT is as short as the hardware allows.
 """
@@ -49,11 +53,11 @@ class PrefillAllowance:
     booked: int = 0  # chunks booked so far
 
     def chunk(self, start_pos: int, limit: int) -> int:
-        """Tokens (0..limit) for a chunk computed from `start_pos`: the largest within the target,
-        and at least `min_chunk` for the step's first."""
+        """Tokens (0..limit) for a chunk computed from `start_pos`: the largest within the target;
+        for the step's first chunk, `min_chunk` when none fits."""
         n = self.model.max_chunk(self.target_s, self.shape, start_pos, limit, self.block_size)
-        if self.booked == 0:
-            n = max(n, min(self.min_chunk, limit))
+        if n == 0 and self.booked == 0:
+            n = min(self.min_chunk, limit)
         return n
 
     def take(self, num_tokens: int, start_pos: int) -> None:

@@ -1,7 +1,7 @@
 """How long one engine step takes, from the step's shape: one definition of a step's features, and
 an online model of step time fitted from the engine's own measured steps.
 
-A step's shape (`StepShape`, read from a `SchedulerOutput`) gives six features:
+A step's shape (`StepShape`, read from a `SchedulerOutput`) gives seven features:
 
 - `n_dec`: one-token rows (decodes); each samples, so each also pays an LM-head row;
 - `dec_kv`: decode rows x the longest decode context, in thousands of tokens (the runner gathers
@@ -10,7 +10,12 @@ A step's shape (`StepShape`, read from a `SchedulerOutput`) gives six features:
 - `pre_attn`: sum over chunks of chunk length x context length, in millions (attention);
 - `n_pre`: prefill chunks (each runs its own attention call per layer);
 - `hinge`: max(0, all tokens - knot): the matmuls are weight-bound below the knot and compute-bound
-  above it, so their cost per token changes there.
+  above it, so their cost per token changes there;
+- `pre_ctx`: sum over chunks of the context each reads (start + length), in thousands: a chunk
+  gathers and scans its whole cached context per layer whatever its length, so at 2k tokens of
+  context even a 2-token chunk costs a sizeable share of a decode step, which `pre_attn` (chunk x
+  context) prices near zero. Last, so a model stored with the first six reads as this one's
+  with no context term.
 
 Step seconds = intercept + coef . features. The simulator's calibrated model (`sim/stepmodel.py`)
 fits the coefficients offline; `OnlineStepTimeModel` starts from such a fit and keeps following the
@@ -26,7 +31,7 @@ import numpy as np
 
 from batcher.core.outputs import SchedulerOutput
 
-FEATURES = ("n_dec", "dec_kv", "pre_tok", "pre_attn", "n_pre", "hinge")
+FEATURES = ("n_dec", "dec_kv", "pre_tok", "pre_attn", "n_pre", "hinge", "pre_ctx")
 DEFAULT_KNOT = 64
 
 
@@ -39,6 +44,7 @@ class StepShape:
     prefill_tokens: int = 0  # tokens in multi-token prefill chunks
     prefill_attn: int = 0  # sum over chunks of chunk_len * (start_pos + chunk_len)
     prefill_chunks: int = 0
+    prefill_ctx: int = 0  # sum over chunks of start_pos + chunk_len (the context each reads)
 
     @classmethod
     def of(cls, sched: SchedulerOutput, block_size: int = 16) -> StepShape:
@@ -55,10 +61,10 @@ class StepShape:
         if num_tokens == 1:
             ctx = -(-(start_pos + 1) // block_size) * block_size
             return StepShape(self.decode_rows + 1, max(self.decode_ctx, ctx), self.prefill_tokens,
-                             self.prefill_attn, self.prefill_chunks)
+                             self.prefill_attn, self.prefill_chunks, self.prefill_ctx)
         return StepShape(self.decode_rows, self.decode_ctx, self.prefill_tokens + num_tokens,
                          self.prefill_attn + num_tokens * (start_pos + num_tokens),
-                         self.prefill_chunks + 1)
+                         self.prefill_chunks + 1, self.prefill_ctx + start_pos + num_tokens)
 
     @property
     def decode_only(self) -> StepShape:
@@ -73,7 +79,7 @@ class StepShape:
         n_dec = self.decode_rows
         return [float(n_dec), n_dec * self.decode_ctx / 1e3, float(self.prefill_tokens),
                 self.prefill_attn / 1e6, float(self.prefill_chunks),
-                float(max(0, n_dec + self.prefill_tokens - knot))]
+                float(max(0, n_dec + self.prefill_tokens - knot)), self.prefill_ctx / 1e3]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,18 +98,19 @@ class StepTimePrior:
 
 
 # `batcher sim calibrate` on the bundled SmolLM2-135M, bf16, 2-core AVX-512 CPU, 2 threads
-# (workloads/step_time_cpu.json; a test keeps the two equal). Only a prior: the online model
+# (workloads/step_time_cpu.json; a test keeps the two equal; the context term was measured
+# separately, see the file's meta). Only a prior: the online model
 # leaves it within seconds of steps on any other machine, model or device.
 CPU_PRIOR = StepTimePrior(
     intercept=0.023765183619757164,
     coef=(0.0005259236047291508, 0.0031185666726693834, 0.0002690410319042769,
-          0.32802099350423586, 0.002081775365930267, 0.0002469232409644153),
+          0.32802099350423586, 0.002081775365930267, 0.0002469232409644153, 0.0033),
     knot=32,
 )
 
 # Feature values of an ordinary step, used to give a coefficient the prior fitted as zero a little
 # room: a typical contribution of PRIOR_FLOOR_S seconds.
-_TYPICAL = np.array([1.0, 32.0, 10.0, 256.0, 0.5, 1.0, 128.0])
+_TYPICAL = np.array([1.0, 32.0, 10.0, 256.0, 0.5, 1.0, 128.0, 1.0])
 _PRIOR_FLOOR_S = 0.002
 # Decode-only steps measured before they are predicted from those alone.
 _MIN_DECODE_STEPS = 3

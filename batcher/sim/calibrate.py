@@ -18,13 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+from batcher.core.step_time import StepShape
 from batcher.sampling import SamplingParams
 from batcher.sim.stepmodel import (
     DEFAULT_KNOT,
     LinearStepModel,
     StepModel,
-    composition,
-    feature_row,
     fit_linear,
     fit_quality,
 )
@@ -53,8 +52,9 @@ class Point:
 
 
 def default_grid(quick: bool = False) -> list[Point]:
-    """About 50 points (about 12 with `quick`) spanning the CPU engine's step shapes: up to 64
-    decodes, chunks up to the 320-token budget, contexts up to ~700."""
+    """About 55 points (about 12 with `quick`) spanning the CPU engine's step shapes: up to 64
+    decodes, chunks up to the 320-token budget, contexts up to ~700, and short chunks at 1-2k
+    tokens of context."""
     if quick:
         return ([Point(n, c) for n in (1, 16, 64) for c in (64, 512)]
                 + [Point(chunks=1, chunk=c) for c in (32, 320)]
@@ -63,6 +63,8 @@ def default_grid(quick: bool = False) -> list[Point]:
     grid += [Point(chunks=1, chunk=c, start=s) for c in (16, 64, 128, 256, 320) for s in (0, 256)]
     grid += [Point(n, 256, 1, c) for n in (4, 16, 32, 60) for c in (32, 128, 256)]
     grid += [Point(8, 128, 2, 128), Point(0, 0, 4, 64), Point(16, 512, 1, 256, 384)]
+    # Short chunks deep into a long prompt next to decodes: what a chunk's context read costs.
+    grid += [Point(8, 128, 1, c, s) for c in (4, 32) for s in (1024, 2000)]
     return grid
 
 
@@ -141,12 +143,9 @@ def wait_quiet(max_load: float = 1.0, timeout: float = 300.0, log=print) -> floa
 
 
 def rows_of(samples: list[tuple[Point, float]], block_size: int, knot: int) -> list[list[float]]:
-    """Feature rows of measured points, read through the same `composition` the simulator uses."""
-    rows = []
-    for p, _ in samples:
-        comp = composition(build_step(p, 1 << 30, block_size), block_size)
-        rows.append(feature_row(*comp, knot=knot))
-    return rows
+    """Feature rows of measured points, read through the same `StepShape` the engine uses."""
+    return [StepShape.of(build_step(p, 1 << 30, block_size), block_size).features(knot)
+            for p, _ in samples]
 
 
 def cross_validated_mape(rows: list[list[float]], ys: list[float], knot: int, folds: int = 5,

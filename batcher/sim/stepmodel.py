@@ -1,7 +1,7 @@
 """Step-time models: how long one engine step takes, from the step's composition alone.
 
-The features of a step (decodes, their context, prefill tokens, chunk x context, chunks, and a
-hinge where the matmuls turn compute-bound) are defined once, in `core/step_time.py`, and shared
+The features of a step (decodes, their context, prefill tokens, chunk x context, chunks, a
+hinge where the matmuls turn compute-bound, and the context the chunks read) are defined once, in `core/step_time.py`, and shared
 with the engine's online model. `LinearStepModel` is `intercept + sum(coef * feature)` with
 non-negative coefficients, fitted by `fit_linear` and stored as small JSON; it seeds the online
 model (`prior()`). `ConstantStepModel` (a fixed step time) is for tests, and `RateStepModel` turns
@@ -37,9 +37,10 @@ def composition(sched: SchedulerOutput, block_size: int = 16) -> tuple[int, int,
 
 
 def feature_row(n_dec: int, max_ctx: int, pre_tok: int, pre_attn: int, n_pre: int,
-                knot: int = DEFAULT_KNOT) -> list[float]:
-    """The model's features (in FEATURES order) for one composition."""
-    return StepShape(n_dec, max_ctx, pre_tok, pre_attn, n_pre).features(knot)
+                knot: int = DEFAULT_KNOT, pre_ctx: int = 0) -> list[float]:
+    """The model's features (in FEATURES order) for one composition; `pre_ctx`: the sum of the
+    chunks' contexts (`StepShape.prefill_ctx`)."""
+    return StepShape(n_dec, max_ctx, pre_tok, pre_attn, n_pre, pre_ctx).features(knot)
 
 
 @dataclass(slots=True)
@@ -51,6 +52,12 @@ class LinearStepModel:
     knot: int = DEFAULT_KNOT
     block_size: int = 16
     meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A model fitted before the last features existed has no term for them.
+        if len(self.coef) > len(FEATURES):
+            raise ValueError(f"a linear step model has at most {len(FEATURES)} coefficients")
+        self.coef = [*self.coef, *[0.0] * (len(FEATURES) - len(self.coef))]
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
         return self.shape_seconds(StepShape.of(sched, self.block_size))
@@ -120,7 +127,11 @@ def load_step_model(spec: str) -> StepModel:
     if spec == "source":
         return RateStepModel()
     data = json.loads(Path(spec).read_text())
-    if data.get("kind") != "linear" or list(data.get("features", [])) != list(FEATURES):
+    features = list(data.get("features", []))
+    # A file from before the last features were added reads with no term for them.
+    if (data.get("kind") != "linear" or len(features) < 6
+            or features != list(FEATURES[:len(features)])
+            or len(data.get("coef", [])) != len(features)):
         raise ValueError(f"{spec}: not a linear step model with features {FEATURES}")
     return LinearStepModel(float(data["intercept"]), [float(c) for c in data["coef"]],
                            int(data.get("knot", DEFAULT_KNOT)), int(data.get("block_size", 16)),
