@@ -188,6 +188,9 @@ class Relay:
         h = {"X-Request-Id": self.rid, "X-Attempt": str(self.attempts)}
         if (ra := up.headers.get("Retry-After")) is not None:
             h["Retry-After"] = ra
+        # The replica knows whether its answer is worth a client's retry (OpenAI's SDKs obey it).
+        if (retry := up.headers.get("x-should-retry")) is not None:
+            h["x-should-retry"] = retry
         return h
 
     def _observe(self, rep: Replica, up: aiohttp.ClientResponse) -> None:
