@@ -20,6 +20,7 @@ from tests.fleet.procs import (
     admin,
     completion,
     free_port,
+    router,
     router_samples,
     running,
     stream,
@@ -111,3 +112,34 @@ async def test_a_cell_router_killed_mid_run_loses_nothing():
                 assert resp.status == 503 and resp.headers["Retry-After"]
                 assert (await resp.json())["error"]["code"] == "overloaded"
 
+
+
+
+async def test_balancer_over_two_routers_on_the_bundled_model():
+    """`batcher balancer --cell URL` at default settings on the bundled model: two cell routers
+    (here sharing one replica, so one model load) behind one balancer."""
+    rport = free_port()
+    rep = Proc(["-m", "batcher.cli", "serve", "--embedding-model", "none", "--port", str(rport),
+                "--log-level", "warning", "--shutdown-timeout", "3"], rport, "bundled")
+    cells = [router(replicas=(rep,)) for _ in range(2)]
+    port, admin_port = free_port(), free_port()
+    top = Proc(["-m", "batcher.cli", "balancer", *(f"--cell={c.url}" for c in cells),
+                "--cell-key", ADMIN_KEY, "--port", str(port), "--admin-port", str(admin_port),
+                "--admin-key", ADMIN_KEY, "--log-level", "warning"], port, "balancer",
+               admin_port)
+    with running(top, *cells, rep):
+        wait_http(rep.url + "/ready", timeout=240.0, procs=(rep,))
+        async with aiohttp.ClientSession() as s:
+            await wait_routable(s, top, 2, timeout=60.0)
+            code, body = await completion(s, top.url, "The capital of France is", 4,
+                                          model="smollm2-135m")
+            assert code == 200 and body["usage"]["completion_tokens"] == 4, body
+            async with s.get(f"{top.url}/v1/state") as resp:
+                state = await resp.json()
+            assert state["healthy"] and 0.0 <= state["saturation"] <= 1.0
+            sat = {lab["cell"]: v for lab, v in
+                   await router_samples(s, top, "batcher_cell_saturation")}
+            assert len(sat) == 2 and all(0.0 <= v < 1.0 for v in sat.values()), sat
+            async with s.get(f"{cells[0].url}/v1/state") as resp:
+                cell = await resp.json()
+            assert cell["healthy_replicas"] == 1 and "saturation" in cell
