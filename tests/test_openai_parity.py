@@ -503,3 +503,27 @@ def test_bundled_model_agent_loop(real: Server) -> None:
     msg = auto.choices[0].message
     assert (msg.tool_calls and auto.choices[0].finish_reason == "tool_calls") or (
         msg.content and not msg.content.lstrip().startswith("{"))
+
+
+async def test_tokenize_and_models_through_the_router(aiohttp_client, tiny_fp32) -> None:
+    from batcher.fleet.context import RouterConfig, RouterContext
+    from batcher.fleet.proxy import create_router_app
+
+    replica = await aiohttp_client(app_factory(tiny_fp32, load_tokenizer(), TENANTS)())
+    ctx = RouterContext(RouterConfig())
+    rep = ctx.registry.add_static(str(replica.make_url("")).rstrip("/"))
+    assert ctx.registry.observe(rep.replica_id, await (await replica.get("/v1/state")).json(),
+                                ctx.clock())
+    rep.ready = True
+    router = await aiohttp_client(create_router_app(ctx))
+    direct = await (await replica.post("/tokenize", json={"prompt": "Hi there"},
+                                       headers=AUTH)).json()
+    resp = await router.post("/tokenize", json={"prompt": "Hi there"}, headers=AUTH)
+    assert resp.status == 200 and await resp.json() == direct
+    resp = await router.post("/detokenize", json={"tokens": direct["tokens"]}, headers=AUTH)
+    assert (await resp.json()) == {"prompt": "Hi there"}
+    resp = await router.post("/detokenize", json={"tokens": [-5]}, headers=AUTH)
+    assert resp.status == 400 and assert_error_shape(await resp.json())["param"] == "tokens"
+    models = (await (await router.get("/v1/models", headers=AUTH)).json())["data"]
+    assert [(m["id"], m["task"]) for m in models] == [("tiny", "generate")]
+    assert "/tokenize" in models[0]["endpoints"]
