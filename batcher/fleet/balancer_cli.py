@@ -38,7 +38,8 @@ def add_balancer_args(p: argparse.ArgumentParser) -> None:
     a("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     a("--admin-port", type=int, default=None, help="admin listener port (drain a cell); off "
       "unless given")
-    a("--admin-host", default="127.0.0.1", help="(default: %(default)s)")
+    a("--admin-host", default="127.0.0.1", help="admin listener address "
+      "(default: %(default)s)")
     a("--admin-key", default=None, help="balancer admin key (or env BATCHER_ADMIN_KEY)")
     a("--max-attempts", type=int, default=3, help="cells tried per request "
       "(default: %(default)s)")
@@ -46,13 +47,16 @@ def add_balancer_args(p: argparse.ArgumentParser) -> None:
       "window (default: %(default)s)")
     a("--retry-floor", type=int, default=5, help="retries always allowed in the window "
       "(default: %(default)s)")
-    a("--retry-window", type=float, default=10.0, help="(default: %(default)s)")
+    a("--retry-window", type=float, default=10.0, help="retry budget window, seconds "
+      "(default: %(default)s)")
     a("--health-interval", type=float, default=0.5, help="seconds between health rounds "
       "(default: %(default)s)")
     a("--evict-after", type=int, default=3, help="consecutive failures that evict a cell "
       "(default: %(default)s)")
-    a("--shutdown-timeout", type=float, default=10.0, help="(default: %(default)s)")
-    a("--log-level", default="info", help="(default: %(default)s)")
+    a("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get "
+      "to finish on SIGTERM (default: %(default)s)")
+    a("--log-level", default="info", type=str.lower,
+      choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
     add_cell_policy_args(p)
 
 

@@ -45,10 +45,12 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--health-interval", type=float, default=0.5, help="seconds between health rounds "
       "(default: %(default)s)")
-    a("--liveness-timeout", type=float, default=0.5, help="(default: %(default)s)")
+    a("--liveness-timeout", type=float, default=0.5, help="seconds a replica's /health may "
+      "take before the round counts it as failed (default: %(default)s)")
     a("--probe-interval", type=float, default=5.0, help="seconds between deep probes "
       "(default: %(default)s)")
-    a("--probe-deadline", type=float, default=2.0, help="(default: %(default)s)")
+    a("--probe-deadline", type=float, default=2.0, help="seconds a deep probe (one token "
+      "through /v1/probe) may take (default: %(default)s)")
     a("--evict-after", type=int, default=3, help="consecutive failures that evict "
       "(default: %(default)s)")
     a("--readmit-after", type=int, default=2, help="consecutive passing probes that re-admit "
@@ -84,12 +86,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     a("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     a("--admin-port", type=int, default=None, help="admin listener port (drain, canary); "
       "off unless given")
-    a("--admin-host", default="127.0.0.1", help="(default: %(default)s)")
+    a("--admin-host", default="127.0.0.1", help="admin listener address "
+      "(default: %(default)s)")
     a("--admin-key", default=None, help="router admin key (or env BATCHER_ADMIN_KEY)")
     a("--replica-admin-key", default=None, help="key of the replicas' admin listeners (or env "
       "BATCHER_REPLICA_ADMIN_KEY)")
-    a("--shutdown-timeout", type=float, default=10.0, help="(default: %(default)s)")
-    a("--log-level", default="info", help="(default: %(default)s)")
+    a("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get "
+      "to finish on SIGTERM (default: %(default)s)")
+    a("--log-level", default="info", type=str.lower,
+      choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
     _policy_args(p)
 
 
