@@ -69,10 +69,16 @@ class GrammarMasks:
         self._pool: ThreadPoolExecutor | None = None
 
     def _lltokenizer(self) -> Any:
+        # NOTE: building it reads the whole vocabulary (~1.4 s on this CPU), so the first
+        # constrained request of a process waits that long once; it is kept on the tokenizer,
+        # so every engine sharing that tokenizer reuses it.
         if self._ll is None:
             tok = self._tokenizer
-            self._ll = llguidance.hf.from_tokenizer(tok.hf, n_vocab=tok.vocab_size,
-                                                    eos_token=list(tok.eos_token_ids))
+            self._ll = getattr(tok, "_llguidance", None)
+            if self._ll is None:
+                self._ll = llguidance.hf.from_tokenizer(tok.hf, n_vocab=tok.vocab_size,
+                                                        eos_token=list(tok.eos_token_ids))
+                tok._llguidance = self._ll
         return self._ll
 
     def drop(self, request_ids: Sequence[str]) -> None:

@@ -7,6 +7,11 @@ is `argmax(logit_i / T - log E_i)`, so no softmax, cumulative sum or normalisati
 plain rows. Filtered rows work on their top candidates (`topk`, far cheaper than sorting the whole
 vocabulary on a CPU), widening to a full sort only for a row whose top-p nucleus is wider.
 
+Before choosing, rows that ask have their logits adjusted, each from its own tokens only:
+repetition, presence and frequency penalties, logit bias, min_p; then a grammar row's mask (see
+`runtime/grammar.py`) bans every token its grammar does not allow. Logprobs report the model's
+own distribution, before any of these.
+
 Seeds: a seeded row draws its noise over the whole vocabulary from its own generator, seeded by
 `(seed, output_index)`, and reads it by token id; so its tokens do not depend on what else is in
 the batch or on preemption. Unseeded rows share one draw from the sampler's generator.
