@@ -60,7 +60,9 @@ class CellView:
     routable: bool = True
     fresh: bool = True
     healthy_replicas: int = 1
-    inflight: int = 0  # the balancer's own requests there, not yet in the published state
+    # The share of the cell's KV the balancer's own requests hold that the published state does
+    # not show yet (sent after it), as a router counts its reservations against a replica.
+    unreflected: float = 0.0
 
 
 def cell_saturation(free_blocks: int, total_blocks: int, waiting: int, healthy_replicas: int,
@@ -75,11 +77,11 @@ def cell_saturation(free_blocks: int, total_blocks: int, waiting: int, healthy_r
 
 
 def effective_saturation(c: CellView, cfg: BalancerConfig) -> float:
-    """The published figure plus the balancer's own requests sent since, each counted as one
-    queued request (the state may be up to a beat old)."""
+    """The published figure plus the KV share of the balancer's own requests sent since (the
+    state is as old as the last answer or poll from that cell)."""
     if c.healthy_replicas <= 0:
         return 1.0
-    return min(1.0, c.saturation + c.inflight / (c.healthy_replicas * cfg.waiting_full))
+    return min(1.0, c.saturation + c.unreflected)
 
 
 def home_cell(cells: Sequence[CellView], tenant: str) -> CellView | None:

@@ -108,10 +108,12 @@ class BalancerContext(RouterContext):
         for rep in reg:
             fig = reg.figures.get(rep.replica_id)
             routable = fig is not None and reg.routable(rep)
+            total = rep.state.total_blocks if rep.state is not None else 0
+            pending = sum(r.blocks for r in rep.unreflected())
             out.append(CellView(rep.replica_id, fig.saturation if fig else 1.0, routable,
                                 fresh=not reg.suspect(rep, now),
                                 healthy_replicas=fig.healthy_replicas if fig else 0,
-                                inflight=len(rep.unreflected())))
+                                unreflected=pending / total if total > 0 else 0.0))
         return out
 
     def pick(self, tokens: int, key: str | None, exclude: set[str],

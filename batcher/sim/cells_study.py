@@ -161,7 +161,8 @@ def run_cells(cfg: CellsConfig) -> CellsResult:
             elif cfg.policy == "random":
                 c = pick_rng.randrange(cfg.cells)
             else:
-                views = [replace(cell.published, inflight=cell.sent) for cell in cells]
+                views = [replace(cell.published, unreflected=cell.sent / cell.capacity)
+                         for cell in cells]
                 chosen = choose_cell(views, tenant, cfg.balancer, pick_rng)
                 if chosen is None:
                     shed.add(i)

@@ -81,10 +81,11 @@ def test_two_choices_prefer_the_less_saturated_and_honour_exclude() -> None:
 
 
 def test_own_requests_count_until_the_cell_reports_them() -> None:
-    c = CellView("c0", 0.5, healthy_replicas=2, inflight=8)
+    c = CellView("c0", 0.5, healthy_replicas=2, unreflected=0.7)
     assert effective_saturation(c, CFG) == pytest.approx(1.0)
-    assert effective_saturation(CellView("c0", 0.5, healthy_replicas=2, inflight=4),
+    assert effective_saturation(CellView("c0", 0.5, healthy_replicas=2, unreflected=0.25),
                                 CFG) == pytest.approx(0.75)
+    assert effective_saturation(CellView("c0", 0.1, healthy_replicas=0), CFG) == 1.0
 
 
 def test_config_is_validated() -> None:
