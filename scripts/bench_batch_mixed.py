@@ -174,6 +174,10 @@ async def main_async(args: argparse.Namespace) -> int:
             wall, batch = await batch_task
             mixed = summary(mixed_results, slo)
             m = await metrics(session, url)
+            if batch["status"] in ("validating", "in_progress"):
+                # Not done within --max-s: cancel it, so the last phase is really alone.
+                async with session.post(url + f"/v1/batches/{batch['id']}/cancel") as r:
+                    await r.read()
             # Alone again: how much of any difference is the shared machine drifting.
             after = summary(await poisson(session, cfg, args.rate, 2, 20_000, None, args.alone_s,
                                           int(3 * args.rate * args.alone_s) + 1), slo)
