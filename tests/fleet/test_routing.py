@@ -49,8 +49,9 @@ async def test_scarce_kv_streams_ids_and_cancellation():
             assert all(status == 200 for status, _ in results)
             counts = await served_by(s, rt)
             # Equally fast, so equal shares while both have KV to spare; the small one's
-            # 24 blocks hold about 12 of these at once, and scarce KV adds to its wait.
-            assert counts.get("big", 0) > 2 * counts.get("small", 0), counts
+            # 24 blocks hold about 12 of these at once, and scarce KV adds to its wait (equal
+            # shares, 20 and 20, would mean KV is ignored).
+            assert counts.get("big", 0) >= 1.5 * counts.get("small", 0), counts
 
             # A stream passes through unchanged: same id, same text as the whole answer.
             status, whole = await completion(s, url, "tell me", 12, rid="client-id-1")
