@@ -23,11 +23,15 @@ from batcher.bundled import smollm2_gguf_path
 from batcher.models import gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.llama import LlamaConfig, LlamaModel
+from batcher.runtime.quant import QUANTIZATIONS, quantize_model
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+# Quantized steps with more rows than this use a dense copy of the (quantized) weights: the packed
+# kernels win at a few rows and lose to the dense matmul at a few dozen (BENCHMARKS.md).
+DENSE_ABOVE_ROWS: int | None = 8
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -41,6 +45,7 @@ class LoadedModel:
     device: torch.device
     tokenizer_source: Path  # a .gguf file or a Hugging Face folder
     load_seconds: float
+    quantization: str = "none"
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -69,11 +74,20 @@ def cache_dir() -> Path:
 
 
 def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "auto",
-               device: str | None = "auto", seed: int = 0) -> LoadedModel:
-    """Load `source` (a name, a .gguf path or a Hugging Face folder) onto `device` in `dtype`."""
+               device: str | None = "auto", seed: int = 0, quantization: str = "none",
+               dense_above: int | None = DENSE_ABOVE_ROWS) -> LoadedModel:
+    """Load `source` (a name, a .gguf path or a Hugging Face folder) onto `device` in `dtype`.
+    `quantization` int8/int4 packs the decoder layers' linears (CPU only); steps with more than
+    `dense_above` rows use a dense copy of the quantized weights (None: no copy)."""
     start = time.perf_counter()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unsupported quantization {quantization!r}; "
+                             f"choose one of {list(QUANTIZATIONS)}")
+    if quantization != "none" and dev.type != "cpu":
+        raise ModelLoadError("--quantization int8/int4 runs on the CPU only; use none on "
+                             f"{dev.type}")
     if source == "tiny":
         tok_src = smollm2_gguf_path()
         cfg = tiny_config()
@@ -93,9 +107,13 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
             raise ModelLoadError(f"not a model folder or a .gguf file: {source}")
         tok_src = path
         model = _build(cfg, state, dt, dev)
+    try:
+        quantize_model(model, quantization, dense_above)
+    except ValueError as exc:  # a shape the packed kernels cannot take
+        raise ModelLoadError(f"cannot quantize {name} to {quantization}: {exc}") from exc
     took = time.perf_counter() - start
-    log.info("loaded %s (%s, %s) in %.2fs", name, dt, dev, took)
-    return LoadedModel(name, model, cfg, dt, dev, tok_src, took)
+    log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
+    return LoadedModel(name, model, cfg, dt, dev, tok_src, took, quantization)
 
 
 def tiny_config() -> LlamaConfig:

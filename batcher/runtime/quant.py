@@ -1,0 +1,114 @@
+"""Weight-only quantized linears for the CPU: int8 per output row, or int4 in groups of 32 with a
+scale and a zero point per group, run by PyTorch's packed kernels.
+
+The packed kernels read a quarter (int4) or half (int8) of bf16's weight bytes, which is what a
+batch-1 decode step is bound by; at a few dozen rows they become slower than the dense matmul
+(they do not use the wide matrix units). So a layer may keep a dense copy as well and use it for
+steps with more rows than `dense_above`: memory for throughput, chosen by `--quantization`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32  # the block size of the GGUF Q4 formats, and the kernel's finest group
+# The linears of a decoder layer; the LM head shares its weight with the embedding table.
+QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w [N, K] -> (q int8 [N, K], scale fp32 [N])."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=1).clamp(min=1e-10) / 127.0
+    q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups along K: w [N, K] -> (q int32 in [0, 15] [N, K],
+    scale [N, K / group], minimum [N, K / group]); w ~ q * scale + minimum."""
+    n, k = w.shape
+    wf = w.float().reshape(n, k // group, group)
+    lo = wf.amin(dim=-1)
+    hi = wf.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-10)
+    q = torch.round((wf - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), scale, lo
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                    group: int = INT4_GROUP) -> torch.Tensor:
+    n, k = q.shape
+    wf = q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]
+    return wf.reshape(n, k)
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ W.T (+ b)` with W held packed. x: [T, K] in the model's dtype."""
+
+    def __init__(self, linear: nn.Linear, kind: str, dense_above: int | None):
+        super().__init__()
+        if kind not in ("int8", "int4"):
+            raise ValueError(f"unknown quantization {kind!r}")
+        w = linear.weight.detach()
+        dtype = w.dtype
+        self.kind = kind
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(),
+                                                                  requires_grad=False)
+        self.dense_above = dense_above
+        if kind == "int8":
+            q, scale = quantize_int8(w)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scale.to(dtype))
+            approx = q.float() * scale[:, None]
+        else:
+            if self.in_features % INT4_GROUP:
+                raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, "
+                                 f"got {self.in_features}")
+            q, scale, lo = quantize_int4(w)
+            self.register_buffer(
+                "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            # The kernel's convention: w = (q - 8) * scale + zero, so zero = lo + 8 * scale;
+            # laid out [K / group, N, 2].
+            zero = lo + 8.0 * scale
+            self.register_buffer("scales", torch.stack([scale, zero], dim=-1)
+                                 .transpose(0, 1).contiguous().to(dtype))
+            approx = dequantize_int4(q, scale, lo)
+        # The dense copy holds the quantized values, so both paths compute the same function.
+        self.dense = None if dense_above is None else approx.to(dtype).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > self.dense_above:
+            return F.linear(x, self.dense, self.bias)
+        if self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP,
+                                                            self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"{self.kind}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, dense_above={self.dense_above}")
+
+
+def quantize_model(model: nn.Module, kind: str, dense_above: int | None = None) -> int:
+    """Replace every decoder-layer linear of `model` with a `PackedLinear` in place. Returns how
+    many were replaced. The embedding table (and the LM head tied to it) stay dense."""
+    if kind not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+    if kind == "none":
+        return 0
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children()
+               if name in QUANTIZED_LINEARS and isinstance(child, nn.Linear)]
+    for parent, name, child in targets:
+        if child.weight.device.type != "cpu":
+            raise ValueError("weight-only quantization runs on the CPU only")
+        setattr(parent, name, PackedLinear(child, kind, dense_above))
+    return len(targets)
