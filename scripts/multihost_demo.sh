@@ -10,8 +10,13 @@
 # `RESULT {json}`; exits 0 when every check passed. Everything it creates (namespaces, links,
 # processes, a temporary folder) is removed on exit, however it ends.
 #   sudo scripts/multihost_demo.sh        (env: PYTHON, MULTIHOST_ID, MULTIHOST_KEEP=1 keeps logs)
+#   sudo scripts/multihost_demo.sh cells  (the same with two cells: scripts/multihost_cells_demo.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `multihost_demo.sh cells`: two cells behind the global balancer, one cell cut mid-run.
+if [ "${1:-}" = cells ]; then
+    exec bash scripts/multihost_cells_demo.sh
+fi
 
 PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
