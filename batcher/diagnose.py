@@ -99,11 +99,16 @@ def _hist(first: dict[str, float], last: dict[str, float], name: str
 def from_metrics(source: str, first: dict[str, float], last: dict[str, float],
                  state: dict[str, Any] | None, slo_override: dict[str, float | None]
                  ) -> Diagnosis:
-    phases = {p: _hist(first, last, f"batcher_request_{p}_seconds") for p in ROUTER_PHASES}
+    # A router exports the same anatomy under its own prefix, with `route` in front.
+    router = any(k.startswith("batcher_router_request_") for k in last)
+    prefix = "batcher_router_request_" if router else "batcher_request_"
+    phases = {p: _hist(first, last, f"{prefix}{p}_seconds") for p in ROUTER_PHASES}
     phases = {p: h for p, h in phases.items() if h["count"]}
     requests = max((h["count"] or 0.0 for h in phases.values()), default=0.0)
     means = {p: float(h["mean"] or 0.0) for p, h in phases.items()}
     latency = {k: _hist(first, last, name) for k, name in LATENCIES.items()}
+    if router:  # first-token and per-token times are the replicas' own: scrape those
+        latency["total"] = _hist(first, last, "batcher_router_request_total_seconds")
     slo: dict[str, float | None] = {}
     for k, kind in SLO_KINDS.items():
         exported = last.get(f"batcher_slo_seconds{{kind={kind}}}")

@@ -35,6 +35,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from batcher.access_log import log_access
 from batcher.fleet.context import Attempt, RouterContext
 from batcher.fleet.policy import (
     affinity_key,
@@ -101,7 +102,8 @@ class Relay:
     def __init__(self, ctx: RouterContext, request: web.Request, chat: bool,
                  body: dict[str, Any], raw: bytes, rid: str, scope: str = ""):
         self.ctx, self.request, self.chat, self.body, self.rid = ctx, request, chat, body, rid
-        self.route = RouteClock()  # the router's `route` phase runs from here to the answer
+        # The router's `route` phase runs from here to the answer.
+        self.route = RouteClock(observe=ctx.metrics.observe_phases)
         tracer = current_tracer()
         self.span = None if tracer is None else tracer.open("batcher.router", request.headers)
         self.rkey = (scope, rid)  # request ids are the caller's own, as on a replica
@@ -220,23 +222,41 @@ class Relay:
         return resp
 
     async def whole(self) -> web.StreamResponse:
+        resp: web.StreamResponse | None = None
         try:
-            while True:
-                rep = await self._next(charge=True)
-                if isinstance(rep, web.StreamResponse):
-                    return rep
-                result = await self._whole_attempt(rep)
-                if isinstance(result, web.StreamResponse):
-                    return result
-                self.last = result
+            resp = await self._whole()
+            return resp
         finally:
-            self._end_span()
+            self._done(resp)
 
-    def _end_span(self) -> None:
+    async def stream(self) -> web.StreamResponse:
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await self._stream()
+            return resp
+        finally:
+            self._done(resp)
+
+    def _done(self, resp: web.StreamResponse | None) -> None:
+        """The trace span ends and the access line is written (no prompt, no key: the caller
+        appears as its credential's digest)."""
         if self.span is not None:
             self.span.set_attribute("batcher.request_id", self.rid)
             self.span.set_attribute("batcher.attempts", self.attempts)
             self.span.end()
+        status = 499 if resp is None else resp.status
+        log_access(request_id=self.rid, tenant=self.rkey[0], route=self.request.path,
+                   status=status, timings=self.route.timings)
+
+    async def _whole(self) -> web.StreamResponse:
+        while True:
+            rep = await self._next(charge=True)
+            if isinstance(rep, web.StreamResponse):
+                return rep
+            result = await self._whole_attempt(rep)
+            if isinstance(result, web.StreamResponse):
+                return result
+            self.last = result
 
     async def _whole_attempt(self, rep: Replica) -> Failure | web.StreamResponse:
         ctx = self.ctx
@@ -274,7 +294,7 @@ class Relay:
         self.ctx.metrics.attempt(rep.replica_id, rep.version, outcome)
 
     # streams -------------------------------------------------------------------------------
-    async def stream(self) -> web.StreamResponse:
+    async def _stream(self) -> web.StreamResponse:
         try:
             while True:
                 rep = await self._next(charge=self.client is None)
@@ -295,8 +315,6 @@ class Relay:
                     return self.client
         except ClientGone:
             return self.client  # type: ignore[return-value]
-        finally:
-            self._end_span()
 
     async def _stream_attempt(self, rep: Replica) -> Failure | web.StreamResponse | None:
         ctx = self.ctx

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from batcher.timings import ROUTER_PHASES, Timings
+
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                 20, 40, 80, 160)
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
 OUTCOMES = ("ok", "rejected", "error", "client_error", "cancelled", "resumed", "stream_error",
             "budget_exhausted", "no_replica")
@@ -42,6 +46,19 @@ class RouterMetrics:
                              registry=r)
         self.replicas = Gauge("batcher_router_replicas", "Replicas by router view",
                               ["view"], registry=r)
+        # The latency anatomy as the router's clients see it: its own `route` phase and the
+        # replicas' phases it forwarded (see batcher.timings).
+        self.phases = {p: Histogram(f"batcher_router_request_{p}_seconds",
+                                    f"Time in the {p} phase, through the router",
+                                    buckets=PHASE_BUCKETS, registry=r) for p in ROUTER_PHASES}
+        self.request_total = Histogram("batcher_router_request_total_seconds", "Router "
+                                       "receipt to answer relayed", buckets=PHASE_BUCKETS,
+                                       registry=r)
+
+    def observe_phases(self, t: Timings) -> None:
+        for p, ms in t.phases().items():
+            self.phases[p].observe(ms / 1000.0)
+        self.request_total.observe(t.total_ms / 1000.0)
 
     def attempt(self, replica: str, version: str | None, outcome: str) -> None:
         self.requests.labels(replica, version or "unknown", outcome).inc()

@@ -16,11 +16,23 @@ _MARK = b'"timings"'
 
 
 class RouteClock:
-    __slots__ = ("clock", "received")
+    """`observe` gets each answer's timings as relayed (the router's phase histograms)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    __slots__ = ("clock", "observe", "received", "timings")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 observe: Callable[[Timings], None] | None = None) -> None:
         self.clock = clock
         self.received = clock()
+        self.observe = observe
+        self.timings: Timings | None = None  # the last relayed, for the access line
+
+    def _routed(self, t: Timings) -> Timings:
+        routed = t.through_router(self.elapsed_ms())
+        self.timings = routed
+        if self.observe is not None:
+            self.observe(routed)
+        return routed
 
     def elapsed_ms(self) -> float:
         return (self.clock() - self.received) * 1000.0
@@ -37,7 +49,7 @@ class RouteClock:
         t = Timings.from_json(obj.get("timings")) if isinstance(obj, dict) else None
         if t is None:
             return data
-        routed = t.through_router(self.elapsed_ms())
+        routed = self._routed(t)
         obj["timings"] = routed.to_json()
         headers["Server-Timing"] = routed.server_timing()
         return orjson.dumps(obj)
@@ -57,6 +69,6 @@ class RouteClock:
                 continue
             t = Timings.from_json(obj.get("timings")) if isinstance(obj, dict) else None
             if t is not None:
-                obj["timings"] = t.through_router(self.elapsed_ms()).to_json()
+                obj["timings"] = self._routed(t).to_json()
                 events[i] = b"data: " + orjson.dumps(obj)
         return b"\n\n".join(events)

@@ -59,3 +59,53 @@ async def test_router_adds_route_and_forwards_the_replica_phases(aiohttp_client,
     st = chunks[-1]["timings"]
     assert st["route_ms"] >= 0 and st["completion_tokens"] == 3
     assert abs(sum(st[p + "_ms"] for p in ROUTER_PHASES) - st["total_ms"]) < 0.01
+
+
+async def test_diagnose_through_a_router_names_route(aiohttp_client, tiny_fp32) -> None:
+    """A router whose own share dominates (a replica behind a slow link, here a delay in
+    front of it): the router's phase histograms make `route` the bottleneck."""
+    import asyncio
+
+    from aiohttp import web
+
+    from batcher.diagnose import diagnose_url
+
+    replica = await aiohttp_client(app_factory(tiny_fp32, load_tokenizer(), TENANTS)())
+
+    @web.middleware
+    async def slow_link(request, handler):
+        await asyncio.sleep(0.3)
+        return await handler(request)
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        up = await replica.post(request.path, data=await request.read(),
+                                headers={k: v for k, v in request.headers.items()
+                                         if k.lower() in ("authorization", "content-type")})
+        return web.Response(status=up.status, body=await up.read(), headers={
+            k: v for k, v in up.headers.items() if k.startswith("X-") or k == "Server-Timing"},
+            content_type="application/json")
+
+    link = web.Application(middlewares=[slow_link])
+    link.router.add_post("/v1/completions", forward)
+
+    async def forward_get(request: web.Request) -> web.StreamResponse:
+        up = await replica.get(request.path)
+        return web.Response(status=up.status, body=await up.read(),
+                            content_type="application/json")
+
+    for path in ("/health", "/ready", "/v1/state"):  # the router's health checks pass
+        link.router.add_get(path, forward_get)
+    far = await aiohttp_client(link)
+    ctx = RouterContext(RouterConfig())
+    rep = ctx.registry.add_static(str(far.make_url("")).rstrip("/"))
+    assert ctx.registry.observe(rep.replica_id, await (await replica.get("/v1/state")).json(),
+                                ctx.clock())
+    rep.ready = True
+    router = await aiohttp_client(create_router_app(ctx))
+    for _ in range(2):
+        r = await router.post("/v1/completions", json=completion(max_tokens=2),
+                              headers=auth(ALICE))
+        assert r.status == 200
+    d = await diagnose_url(str(router.make_url("")).rstrip("/"), 0, {})
+    assert d.requests == 2 and d.bottleneck == "route", d.lines()
+    assert d.phases_ms["route"] >= 300 and "router" in d.action
