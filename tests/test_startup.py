@@ -58,6 +58,8 @@ def test_every_bad_setting_is_one_line_before_the_model_loads(tmp_path: Path) ->
             "--kv-cache-memory": (["--kv-cache-memory", "lots"], "lots"),
             "--max-step-slowdown": (["--max-step-slowdown", "0.5"], "max_step_slowdown"),
             "env": ([], "BATCHER_MAX_NUM_SEQS"),
+            # Found only by trying to load it, and still one line.
+            "--model": (["--model", str(tmp_path / "none.gguf")], "model path not found"),
         }
         # The admin port is checked before its key: --admin-port 0 is "off", so ask for a port.
         cases["admin key"] = (["--admin-port", str(int(port) + 1 if int(port) < 65535 else 1)],
