@@ -1,0 +1,95 @@
+"""Batch-1 decode step time of the bundled model by where its torch work runs, each mode in its own
+process (OpenMP thread teams are per process), interleaved A, B, C, A, B, C:
+
+- main:  load and step on the main thread (a bare loop);
+- split: load on the main thread, step on a worker thread (the engine before it loaded on its
+         model thread);
+- same:  load and step on one worker thread (the engine now: `serve.start_engine`).
+
+Usage: python scripts/bench_model_thread.py [--rounds 3] [--steps 40] [--quantization none]
+Prints the best per-step milliseconds of each mode and their ratios to `main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+MODES = ("main", "split", "same")
+
+
+def _one(mode: str, steps: int, quantization: str) -> float:
+    import torch
+
+    from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+    from batcher.models.loader import load_model
+    from batcher.runtime.model_runner import ModelRunner
+    from batcher.sampling import SamplingParams
+
+    state: dict[str, object] = {}
+
+    def load() -> None:
+        lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu",
+                        quantization=quantization)
+        runner = ModelRunner(lm, num_blocks=64, block_size=16)
+        prompt = list(range(100, 164))
+        runner.execute(SchedulerOutput([ScheduledSeq("s", prompt, 0, list(range(8)), True,
+                                                     SamplingParams(temperature=0.0))]))
+        state["runner"] = runner
+
+    def step() -> None:
+        runner = state["runner"]
+        greedy = SamplingParams(temperature=0.0)
+        times = []
+        for i in range(steps):
+            sched = SchedulerOutput([ScheduledSeq("s", [7], 64 + i, list(range(8)), True,
+                                                  greedy)])
+            t0 = time.perf_counter()
+            runner.execute(sched)
+            times.append(time.perf_counter() - t0)
+        state["ms"] = 1000 * statistics.median(times[steps // 4:])
+
+    def on_thread(*fns) -> None:
+        t = threading.Thread(target=lambda: [f() for f in fns])
+        t.start()
+        t.join()
+
+    torch.set_num_threads(torch.get_num_threads())
+    if mode == "main":
+        load()
+        step()
+    elif mode == "split":
+        load()
+        on_thread(step)
+    else:
+        on_thread(load, step)
+    return float(state["ms"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child run
+    a = p.parse_args()
+    if a.mode:
+        print(_one(a.mode, a.steps, a.quantization))
+        return
+    best = {m: float("inf") for m in MODES}
+    for _ in range(a.rounds):
+        for m in MODES:
+            out = subprocess.run([sys.executable, __file__, "--mode", m, "--steps", str(a.steps),
+                                  "--quantization", a.quantization],
+                                 capture_output=True, text=True, check=True, timeout=600)
+            best[m] = min(best[m], float(out.stdout.split()[-1]))
+    for m in MODES:
+        print(f"{m:6s} {best[m]:7.2f} ms/step  x{best[m] / best['main']:.2f} of main")
+
+
+if __name__ == "__main__":
+    main()
