@@ -22,7 +22,7 @@ CONTRACT = ("batcher_kv_cache_usage_ratio", "batcher_waiting", "batcher_running"
 def samples(text: str, name: str) -> dict[str, float]:
     """Label text (`{...}` or "") -> value for one metric name."""
     out = {}
-    for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M):
+    for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
         out[m.group(1) or ""] = float(m.group(2))
     return out
 
