@@ -93,8 +93,8 @@ def test_sigterm_mid_batch_exits_promptly_and_the_batch_resumes(tmp_path: Path) 
     running lines end unanswered and run again after the restart."""
     data = tmp_path / "data"
     items = [{"custom_id": f"s{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "fake", "prompt": f"request {i}", "max_tokens": 200,
-                       "ignore_eos": True}} for i in range(24)]
+              "body": {"model": "fake", "prompt": f"request {i}", "max_tokens": 600,
+                       "ignore_eos": True}} for i in range(4)]
     with serve(*FLAGS, "--data-dir", str(data), shutdown_timeout=30) as first, \
             client_for(first) as c:
         f = c.files.create(file=("in.jsonl", io.BytesIO(
@@ -107,8 +107,9 @@ def test_sigterm_mid_batch_exits_promptly_and_the_batch_resumes(tmp_path: Path) 
             time.sleep(0.05)
         stopping = time.monotonic()
         assert first.stop() == 0
-        # 200-token lines take about 4 s each: the stop did not wait for them.
-        assert time.monotonic() - stopping < 3.0
+        # 600-token lines take about 12 s each: the stop did not wait for them (the bound is
+        # loose for a loaded machine).
+        assert time.monotonic() - stopping < 8.0
     with serve(*FLAGS, "--data-dir", str(data)) as second, client_for(second) as c:
         deadline = time.monotonic() + 90
         while (b := c.batches.retrieve(batch_id)).status != "completed":
@@ -116,4 +117,4 @@ def test_sigterm_mid_batch_exits_promptly_and_the_batch_resumes(tmp_path: Path) 
             assert time.monotonic() < deadline, f"not resumed: {b.request_counts}"
             time.sleep(0.1)
         out = [orjson.loads(x) for x in c.files.content(b.output_file_id).content.splitlines()]
-    assert sorted(x["custom_id"] for x in out) == sorted(f"s{i}" for i in range(24))
+    assert sorted(x["custom_id"] for x in out) == sorted(f"s{i}" for i in range(4))
