@@ -97,10 +97,10 @@ async def run_balancer(args: argparse.Namespace) -> int:
     return 0
 
 
-async def run_cells(args: argparse.Namespace) -> int:
-    """`batcher fleet --cells C`: C child fleets, one balancer in front."""
+async def run_cells(args: argparse.Namespace, flags: list[str]) -> int:
+    """`batcher fleet --cells C`: C child fleets, one balancer in front. `flags`: the `batcher
+    serve` flags every replica gets (`fleet.cli.serve_flags`)."""
     from batcher.fleet.balancer_app import BalancerContext, serve_balancer
-    from batcher.fleet.cli import serve_flags
     from batcher.fleet.launcher import ReplicaSpec, Supervisor, free_port, wait_for_signal
 
     key = secrets.token_hex(16)
@@ -113,7 +113,7 @@ async def run_cells(args: argparse.Namespace) -> int:
     specs = []
     for i in range(args.cells):
         port = free_port()
-        argv = [sys.executable, "-m", "batcher.cli", "fleet", *serve_flags(args),
+        argv = [sys.executable, "-m", "batcher.cli", "fleet", *flags,
                 "--cells", "1", "--replicas", str(args.replicas), "--port", str(port),
                 "--log-level", args.log_level, "--max-attempts", str(args.max_attempts)]
         if args.restart:

@@ -258,7 +258,7 @@ async def run_fleet(args: argparse.Namespace) -> int:
     if args.cells > 1:
         from batcher.fleet.balancer_cli import run_cells
 
-        return await run_cells(args)
+        return await run_cells(args, serve_flags(args))
     cfg = router_config(args)
     cfg.replica_admin_key = secrets.token_hex(16)
     fleet_key = cfg.fleet_key or secrets.token_hex(16)
