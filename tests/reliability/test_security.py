@@ -36,7 +36,8 @@ BOB_KEY = f"bob-secret-key-{TAG}"
 WRONG_KEY = f"wrong-key-{TAG}"
 ADMIN_KEY = f"admin-key-{TAG}"
 PROMPT = f"confidential prompt text {TAG}"
-SECRET_ID = f"alice-request-{TAG}"
+# Request IDs are logged (the access line correlates them), so this one carries no secret tag.
+SECRET_ID = f"alice-request-{uuid.uuid4().hex[:12]}"
 MAX_BODY = 65536
 ALICE = {"Authorization": f"Bearer {ALICE_KEY}"}
 BOB = {"Authorization": f"Bearer {BOB_KEY}"}
