@@ -51,8 +51,8 @@ class FakeRunner:
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
         sp = self.speed
-        prefill = sum(s.num_tokens for s in sched.seqs if s.num_tokens > 1)
-        decodes = sum(1 for s in sched.seqs if s.num_tokens == 1)
+        prefill = sum(s.num_tokens for s in sched.seqs[sched.num_decodes:])
+        decodes = sched.num_decodes
         return sp.step_factor * (sp.decode_step_s + decodes * sp.per_seq_s
                                  + prefill / sp.prefill_tokens_per_s)
 

@@ -216,7 +216,7 @@ class SimReplica:
             self.admission.observe_step(now - self._step_started,
                                         self.scheduler.stats.prompt_tokens_computed - computed,
                                         self.scheduler.has_unfinished(),
-                                        sum(1 for s in sched.seqs if len(s.token_ids) == 1))
+                                        sched.num_decodes)
         return done
 
     def _release(self, request_id: str, tokens: int) -> None:
