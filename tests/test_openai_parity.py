@@ -292,7 +292,8 @@ def test_bundled_model_parity_with_the_openai_client(real: Server) -> None:
 
 
 def _client(real: Server) -> OpenAI:
-    return OpenAI(base_url=real.url + "/v1", api_key="none", max_retries=0, timeout=60,
+    # A generous timeout: a loaded 2-core machine runs these steps several times slower.
+    return OpenAI(base_url=real.url + "/v1", api_key="none", max_retries=0, timeout=300,
                   http_client=openai.DefaultHttpxClient(trust_env=False))
 
 
@@ -301,7 +302,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
                                  {"Content-Type": "application/json"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
     try:
-        with opener.open(req, timeout=60) as resp:
+        with opener.open(req, timeout=300) as resp:
             return resp.status, json.load(resp)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
