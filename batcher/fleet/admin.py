@@ -25,35 +25,22 @@ import orjson
 from aiohttp import web
 
 from batcher.fleet.context import RouterContext
-from batcher.http.errors import ApiError, from_http_exception, invalid
-from batcher.http.keys import bearer_matches
+from batcher.http.errors import ApiError, invalid
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
-from batcher.http.request_ids import new_request_id
+from batcher.http.middleware import answer_errors, require_bearer
 from batcher.http.responses import json_response
 
 CONTEXT = web.AppKey("router", RouterContext)
-KEY = web.AppKey("admin_key", str)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
-async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = new_request_id()
+async def unknown_replica(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A replica id the registry does not know (a handler's KeyError) is a 404."""
     try:
-        if not bearer_matches(request.headers, request.app[KEY]):
-            raise ApiError(401, "invalid admin key", code="invalid_api_key")
-        resp = await handler(request)
-    except ApiError as err:
-        return err.response(rid)
+        return await handler(request)
     except KeyError as exc:
-        return ApiError(404, f"no replica {exc.args[0]!r}", code="replica_not_found"
-                        ).response(rid)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return from_http_exception(exc).response(rid)
-    resp.headers["X-Request-Id"] = rid
-    return resp
+        raise ApiError(404, f"no replica {exc.args[0]!r}", code="replica_not_found") from None
 
 
 async def replica_status(ctx: RouterContext, replica_id: str, refresh: bool = True
@@ -189,8 +176,9 @@ async def config(request: web.Request) -> web.Response:
 def create_admin_app(ctx: RouterContext, admin_key: str) -> web.Application:
     if not admin_key:
         raise ValueError("the admin listener needs a key")
-    app = web.Application(middlewares=[check_key])
-    app[CONTEXT], app[KEY] = ctx, admin_key
+    app = web.Application(middlewares=[
+        answer_errors, require_bearer(admin_key, "invalid admin key"), unknown_replica])
+    app[CONTEXT] = ctx
     routes: list[tuple[str, str, Handler]] = [
         ("GET", "/admin/status", status), ("GET", "/admin/config", config),
         ("POST", "/admin/drain", drain),

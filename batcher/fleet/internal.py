@@ -15,17 +15,16 @@ Contract:
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from batcher.fleet.context import RouterContext
 from batcher.fleet.ratelimit import SourceLimiter
 from batcher.fleet.registry import BeatRefused
-from batcher.http.errors import ApiError, from_http_exception
+from batcher.http.errors import ApiError
 from batcher.http.keys import bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_json
-from batcher.http.request_ids import new_request_id
+from batcher.http.middleware import answer_errors
 from batcher.http.responses import json_response
 
 log = logging.getLogger("batcher.fleet.internal")
@@ -33,22 +32,6 @@ log = logging.getLogger("batcher.fleet.internal")
 MAX_BEAT_BYTES = 64 * 1024
 CONTEXT = web.AppKey("router", RouterContext)
 LIMITER = web.AppKey("beat_limiter", SourceLimiter)
-
-
-@web.middleware
-async def errors(request: web.Request, handler: Callable[[web.Request],
-                 Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    rid = new_request_id()
-    try:
-        resp = await handler(request)
-    except ApiError as err:
-        return err.response(rid)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return from_http_exception(exc).response(rid)
-    resp.headers["X-Request-Id"] = rid
-    return resp
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -84,7 +67,7 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 
 def create_internal_app(ctx: RouterContext) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=MAX_BEAT_BYTES)
+    app = web.Application(middlewares=[answer_errors], client_max_size=MAX_BEAT_BYTES)
     app[CONTEXT] = ctx
     app[LIMITER] = SourceLimiter(ctx.cfg.beats_per_source, ctx.cfg.beat_burst)
     app.router.add_post("/internal/heartbeat", heartbeat, expect_handler=expect_continue)
