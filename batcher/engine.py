@@ -259,9 +259,12 @@ class AsyncEngine:
         """Queue `request` and yield its events until the final one. Raises ValueError for a
         request that can never run, `DuplicateRequestId` for an ID already in flight, and
         EngineError when the engine cannot serve. Leaving early (break, cancel, disconnect)
-        aborts the request."""
+        aborts the request. The step loop starts on first use, so a caller that never called
+        `start()` gets an answer, not a request that waits forever."""
         if not self.healthy:
             raise EngineError(self._error or "the engine is stopping")
+        if self._task is None:
+            await self.start()
         rid = request.request_id
         queue = self._streams.create_stream(rid)
         try:

@@ -199,3 +199,13 @@ async def test_min_tokens_suppresses_stop_tokens(tiny_fp32, tokenizer):
         got += ev.token_ids
     assert got[:2] == first[:2] and got[2] != first[2]
     await engine.stop()
+
+
+async def test_generate_starts_the_engine_when_nobody_did(tiny_fp32, tokenizer):
+    """A library caller that forgets `start()` gets its answer, not a request waiting forever."""
+    engine = make_engine(tiny_fp32, tokenizer)
+    try:
+        got = await asyncio.wait_for(run_all(engine, prompts_of(1), greedy(4)), timeout=120)
+        assert len(got[0]) == 4
+    finally:
+        await engine.stop()
