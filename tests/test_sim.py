@@ -258,3 +258,15 @@ def test_the_fleet_routers_own_policy_runs_through_the_adapter() -> None:
     assert s["policy"] == "fleet router policy"
     assert s["ok"] == s["requests"] > 100
     assert s["prefix_hit_tokens"] > 0  # affinity keeps each group's prefix warm somewhere
+
+
+def test_every_sim_run_flag_has_help_text() -> None:
+    import argparse
+
+    from batcher.sim.run_args import fleet_args
+
+    parser = argparse.ArgumentParser()
+    fleet_args(parser)
+    undocumented = [a.option_strings[0] for a in parser._actions
+                    if a.option_strings and a.option_strings[0] != "-h" and not a.help]
+    assert undocumented == []

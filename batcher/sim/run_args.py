@@ -28,34 +28,53 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--step-model", default=DEFAULT_STEP_MODEL, help="calibrated JSON, 'source' (the "
       "source's rates) or const:SECONDS (default: %(default)s)")
-    a("--replicas", type=int, default=16)
-    a("--zones", type=int, default=3)
-    a("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
-    a("--warmup", type=float, default=10.0, help="arrivals before this are not measured")
+    a("--replicas", type=int, default=16, help="replicas in the fleet (default: %(default)s)")
+    a("--zones", type=int, default=3, help="failure zones the replicas are spread over "
+      "(default: %(default)s)")
+    a("--duration", type=float, default=60.0, help="simulated seconds of arrivals "
+      "(default: %(default)s)")
+    a("--warmup", type=float, default=10.0, help="simulated seconds at the start "
+      "whose arrivals are not measured (default: %(default)s)")
     a("--policy", default="fleet", help="p2c-kv, round-robin, random, least-loaded, oracle "
       "(least predicted TTFT from live state), or fleet (the fleet router's policy)")
-    a("--arrivals", default="poisson", choices=["poisson", "burst", "diurnal", "all"])
+    a("--arrivals", default="poisson", choices=["poisson", "burst", "diurnal", "all"],
+      help="arrival process; 'all' sends --count requests at t=0 (default: %(default)s)")
     a("--rate", type=float, default=None, help="requests/s (default: from --load)")
     a("--load", type=float, default=0.85, help="offered load as a share of the fleet's "
       "measured capacity, when --rate is not given (default: %(default)s)")
     a("--count", type=int, default=None, help="requests for --arrivals all (default: the "
       "workload file's size, else 64)")
-    a("--burst-size", type=int, default=32)
-    a("--burst-interval", type=float, default=10.0)
-    a("--amplitude", type=float, default=0.5, help="diurnal swing (share of the mean)")
-    a("--period", type=float, default=600.0, help="diurnal period in s")
+    a("--burst-size", type=int, default=32, help="requests per burst for --arrivals burst "
+      "(default: %(default)s)")
+    a("--burst-interval", type=float, default=10.0, help="seconds between bursts "
+      "(default: %(default)s)")
+    a("--amplitude", type=float, default=0.5, help="diurnal swing as a share of the mean "
+      "rate (default: %(default)s)")
+    a("--period", type=float, default=600.0, help="diurnal period in seconds "
+      "(default: %(default)s)")
     a("--workload", default=None, help="a workload file (replaces the lognormal shape)")
-    a("--input-median", type=float, default=256)
-    a("--output-median", type=float, default=64)
-    a("--sigma", type=float, default=0.6, help="lognormal spread of both lengths")
-    a("--prefix-groups", type=int, default=0)
-    a("--prefix-tokens", type=int, default=0)
-    a("--max-num-seqs", type=int, default=64)
-    a("--max-num-batched-tokens", type=int, default=320)
-    a("--num-blocks", type=int, default=4096)
-    a("--heartbeat-interval", type=float, default=1.0)
-    a("--heartbeat-delay", type=float, default=0.05)
-    a("--stale-after", type=float, default=3.0)
+    a("--input-median", type=float, default=256, help="median prompt length in tokens "
+      "(default: %(default)s)")
+    a("--output-median", type=float, default=64, help="median output length in tokens "
+      "(default: %(default)s)")
+    a("--sigma", type=float, default=0.6, help="lognormal sigma of both lengths "
+      "(default: %(default)s)")
+    a("--prefix-groups", type=int, default=0, help="groups of requests sharing a prompt "
+      "prefix; 0 = none (default: %(default)s)")
+    a("--prefix-tokens", type=int, default=0, help="tokens in each shared prefix "
+      "(default: %(default)s)")
+    a("--max-num-seqs", type=int, default=64, help="sequences per replica step "
+      "(default: %(default)s)")
+    a("--max-num-batched-tokens", type=int, default=320, help="upper bound on tokens per "
+      "replica step (default: %(default)s)")
+    a("--num-blocks", type=int, default=4096, help="KV blocks per replica "
+      "(default: %(default)s)")
+    a("--heartbeat-interval", type=float, default=1.0, help="seconds between a replica's "
+      "heartbeats (default: %(default)s)")
+    a("--heartbeat-delay", type=float, default=0.05, help="seconds a heartbeat takes to "
+      "reach the router (default: %(default)s)")
+    a("--stale-after", type=float, default=3.0, help="seconds without a heartbeat before "
+      "the router stops routing to a replica (default: %(default)s)")
     a("--piggyback", action="store_true", help="responses refresh the router's view")
     a("--no-eject", action="store_true", help="keep routing to a replica that refused a "
       "connection until its heartbeats go stale")
@@ -64,10 +83,14 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
     a("--admission", action="store_true", help="replicas admit as `batcher serve` does: a "
       "request only when its predicted TTFT is within --slo-ttft-ms and one more stream keeps "
       "--slo-tpot-ms, else a 503 the router retries elsewhere")
-    a("--retry-ratio", default="0.1", help="retry budget share of requests, or 'none'")
-    a("--max-attempts", type=int, default=5)
-    a("--fail-zone", action="append", default=[], metavar="Z@T[:D]")
-    a("--fail-replica", action="append", default=[], metavar="I@T[:D]")
+    a("--retry-ratio", default="0.1", help="retry budget as a share of "
+      "requests, or 'none' (default: %(default)s)")
+    a("--max-attempts", type=int, default=5, help="tries per request, first included "
+      "(default: %(default)s)")
+    a("--fail-zone", action="append", default=[], metavar="Z@T[:D]",
+      help="zone Z fails at T seconds for D seconds (forever without D); repeatable")
+    a("--fail-replica", action="append", default=[], metavar="I@T[:D]",
+      help="replica I fails at T seconds for D seconds (forever without D); repeatable")
     a("--slow-replicas", type=_arg(parse_pair, "--slow-replicas"), default=(0, 1.0),
       metavar="K:F", help="the first K replicas step F times "
       "slower")
@@ -79,7 +102,7 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--slo-tpot-ms", type=float, default=200.0, help="goodput TPOT bound "
       "(default: %(default)s)")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     a("--json-out", default=None, help="write the summary as JSON here")
     a("--plot", default=None, help="write a PNG of the run here")
 
