@@ -119,7 +119,7 @@ def make_embedding_batcher(
     max_wait_ms: float = 5,
     *,
     max_queue: int | None = None,
-    timeout_s: float | None = None,
+    timeout_ms: float | None = None,
     metrics: FlusherMetrics | None = None,
 ) -> Flusher:
     """A `Flusher` whose items are single texts and whose results are their vectors.
@@ -131,6 +131,6 @@ def make_embedding_batcher(
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
         max_queue=max_queue,
-        timeout_s=timeout_s,
+        timeout_ms=timeout_ms,
         metrics=metrics,
     )

@@ -23,6 +23,7 @@ import asyncio
 import inspect
 import math
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -119,19 +120,26 @@ class Flusher(Generic[ItemT, ResultT]):
         max_batch_size: int = 100,
         max_wait_ms: float = 20,
         max_queue: int | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None,  # deprecated: use timeout_ms (one unit per constructor)
         clock: Callable[[], float] = time.monotonic,
         metrics: FlusherMetrics | None = None,
         *,
+        timeout_ms: float | None = None,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         max_concurrent_batches: int = 1,
     ) -> None:
         max_queue = 2 * max_batch_size if max_queue is None else max_queue
+        if timeout_s is not None:
+            if timeout_ms is not None:
+                raise ValueError("give timeout_ms or the older timeout_s, not both")
+            warnings.warn("Flusher(timeout_s=...) is deprecated; use timeout_ms",
+                          DeprecationWarning, stacklevel=2)
+            timeout_ms = timeout_s * 1000.0
         for ok, what in (
             (max_batch_size >= 1, "max_batch_size must be >= 1"),
             (max_wait_ms >= 0, "max_wait_ms must be >= 0"),
             (max_queue >= 1, "max_queue must be >= 1"),
-            (timeout_s is None or timeout_s > 0, "timeout_s must be > 0"),
+            (timeout_ms is None or timeout_ms > 0, "timeout_ms must be > 0"),
             (max_concurrent_batches >= 1, "max_concurrent_batches must be >= 1"),
         ):
             if not ok:
@@ -143,7 +151,7 @@ class Flusher(Generic[ItemT, ResultT]):
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue = max_queue
-        self.timeout_s = timeout_s
+        self.timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
         self.max_concurrent_batches = max_concurrent_batches
         self._clock, self._sleep = clock, sleep
         self.metrics = metrics if metrics is not None else FlusherMetrics()
@@ -185,7 +193,7 @@ class Flusher(Generic[ItemT, ResultT]):
         """Queue `item` and return its result.
 
         Raises `Closed`, `Overloaded`, `DuplicateRequestId` (`request_id` already in flight),
-        `TimeoutError` after `timeout` seconds (default `timeout_s`; None waits for ever), or what
+        `TimeoutError` after `timeout` seconds (default the constructor's `timeout_ms`; None waits for ever), or what
         `fn` raised for this item's batch.
         """
         if self._closing:

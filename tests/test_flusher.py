@@ -206,7 +206,7 @@ async def test_timed_out_item_never_reaches_fn() -> None:
 
 async def test_default_timeout_applies() -> None:
     clock, rec = FakeClock(), Recorder()
-    b = make(rec, clock, max_batch_size=10, max_wait_ms=100, timeout_s=0.05)
+    b = make(rec, clock, max_batch_size=10, max_wait_ms=100, timeout_ms=50)
     task = asyncio.create_task(b.submit("x"))
     await settle()
     clock.advance(0.05)
@@ -357,3 +357,13 @@ def test_documented_import_name_is_the_flusher() -> None:
     from batcher.flusher import Batcher
 
     assert Batcher is Flusher
+
+
+def test_constructor_takes_one_unit_and_the_old_seconds_keyword_still_works() -> None:
+    assert Flusher(Recorder(), timeout_ms=250).timeout_s == 0.25
+    with pytest.warns(DeprecationWarning):
+        assert Flusher(Recorder(), timeout_s=0.5).timeout_s == 0.5
+    with pytest.raises(ValueError):
+        Flusher(Recorder(), timeout_s=0.5, timeout_ms=500)
+    with pytest.raises(ValueError):
+        Flusher(Recorder(), timeout_ms=0)
