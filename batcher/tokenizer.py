@@ -327,8 +327,11 @@ class IncrementalDetokenizer:
                 window = window[: max(len(window) - 1, len(self._context_text))]
             delta = self._advance(window, len(self._ids))
         if not self.stopped and self._pending:
-            delta += self._emit(self._pending)
-            self._pending = ""
+            pending, self._pending = self._pending, ""
+            delta += self._check_stop(pending, final=True)
+            if not self.stopped and self._pending:  # a prefix that never completed
+                delta += self._emit(self._pending)
+                self._pending = ""
         return delta
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -348,8 +351,9 @@ class IncrementalDetokenizer:
         self._context_text = self._decode(self._ids[: self._read])
         return self._check_stop(self._pending + new_text)
 
-    def _check_stop(self, text: str) -> str:
-        """`text` = held-back text + new text. Emit what is safe; keep a possible stop prefix."""
+    def _check_stop(self, text: str, final: bool = False) -> str:
+        """`text` = held-back text + new text. Emit what is safe; keep a possible stop prefix.
+        `final`: no more text will come, so a stop found is the answer."""
         # A stop string cannot start in already-emitted text (its start would have been held back),
         # so searching `text` alone is enough. The earliest occurrence wins.
         hit, reason = -1, None
@@ -358,9 +362,16 @@ class IncrementalDetokenizer:
             if pos != -1 and (hit == -1 or pos < hit):
                 hit, reason = pos, s
         if reason is not None:
-            self.stopped, self.stop_reason = True, reason
-            self._pending = ""
-            return self._emit(text[:hit])
+            # NOTE: a longer stop string may have begun before this hit and not be complete yet
+            # (stops "b" and "ab" on "a", then "b"); the earliest occurrence must still win, so
+            # wait for the next text before deciding.
+            start = len(text) - self._stop_prefix_len(text)  # earliest unfinished stop
+            if start >= hit or final:
+                self.stopped, self.stop_reason = True, reason
+                self._pending = ""
+                return self._emit(text[:hit])
+            self._pending = text[start:]
+            return self._emit(text[:start])
         keep = self._stop_prefix_len(text)
         self._pending = text[len(text) - keep :] if keep else ""
         return self._emit(text[: len(text) - keep])

@@ -311,3 +311,17 @@ def test_stop_strings_cut_at_the_first_occurrence(
     if hits:
         assert detok.stop_reason in stops and full.find(detok.stop_reason) == min(hits)
     assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize(("text", "stops", "shown", "reason"), [
+    ("👩\u200d👧 ok", ["\u200d", "👩\u200d👧"], "", "👩\u200d👧"),  # the longer began first
+    ("xab and more", ["b", "ab"], "x", "ab"),
+    ("xabd and more", ["b", "abc"], "xa", "b"),  # the longer never completes
+    ("xab", ["b", "abc"], "xa", "b"),  # decided at the end of generation
+])
+def test_overlapping_stop_strings_the_earliest_wins(tok: Tokenizer, text: str, stops: list[str],
+                                                    shown: str, reason: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    detok, deltas = stream(tok, [], ids, stop=stops)
+    assert "".join(deltas) == shown == detok.text
+    assert detok.stopped and detok.stop_reason == reason
