@@ -52,12 +52,6 @@ class Runner(Protocol):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
 
 
-def new_model_thread() -> Executor:
-    """The one thread every tensor operation of an engine runs on: load the model with it
-    (`loop.run_in_executor(thread, ...)`) and hand it to `AsyncEngine(model_thread=...)`."""
-    return _ModelThread("batcher-model")
-
-
 class _ModelThread(Executor):
     """One daemon worker thread for model steps.
 
@@ -174,7 +168,7 @@ class AsyncEngine:
                  metrics: Any = None, version: str = "v1",
                  clock: Callable[[], float] = time.monotonic, debug_checks: bool = False,
                  step_time_model: OnlineStepTimeModel | None = None,
-                 prefix_cache_scope: str = "tenant", model_thread: Executor | None = None):
+                 prefix_cache_scope: str = "tenant"):
         self.runner = runner
         self.tokenizer = tokenizer
         # Grammar-constrained rows need a runner that masks tokens (the fake one does not).
@@ -195,9 +189,7 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}
         self._preempted: set[str] = set()  # waiting again after a preemption
         self._wake = asyncio.Event()
-        # Pass the thread that loaded the model: torch work from a second thread makes two
-        # OpenMP teams fight for the cores (DESIGN.md, small-batch notes).
-        self._executor = model_thread or new_model_thread()
+        self._executor = _ModelThread("batcher-model")
         self._task: asyncio.Task[None] | None = None
         self._error: str | None = None
         self._stopping = False

@@ -10,7 +10,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 
 from aiohttp import web
 
@@ -21,7 +20,7 @@ from batcher.config import (
 )
 from batcher.core.outputs import SchedulerOutput
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
-from batcher.engine import AsyncEngine, new_model_thread
+from batcher.engine import AsyncEngine
 from batcher.http.listener import server_log
 from batcher.metrics import Metrics
 from batcher.serve_startup import engine_configs, preflight
@@ -44,10 +43,8 @@ _UNSET = _Unset()
 EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
 
 
-def build_engine(args: argparse.Namespace, metrics: Metrics,
-                 model_thread: Executor | None = None) -> AsyncEngine:
-    """The engine for `--model` (blocking: loads weights). Call it on `model_thread` (see
-    `start_engine`): the engine then steps on the thread that loaded the model."""
+def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
+    """The engine for `--model` (blocking: loads weights)."""
     from batcher.tokenizer import load_tokenizer
 
     threads = args.torch_threads or cpu_quota_threads()
@@ -74,23 +71,7 @@ def build_engine(args: argparse.Namespace, metrics: Metrics,
     return AsyncEngine.from_loaded(lm, tok, sched.validate(), cache, metrics=metrics,
                                    version=args.version,
                                    attention_backend=args.attention_backend,
-                                   cuda_graphs=not args.no_cuda_graphs,
-                                   model_thread=model_thread)
-
-
-async def start_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
-    """`build_engine` on a fresh model thread, which the engine keeps for its steps: loading,
-    thread-pool set-up and every step then run on one thread, as one OpenMP team."""
-    loop = asyncio.get_running_loop()
-    if args.model == "fake":  # no tensors; the simulated engine keeps its own thread
-        return await loop.run_in_executor(None, build_engine, args, metrics)
-    thread = new_model_thread()
-    try:
-        return await loop.run_in_executor(
-            thread, build_engine, args, metrics, thread)
-    except BaseException:
-        thread.shutdown(wait=False)
-        raise
+                                   cuda_graphs=not args.no_cuda_graphs)
 
 
 def build_embedder(args: argparse.Namespace):
@@ -119,7 +100,7 @@ def gateway_factory(args: argparse.Namespace,
         loop = asyncio.get_running_loop()
         metrics = Metrics(slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                           slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None)
-        engine = await start_engine(args, metrics)
+        engine = await loop.run_in_executor(None, build_engine, args, metrics)
         embedder, counter = await loop.run_in_executor(None, build_embedder, args)
         auth = (load_tenants(args.tenants) if args.tenants else None) \
             if isinstance(tenants, _Unset) else tenants

@@ -86,7 +86,9 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--mode", m, "--steps", str(a.steps),
                                   "--quantization", a.quantization],
                                  capture_output=True, text=True, check=True, timeout=600)
-            best[m] = min(best[m], float(out.stdout.split()[-1]))
+            ms = float(out.stdout.split()[-1])
+            print(f"# {m} {ms:.2f} ms/step", flush=True)  # each run, as it ends
+            best[m] = min(best[m], ms)
     for m in MODES:
         print(f"{m:6s} {best[m]:7.2f} ms/step  x{best[m] / best['main']:.2f} of main")
 
