@@ -277,7 +277,8 @@ def main() -> None:
         if not args.no_append:
             text += append_rows(
                 f"chat{args.chat64} throughput, prefill budget fixed vs time-sized, "
-                f"{args.dtype}, all at t=0, interleaved",
+                f"{args.dtype}, step-time model fed {args.fit_clock} time, all at t=0, "
+                f"interleaved",
                 ["budget", "round", "load avg", "output tok/s", "wall s", "p50 TTFT s",
                  "p99 latency s", "tok/s vs fixed", "tok per model-CPU s",
                  "CPU tok/s vs fixed", "exact lengths"], crow,
