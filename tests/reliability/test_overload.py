@@ -260,6 +260,10 @@ def real_goodput(outs: list[Outcome], slo: float) -> float:
     return sum(o.ok and o.ttft_s <= slo for o in outs) / REAL_PHASE_S
 
 
+# NOTE: a timing goal on the real model is a benchmark (run it on a quiet machine with
+# `pytest -m benchmark tests/reliability/test_overload.py`), not a gate of every test run: its
+# figures move with whatever else the machine is doing.
+@pytest.mark.benchmark
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 @pytest.mark.usefixtures("frozen_gc")
