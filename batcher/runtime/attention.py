@@ -144,11 +144,12 @@ def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
         v = v_cache.index_select(0, chunk.block_ids).view(-1, kvh, hd)[:ctx]
     kh = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
     vh = v.transpose(0, 1).unsqueeze(0)
-    if fold_gqa and chunk.mask is not None and heads != kvh:
+    if fold_gqa and chunk.mask is not None and heads != kvh and q.device.type == "cpu":
         # A continued chunk is a few queries over a long context: with `enable_gqa`, SDPA on CPU
         # in reduced precision pays a per-call cost that grows with the context. Folding each KV
         # head's query heads into the query length is the same computation, about 2x faster for
-        # chunks of up to 8 tokens at 2k context and no slower for long ones.
+        # chunks of up to 8 tokens at 2k context and no slower for long ones (measured on CPU
+        # only, so CUDA keeps its kernels' own GQA path).
         group = heads // kvh
         if chunk.fold_mask is None:
             chunk.fold_mask = chunk.mask.repeat_interleave(group, dim=0)  # [n * group, ctx]
