@@ -2,9 +2,9 @@
 process (OpenMP thread teams are per process), interleaved A, B, C, A, B, C:
 
 - main:  load and step on the main thread (a bare loop);
-- split: load on the main thread, step on a worker thread (the engine before it loaded on its
-         model thread);
-- same:  load and step on one worker thread (the engine now: `serve.start_engine`).
+- split: load on one thread, step on another (the engine: it loads on an executor thread and
+         steps on its model thread);
+- same:  load and step on one worker thread.
 
 Usage: python scripts/bench_model_thread.py [--rounds 3] [--steps 40] [--quantization none]
 Prints the best per-step milliseconds of each mode and their ratios to `main`.

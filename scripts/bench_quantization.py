@@ -1,0 +1,84 @@
+"""Decode step time of the bundled model at batch 1 and 32, and resident memory after loading, by
+`--quantization`: each kind in its own process, interleaved (none, int8, int4, none, ...), loading
+on the main thread and stepping on a fresh one, as the engine does.
+
+Usage: python scripts/bench_quantization.py [--rounds 2] [--steps 20]
+Prints the best median ms/step per kind and batch, its ratio to none, and the resident set size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+KINDS = ("none", "int8", "int4")
+BATCHES = (1, 32)
+
+
+def _one(kind: str, steps: int) -> dict[str, float]:
+    from batcher.models.loader import load_model
+    from batcher.runtime.model_runner import ModelRunner
+
+    lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu", quantization=kind)
+    runner = ModelRunner(lm, num_blocks=32 * 8, block_size=16)
+    out: dict[str, float] = {}
+    threading.Thread(target=_steps, args=(runner, steps, out)).start()  # joined below
+    for t in threading.enumerate():
+        if t is not threading.current_thread():
+            t.join()
+    import gc
+
+    gc.collect()  # the dense load-time tensors are gone; what remains is the served footprint
+    with open("/proc/self/statm") as f:
+        out["rss_mib"] = int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    return out
+
+
+def _steps(runner, steps: int, out: dict[str, float]) -> None:
+    from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+    from batcher.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    for batch in BATCHES:
+        tables = [list(range(8 * i, 8 * i + 8)) for i in range(batch)]
+        times = []
+        for i in range(steps):
+            sched = SchedulerOutput([ScheduledSeq(str(r), [7], 64 + i, tables[r], True, greedy)
+                                     for r in range(batch)])
+            t0 = time.perf_counter()
+            runner.execute(sched)
+            times.append(time.perf_counter() - t0)
+        out[f"b{batch}"] = 1000 * statistics.median(times[steps // 4:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kind", choices=KINDS, help=argparse.SUPPRESS)  # one child run
+    a = p.parse_args()
+    if a.kind:
+        print(json.dumps(_one(a.kind, a.steps)))
+        return
+    best: dict[str, dict[str, float]] = {k: {} for k in KINDS}
+    for _ in range(a.rounds):
+        for k in KINDS:
+            res = subprocess.run([sys.executable, __file__, "--kind", k, "--steps", str(a.steps)],
+                                 capture_output=True, text=True, check=True, timeout=900)
+            print("#", k, res.stdout.splitlines()[-1], flush=True)  # each run, as it ends
+            for key, v in json.loads(res.stdout.splitlines()[-1]).items():
+                best[k][key] = min(best[k].get(key, float("inf")), v)
+    for k in KINDS:
+        row = "  ".join(f"batch {b}: {best[k][f'b{b}']:6.1f} ms "
+                        f"(x{best[k][f'b{b}'] / best['none'][f'b{b}']:.2f})" for b in BATCHES)
+        print(f"{k:5s} {row}  RSS {best[k]['rss_mib']:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
