@@ -127,3 +127,24 @@ def test_quantization_flag_and_config():
 def test_loader_refuses_an_unknown_quantization():
     with pytest.raises(ModelLoadError, match="quantization"):
         load_model("tiny", dtype="float32", device="cpu", quantization="int2")
+
+
+@pytest.mark.slow
+def test_engine_serves_the_quantized_bundled_model():
+    """`quantization` reaches the served model: the engine's greedy tokens are the quantized
+    model's own (and the bundled model at default settings otherwise)."""
+    from batcher.llm import LLM
+    from batcher.sampling import SamplingParams
+    from tests.greedy_loop import greedy_generate
+
+    llm = LLM("smollm2-135m", EngineConfig(quantization="int4", num_blocks=64))
+    try:
+        prompt = llm._llm.encode("The three primary colors are")
+        got = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8)).token_ids
+        served = llm._llm._engine.runner.model
+        assert sum(isinstance(m, PackedLinear) for m in served.modules()) == 4 * 30
+    finally:
+        llm.close()
+    quant = _runner("int4", "smollm2-135m")
+    want = greedy_generate(quant, [prompt], 8)[0]
+    assert got == want[:len(got)] and len(got) >= 1
