@@ -11,6 +11,8 @@ CPU_MAX_NUM_BATCHED_TOKENS = 320
 CUDA_MAX_NUM_SEQS = 256
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_DEFAULT_BLOCKS = 65536
+# Tokens a request may span (prompt + output), before the model's own limit caps it.
+DEFAULT_MAX_MODEL_LEN = 8192
 PREFILL_BUDGETS = ("time", "fixed")
 
 
@@ -20,7 +22,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = CPU_MAX_NUM_SEQS
     max_num_batched_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS
-    max_model_len: int = 2048
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     # Prompts longer than this are split into chunks across steps (<= max_num_batched_tokens).
     long_prefill_token_threshold: int = 0  # 0 = up to the remaining budget
     # How a step's prefill share is chosen while streams decode: "time" sizes chunks with the

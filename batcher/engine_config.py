@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batcher.config import PREFILL_BUDGETS, CacheConfig, SchedulerConfig, parse_bytes
+from batcher.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    PREFILL_BUDGETS,
+    CacheConfig,
+    SchedulerConfig,
+    parse_bytes,
+)
 
 DEFAULT_MODEL = "smollm2-135m"  # bundled
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -22,7 +28,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     # None: 320 on a CPU, 8192 on CUDA.
     max_num_batched_tokens: int | None = None
-    max_model_len: int = 8192  # tokens, prompt + output; capped by the model
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # tokens, prompt + output; capped by the model
     block_size: int = 16  # tokens per KV block, a power of two
     num_blocks: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: str | None = None  # e.g. "1GiB"; None: 2GiB on a CPU, free memory on CUDA

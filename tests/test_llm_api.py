@@ -64,3 +64,12 @@ def test_example_runs_on_the_bundled_model() -> None:
     text = first.split(" -> ", 1)[1].rsplit(" (", 1)[0]
     streamed = run.stdout.split("streamed: ", 1)[1].rstrip("\n")
     assert streamed == ast.literal_eval(text)  # the repr the example printed
+
+
+def test_scheduler_config_defaults_are_the_engine_configs() -> None:
+    """Embedding the core scheduler directly gets the same limits as the CLI and `EngineConfig`."""
+    from batcher.config import SchedulerConfig
+    from batcher.engine_config import EngineConfig
+
+    core, engine = SchedulerConfig(), EngineConfig()
+    assert core.max_model_len == engine.max_model_len
