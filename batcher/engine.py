@@ -97,6 +97,14 @@ class _ModelThread(Executor):
         if wait and self._thread is not None:
             self._thread.join()
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the thread to end; whether it did. A process that exits
+        while this thread is still inside torch aborts ("terminate called ...")."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
 
 class EngineError(RuntimeError):
     """The engine cannot serve: it failed (see `snapshot().error`) or is shutting down."""
@@ -227,6 +235,7 @@ class AsyncEngine:
         """Stop stepping; every request still in flight gets an `error` event."""
         self._stopping = True
         self._wake.set()
+        wedged = False
         if self._task is not None:
             # The loop exits after its current step; a step that does not return in time (a
             # wedged model) is abandoned: the task is cancelled, its thread left behind.
@@ -234,12 +243,18 @@ class AsyncEngine:
             if not done:
                 log.error("a model step did not finish within %.0fs of stop; abandoning it",
                           STOP_GRACE_SECONDS)
+                wedged = True
                 self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
         self._fail_all(reason)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        # NOTE: the thread ends right after its last step; wait for that (off the event loop) so
+        # the process can exit cleanly. A wedged step was already given its grace period.
+        if not wedged:
+            # An idle thread ends at once; one stuck in a call the loop stopped awaiting does not.
+            await asyncio.get_running_loop().run_in_executor(None, self._executor.join, 1.0)
 
     @property
     def healthy(self) -> bool:
