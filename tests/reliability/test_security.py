@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from tests.reliability.conftest import FAKE, percentile
+from tests.reliability.slow_client import trickle_headers
 from tests.server_process import (
     Server,
     assert_error_shape,
@@ -256,29 +257,6 @@ async def test_slow_loris_is_cut_off_without_starving_others() -> None:
         request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                    b"Content-Type: application/json\r\nX-Padding: " + b"p" * 400 + b"\r\n")
 
-        async def slow_client(i: int) -> tuple[float, bytes]:
-            """Trickle the header block a byte at a time; return when the server hung up."""
-            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-            start = time.monotonic()
-            got = b""
-            try:
-                for byte in request if i % 5 else b"":  # every 5th sends nothing at all
-                    writer.write(bytes([byte]))
-                    await writer.drain()
-                    try:
-                        got += await asyncio.wait_for(reader.read(100), 0.05)
-                    except TimeoutError:
-                        continue
-                    if reader.at_eof():
-                        break
-                else:
-                    got += await asyncio.wait_for(reader.read(), 4 * timeout_s)
-            except (ConnectionError, TimeoutError):
-                pass
-            finally:
-                writer.close()
-            return time.monotonic() - start, got
-
         async def normal_clients() -> list[float]:
             latencies = []
             async with aiohttp.ClientSession() as session:
@@ -292,7 +270,8 @@ async def test_slow_loris_is_cut_off_without_starving_others() -> None:
                     await asyncio.sleep(0.05)
             return latencies
 
-        slow = [asyncio.create_task(slow_client(i)) for i in range(60)]
+        slow = [asyncio.create_task(trickle_headers(srv.port, request, timeout_s, silent=i % 5 == 0))
+                for i in range(60)]
         latencies = await normal_clients()
         cut = await asyncio.gather(*slow)
     held = [t for t, _ in cut]

@@ -26,6 +26,7 @@ import pytest
 
 from tests.fleet.procs import ADMIN_KEY, FLEET_KEY, Proc, router, running, wait_http
 from tests.reliability.conftest import FAKE, percentile
+from tests.reliability.slow_client import trickle_headers
 from tests.server_process import (
     Server,
     assert_error_shape,
@@ -351,27 +352,6 @@ async def test_slow_loris_is_cut_off_by_the_router() -> None:
         wait_http(rt.url + "/health", procs=(rt,))
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"p" * 200
 
-        async def slow(i: int) -> tuple[float, bytes]:
-            reader, writer = await asyncio.open_connection("127.0.0.1", rt.port)
-            start, got = time.monotonic(), b""
-            try:
-                for byte in head if i % 5 else b"":
-                    writer.write(bytes([byte]))
-                    await writer.drain()
-                    try:
-                        got += await asyncio.wait_for(reader.read(100), 0.05)
-                    except TimeoutError:
-                        continue
-                    if reader.at_eof():
-                        break
-                else:
-                    got += await asyncio.wait_for(reader.read(), 4 * timeout_s)
-            except (ConnectionError, TimeoutError):
-                pass
-            finally:
-                writer.close()
-            return time.monotonic() - start, got
-
         async def normal() -> list[float]:
             out = []
             async with aiohttp.ClientSession() as s:
@@ -383,7 +363,8 @@ async def test_slow_loris_is_cut_off_by_the_router() -> None:
                     await asyncio.sleep(0.05)
             return out
 
-        tasks = [asyncio.create_task(slow(i)) for i in range(40)]
+        tasks = [asyncio.create_task(trickle_headers(rt.port, head, timeout_s, silent=i % 5 == 0))
+                 for i in range(40)]
         latencies = await normal()
         cut = await asyncio.gather(*tasks)
     held = [t for t, _ in cut]
