@@ -13,12 +13,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key"
@@ -32,6 +33,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What a stub replica reports on /v1/state: healthy, idle, plenty of KV.
+STUB_STATE = {"free_blocks": 500, "total_blocks": 500, "block_size": 16, "running": 0,
+              "waiting": 0, "version": "v1", "draining": False, "healthy": True}
+
+
+async def start_stub_replica(completions: Callable[[web.Request], Awaitable[web.Response]],
+                             port: int | None = None) -> tuple[web.AppRunner, str]:
+    """An in-process replica double on 127.0.0.1: healthy and ready, STUB_STATE on /v1/state,
+    `completions` answering /v1/completions. The caller stops it with `runner.cleanup()`."""
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response(STUB_STATE)
+
+    app = web.Application()
+    for path in ("/health", "/ready"):
+        app.router.add_get(path, ok)
+    app.router.add_post("/v1/probe", ok)
+    app.router.add_get("/v1/state", state)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = port or free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
 
 
 class Proc:

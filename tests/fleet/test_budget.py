@@ -12,7 +12,15 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tests.fleet.procs import FLEET, free_port, router, running, wait_http, wait_routable
+from tests.fleet.procs import (
+    FLEET,
+    free_port,
+    router,
+    running,
+    start_stub_replica,
+    wait_http,
+    wait_routable,
+)
 
 
 class Stub:
@@ -28,15 +36,6 @@ class Stub:
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        state = {"free_blocks": 500, "total_blocks": 500, "block_size": 16, "running": 0,
-                 "waiting": 0, "version": "v1", "draining": False, "healthy": True}
-
-        async def ok(request: web.Request) -> web.Response:
-            return web.json_response({"ok": True})
-
-        async def st(request: web.Request) -> web.Response:
-            return web.json_response(state)
-
         async def generate(request: web.Request) -> web.Response:
             self.hits.append((request.headers["X-Request-Id"], request.headers["X-Attempt"]))
             if self.reject:
@@ -45,15 +44,7 @@ class Stub:
                                                               "X-Reject-Reason": "capacity"})
             return web.json_response({"choices": [{"index": 0, "text": self.name}]})
 
-        app = web.Application()
-        for path in ("/health", "/ready"):
-            app.router.add_get(path, ok)
-        app.router.add_post("/v1/probe", ok)
-        app.router.add_get("/v1/state", st)
-        app.router.add_post("/v1/completions", generate)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.runner, _ = await start_stub_replica(generate, self.port)
 
     async def stop(self) -> None:
         if self.runner is not None:

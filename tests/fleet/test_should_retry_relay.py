@@ -8,37 +8,25 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from tests.fleet.procs import free_port, router, running, wait_http, wait_routable
+from tests.fleet.procs import (
+    free_port,
+    router,
+    running,
+    start_stub_replica,
+    wait_http,
+    wait_routable,
+)
 
 
 async def _stub() -> tuple[web.AppRunner, str]:
     """A replica double that refuses every generation with a 400, as `batcher serve` does."""
-    state = {"free_blocks": 500, "total_blocks": 500, "block_size": 16, "running": 0,
-             "waiting": 0, "version": "v1", "draining": False, "healthy": True}
-
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    async def st(request: web.Request) -> web.Response:
-        return web.json_response(state)
-
     async def refuse(request: web.Request) -> web.Response:
         return web.json_response(
             {"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error",
                        "param": "max_tokens", "code": "invalid_value"}},
             status=400, headers={"x-should-retry": "false"})
 
-    app = web.Application()
-    for path in ("/health", "/ready"):
-        app.router.add_get(path, ok)
-    app.router.add_post("/v1/probe", ok)
-    app.router.add_get("/v1/state", st)
-    app.router.add_post("/v1/completions", refuse)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await start_stub_replica(refuse)
 
 
 async def test_router_relays_and_sets_x_should_retry():
