@@ -19,7 +19,7 @@ from aiohttp import BodyPartReader, web
 
 from batcher.batch.executor import BatchExecutor
 from batcher.batch.jsonl import ENDPOINTS, MAX_LINES, LineProblem, parse_input
-from batcher.batch.store import TERMINAL, BatchStore
+from batcher.batch.store import TERMINAL, BatchStore, CreatedBounds
 from batcher.http.errors import ApiError, invalid
 from batcher.http.responses import json_response
 
@@ -78,6 +78,20 @@ def _limit(request: web.Request) -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise invalid(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
     return int(raw)
+
+
+def _created(request: web.Request) -> CreatedBounds | None:
+    """`created_before` / `created_since` (Unix seconds): a creation-time window, with which a
+    router continues a page merged from several replicas."""
+    bounds: dict[str, int] = {}
+    for name in ("created_before", "created_since"):
+        raw = request.query.get(name)
+        if raw is None:
+            continue
+        if not raw.isdigit() or len(raw) > 12:
+            raise invalid(f"'{name}' must be a Unix time in seconds", name)
+        bounds[name.removeprefix("created_")] = int(raw)
+    return CreatedBounds(**bounds) if bounds else None
 
 
 def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
@@ -169,7 +183,8 @@ async def list_files(request: web.Request) -> web.Response:
     after = request.query.get("after")
     if after is not None and svc.store.get_file(tenant, after) is None:
         raise invalid(f"'after' names no file of yours: {after!r}", "after")
-    files, more = svc.store.list_files(tenant, _limit(request), after, purpose, order == "asc")
+    files, more = svc.store.list_files(tenant, _limit(request), after, purpose, order == "asc",
+                                       _created(request))
     return json_response(_page([f.to_openai() for f in files], more))
 
 
@@ -272,7 +287,7 @@ async def list_batches(request: web.Request) -> web.Response:
     after = request.query.get("after")
     if after is not None and svc.store.get_batch(tenant, after) is None:
         raise invalid(f"'after' names no batch of yours: {after!r}", "after")
-    batches, more = svc.store.list_batches(tenant, _limit(request), after)
+    batches, more = svc.store.list_batches(tenant, _limit(request), after, _created(request))
     return json_response(_page([b.to_openai() for b in batches], more))
 
 

@@ -85,6 +85,24 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
 
 
+@dataclass(frozen=True, slots=True)
+class CreatedBounds:
+    """Creation-time bounds of a list (Unix seconds): `before` excludes, `since` includes.
+    A router merging several replicas' lists continues a page with them."""
+
+    before: int | None = None
+    since: int | None = None
+
+    def where(self, sql: str, args: list[Any]) -> tuple[str, list[Any]]:
+        if self.before is not None:
+            sql += " AND created_at < ?"
+            args.append(self.before)
+        if self.since is not None:
+            sql += " AND created_at >= ?"
+            args.append(self.since)
+        return sql, args
+
+
 @dataclass(slots=True)
 class FileRecord:
     id: str
@@ -236,8 +254,8 @@ class BatchStore:
         return None if row is None else FileRecord(*row)
 
     def list_files(self, tenant: str, limit: int, after: str | None = None,
-                   purpose: str | None = None, ascending: bool = False
-                   ) -> tuple[list[FileRecord], bool]:
+                   purpose: str | None = None, ascending: bool = False,
+                   created: CreatedBounds | None = None) -> tuple[list[FileRecord], bool]:
         """A page of the tenant's files (newest first unless `ascending`) and whether more
         follow. `after` must be a file ID of this tenant (check with `get_file`)."""
         op, order = (">", "ASC") if ascending else ("<", "DESC")
@@ -247,6 +265,8 @@ class BatchStore:
         if purpose is not None:
             sql += " AND purpose = ?"
             args.append(purpose)
+        if created is not None:
+            sql, args = created.where(sql, args)
         if after is not None:
             sql += f" AND seq {op} (SELECT seq FROM files WHERE id = ?)"
             args.append(after)
@@ -312,10 +332,12 @@ class BatchStore:
                               (batch_id,)).fetchone()
         return None if row is None else _batch(row)
 
-    def list_batches(self, tenant: str, limit: int, after: str | None = None
-                     ) -> tuple[list[BatchRecord], bool]:
+    def list_batches(self, tenant: str, limit: int, after: str | None = None,
+                     created: CreatedBounds | None = None) -> tuple[list[BatchRecord], bool]:
         sql = f"SELECT {_BATCH_COLS} FROM batches WHERE tenant = ?"
         args: list[Any] = [tenant]
+        if created is not None:
+            sql, args = created.where(sql, args)
         if after is not None:
             sql += " AND seq < (SELECT seq FROM batches WHERE id = ?)"
             args.append(after)

@@ -13,11 +13,16 @@ import logging
 import os
 import secrets
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.discovery import Discovery, HttpProber, Source, parse_source
 from batcher.fleet.health import HealthConfig
 from batcher.fleet.policy import POLICIES, PolicyConfig
+
+if TYPE_CHECKING:
+    from batcher.fleet.launcher import ReplicaSpec
 
 # `batcher serve` flags the fleet launcher sets itself for each replica.
 _OWN_FLAGS = frozenset({"host", "port", "admin_port", "admin_host", "admin_key", "router",
@@ -67,6 +72,9 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--max-replicas", type=int, default=256, help="replicas one router registers at most "
       "(default: %(default)s)")
+    a("--batch-pool", action="append", default=[], metavar="REPLICA_ID", help="a replica that "
+      "takes the batch API's uploads, and so their batches (repeatable); default: the replica "
+      "with the most headroom at each upload")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +150,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         stream_idle_timeout=args.stream_idle_timeout,
         max_body_bytes=getattr(args, "max_body_bytes", 4 * 2**20),
         fleet_key=fleet_key(args), max_replicas=args.max_replicas,
+        batch_pool=tuple(args.batch_pool),
+        max_upload_bytes=getattr(args, "batch_max_file_bytes", 100 * 2**20) + 2**16,
         replica_admin_key=getattr(args, "replica_admin_key", None)
         or os.environ.get("BATCHER_REPLICA_ADMIN_KEY"))
 
@@ -250,6 +260,18 @@ def _slow(args: argparse.Namespace) -> tuple[int, float]:
     return out
 
 
+def _own_batch_dirs(specs: list[ReplicaSpec]) -> None:
+    """Each replica keeps its batch files and database under its own id in --data-dir (one
+    server per data directory)."""
+    for s in specs:
+        for flag in ("--data-dir", "--batch-db"):
+            if flag in s.argv:
+                i = s.argv.index(flag) + 1
+                path = Path(s.argv[i])
+                s.argv[i] = str(path / s.replica_id if flag == "--data-dir"
+                                else path.with_name(f"{path.stem}-{s.replica_id}{path.suffix}"))
+
+
 async def run_fleet(args: argparse.Namespace) -> int:
     from batcher.fleet.launcher import Supervisor, replica_specs, serve_router, wait_for_signal
 
@@ -272,6 +294,7 @@ async def run_fleet(args: argparse.Namespace) -> int:
     versions = args.versions.split(",") if args.versions else [args.version]
     specs = replica_specs(args.replicas, [*serve_flags(args), "--log-level", args.log_level],
                           routers, versions)
+    _own_batch_dirs(specs)
     slow_k, slow_f = _slow(args)
     for s in specs[:slow_k]:
         s.argv += ["--fake-step-factor", str(slow_f)]

@@ -49,6 +49,10 @@ class RouterConfig:
     upstream_timeout: float = 600.0  # a whole (non-streamed) answer
     stream_idle_timeout: float = 60.0  # no upstream byte for this long ends an attempt
     max_body_bytes: int = 4 * 2**20
+    # The batch API: file uploads may be this large (streamed to a replica, never buffered),
+    # and go only to these replica ids when any are named.
+    max_upload_bytes: int = 100 * 2**20 + 2**16
+    batch_pool: tuple[str, ...] = ()
     fleet_key: str | None = None  # required on /internal/heartbeat when set
     replica_admin_key: str | None = None  # for the replicas' /admin/drain and /v1/probe
     admin_key: str | None = None  # the router's own admin listener and /v1/probe
@@ -68,6 +72,8 @@ class RouterConfig:
             raise ValueError("intervals and timeouts must be > 0")
         if self.backoff_base < 0 or self.backoff_cap < 0:
             raise ValueError("backoff must be >= 0")
+        if self.max_upload_bytes < 1:
+            raise ValueError("max_upload_bytes must be >= 1")
         if self.max_replicas < 1 or self.beats_per_source <= 0 or self.beat_burst < 1:
             raise ValueError("max_replicas, beats_per_source and beat_burst must be > 0")
         return self

@@ -1,7 +1,8 @@
 """The router's public app: the same API as a replica, so clients cannot tell them apart.
 
 Forwards `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings` (see `forward.py`) and
-`DELETE /v1/requests/{id}` to the replica running that id for that caller; aggregates
+`DELETE /v1/requests/{id}` to the replica running that id for that caller, and the batch API
+(`/v1/files`, `/v1/batches`: `batch_proxy.py`) to the replica holding each object; aggregates
 `/v1/models` (with the caller's key, so a bad key is a 401 as on a replica), `/health` (the
 router answers), `/ready` (some replica can take work), `/v1/state` (sums over routable
 replicas; no replica addresses); serves its own `/metrics`. `POST /v1/probe` needs the router's
@@ -25,6 +26,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from batcher.fleet.batch_proxy import add_batch_routes
 from batcher.fleet.cell_state import CellCollector, aggregate
 from batcher.fleet.context import RouterContext
 from batcher.fleet.forward import PASS_HEADERS, Relay
@@ -52,7 +54,9 @@ async def middleware(request: web.Request, handler: Callable[[web.Request],
         rid = client_request_id(request.headers.get("X-Request-Id")) or rid
         request["request_id"] = rid
         length = request.content_length
-        limit = request.app[ROUTER].cfg.max_body_bytes
+        cfg = request.app[ROUTER].cfg
+        # A file upload streams to a replica under its own limit (batch_proxy.py).
+        limit = cfg.max_upload_bytes if request.path == "/v1/files" else cfg.max_body_bytes
         if length is not None and length > limit:
             raise ApiError(413, f"the request body is {length} bytes; the limit is {limit}",
                            code="body_too_large")
@@ -263,5 +267,6 @@ def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> we
               ("POST", "/v1/probe", probe), ("DELETE", "/v1/requests/{id}", cancel)]
     for method, path, handler in routes:
         app.router.add_route(method, path, handler, expect_handler=expect_continue)
+    add_batch_routes(app, ctx)
     add_fallback_route(app)
     return app
