@@ -11,16 +11,20 @@ refunded what it did not generate on `release`. `admit` checks, in this order:
 5. bucket short of `cost` tokens  -> 429 `tenant_tokens`, retry_after exact from the refill rate
 6. queue at its bound             -> 503 `queue_full`; interactive may fill `max_waiting`, batch
                                      only `batch_share` of it, so batch is shed first
-7. predicted TTFT over the SLO    -> 503 `queue_slo`; the prediction (`TtftPredictor`) counts all
+7. predicted TTFT over the limit  -> 503 `queue_slo`; the prediction (`TtftPredictor`) counts all
                                      unserved prefill ahead of the request (waiting and running,
                                      by priority) at the prefill rate the scheduler achieves,
-                                     corrected by the TTFTs it delivered; batch must fit within
-                                     `BATCH_SLO_SHARE` of the SLO, so batch is shed first
+                                     corrected by the TTFTs it delivered; interactive requests
+                                     are admitted within `SloLimit.share` of the SLO, a share
+                                     moved by the TTFTs admitted requests get (cut after a miss,
+                                     raised while they have slack); batch within
+                                     `BATCH_SLO_SHARE / CEILING` of that, so batch is shed first
 8. predicted TPOT over the SLO    -> 503 `tpot_slo`: one more decode row would make the running
                                      streams' step (`decode_step_s`) slower than `slo_tpot_s`
 
-Checks 7 and 8 never refuse a request that nothing is ahead of (an idle server): it could not be
-served sooner by waiting. A prompt whose own prefill takes more than half the SLO is admitted when
+Checks 7 and 8 never refuse a request on an idle server: it could not be served sooner by waiting.
+(A request with only decodes ahead is checked: its prompt is read in chunks beside them, and on a
+slow machine that alone can take longer than the SLO, where waiting for them to end would not.) A prompt whose own prefill takes more than half the SLO is admitted when
 the work ahead of it takes at most half the SLO, so a long prompt is not starved by short ones.
 
 A 503's retry_after is the predicted time (at least 1 s) for the queue to drain far enough that the
@@ -40,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batcher.core.refusals import Refused
+from batcher.slo_limit import CEILING, SloLimit
 from batcher.tenants import PRIORITIES, TenantConfig
 from batcher.ttft_predictor import Backlog, TtftPredictor
 
@@ -52,14 +57,15 @@ _DEFAULT_SERVICE_S = 1.0
 # Refill round-off: waiting exactly the returned time must always succeed.
 _TAKE_TOLERANCE = 1e-9
 _EWMA_ALPHA = 0.2
-# Batch must be predicted within this share of the TTFT SLO: interactive requests admitted after it
-# are served first and delay it past its prediction, and under overload batch is shed first.
+# Batch must be predicted within this share of the TTFT SLO (scaled down with the interactive
+# share when the controller lowers it): interactive requests admitted after it are served first
+# and delay it past its prediction, and under overload batch is shed first.
 BATCH_SLO_SHARE = 0.5
-# Interactive requests are admitted up to this share of the TTFT SLO, and new streams while the
-# predicted step stays within this share of the TPOT SLO: the predictions follow recent history,
-# and the rest absorbs what changes between admission and the tokens (steps slowed by another
-# process, a preemption).
-SLO_HEADROOM = 0.85
+# New streams are admitted while the predicted step stays within this share of the TPOT SLO (and
+# interactive requests within this share of the TTFT SLO at most, `slo_limit.CEILING`): the
+# predictions follow recent history, and the rest absorbs what changes between admission and the
+# tokens (steps slowed by another process, a preemption).
+SLO_HEADROOM = CEILING
 # Predicted seconds of one engine step carrying `rows` decode rows, the longest at context `ctx`
 # (the shared step-time model), or None while it has no estimate.
 DecodeStepFn = Callable[[int, int], "float | None"]
@@ -153,6 +159,12 @@ class Ticket:
     # not the correction's.
     predicted_at_rate: float | None = None
     first_token_seen: bool = False
+    # Admitted because predicted within the SLO limit (not alone on an idle server, not a long
+    # prompt held by its wait only): its TTFT is evidence for the limit's controller.
+    held_to_slo: bool = False
+    # The corrected prediction and the share of the SLO it was admitted under.
+    predicted_corrected_s: float = 0.0
+    share: float = 1.0
 
 
 @dataclass(slots=True)
@@ -188,6 +200,7 @@ class Admission:
     decode_step_s: DecodeStepFn | None = None
     max_num_seqs: int = 1 << 30
     predictor: TtftPredictor = field(default_factory=TtftPredictor)
+    limit: SloLimit = field(default_factory=SloLimit)
     draining: bool = field(default=False, init=False)
     # Rejections by reason, for the `requests_rejected{reason}` metric.
     rejections: dict[str, int] = field(init=False)
@@ -222,6 +235,9 @@ class Admission:
         if ticket.first_token_seen:
             return
         ticket.first_token_seen = True
+        if ticket.held_to_slo and self.slo_ttft_s is not None:
+            now = self.clock()
+            self.limit.observe(now, ticket.admitted_at, now - ticket.admitted_at, self.slo_ttft_s)
         if ticket.predicted_ttft_s is not None:
             now = self.clock()
             predicted = ticket.predicted_ttft_s
@@ -320,33 +336,55 @@ class Admission:
         now = self.clock()
         ahead = backlog.ahead(priority)
         raw = self.predictor.predict_raw(backlog, priority, prompt_tokens)
-        alone = ahead == 0 and backlog.queued_ahead(priority) == 0 and backlog.free_slots > 0
-        if self.slo_ttft_s is not None and raw is not None and not alone:
-            self._check_ttft(now, priority, prompt_tokens, raw)
+        idle = (ahead == 0 and backlog.queued_ahead(priority) == 0 and backlog.running == 0
+                and backlog.free_slots > 0)
+        held = False
+        if self.slo_ttft_s is not None and raw is not None and not idle:
+            self.limit.check_waiting(now, self.slo_ttft_s)
+            held = self._check_ttft(now, priority, prompt_tokens, raw)
         if self.slo_tpot_s is not None and self.decode_step_s is not None:
             self._check_tpot(backlog, requests, (prompt_tokens + max_tokens) // requests)
         if st.bucket is not None:
             taken = st.bucket.try_take(cost)
             assert taken == 0.0, "bucket changed between check and take"
         st.in_flight += 1
-        return Ticket(tenant=tenant.name, priority=priority, cost=cost, max_tokens=max_tokens,
-                      admitted_at=now, predicted_ttft_s=raw,
-                      predicted_at_rate=self.predictor.prefill_rate)
+        ticket = Ticket(tenant=tenant.name, priority=priority, cost=cost, max_tokens=max_tokens,
+                        admitted_at=now, predicted_ttft_s=raw,
+                        predicted_at_rate=self.predictor.prefill_rate, held_to_slo=held)
+        if held and raw is not None:
+            ticket.predicted_corrected_s = raw * self.predictor.correction(now)
+            ticket.share = self.limit.share
+            self.limit.watch(ticket)
+        return ticket
 
-    def _check_ttft(self, now: float, priority: str, own: int, raw: float) -> None:
-        """Refuse (503 `queue_slo`) when the predicted TTFT is over this priority's limit."""
-        assert self.slo_ttft_s is not None
+    def ttft_limit_s(self, priority: str) -> float | None:
+        """Predicted TTFT (seconds) up to which a request of `priority` is admitted now."""
+        if self.slo_ttft_s is None:
+            return None
+        share = self.limit.share
+        if priority == "batch":
+            share *= BATCH_SLO_SHARE / CEILING
+        return self.slo_ttft_s * share
+
+    def _check_ttft(self, now: float, priority: str, own: int, raw: float) -> bool:
+        """Refuse (503 `queue_slo`) when the predicted TTFT is over this priority's limit;
+        True when the request is held to the whole limit (not a long prompt)."""
+        limit = self.ttft_limit_s(priority)
+        assert limit is not None
         corr = self.predictor.correction(now)
-        limit = self.slo_ttft_s * (BATCH_SLO_SHARE if priority == "batch" else SLO_HEADROOM)
         predicted = raw * corr
-        own_s = self.predictor.drain_s(now, own) or 0.0
-        if own_s > limit / 2:
+        # NOTE: long by its own prefill on a quiet server: beside decodes, on a slow machine,
+        # even a short prompt takes long, and admitting it would only make it miss.
+        own_s = self.predictor.quiet_prefill_s(now, own) or 0.0
+        held = own_s <= limit / 2
+        if not held:
             # A long prompt: hold only its wait behind others to half the limit.
             predicted, limit = predicted - own_s, limit / 2
         if predicted > limit:
             raise self._reject(503, max(_MIN_503_RETRY_S, predicted - limit), "queue_slo",
                                f"predicted time to first token {predicted:.2f} s exceeds the "
                                f"{limit:.2f} s this server admits for {priority} requests")
+        return held
 
     def _check_tpot(self, backlog: Backlog, requests: int, context: int) -> None:
         """Refuse (503 `tpot_slo`) when the decode rows this request adds would make the running

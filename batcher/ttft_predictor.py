@@ -21,11 +21,14 @@ corrected online by the TTFTs the server actually delivers.
   request (running requests end after at most their max_tokens; requests queued ahead take the
   first slots that open).
 - `step_s`: the mean step, wall time (a new request waits for the step in progress).
-- `correction`: the 99th percentile of actual / predicted TTFT over recently admitted requests,
-  each compared at its first token with what was predicted when it was admitted. Whatever the
-  simple model misses (decode rows slowing steps, slots held by long generations, a shared CPU) is
-  learned here instead of being tuned by hand; a high percentile, not the mean, because the
-  promise is a tail.
+- `correction`: the median of actual / predicted TTFT over recently admitted requests, each
+  compared at its first token with what was predicted when it was admitted. Whatever the simple
+  model misses (decode rows slowing steps, slots held by long generations, a shared CPU) is
+  learned here instead of being tuned by hand. The median, not a high percentile: the prediction
+  is centred, and how far below the SLO to admit, given how much delivered TTFTs scatter, is
+  admission's controller's to find (`slo_limit.SloLimit`), from the misses themselves. A high
+  percentile here would both react only after misses and, after one burst of them, keep
+  refusing work the server could serve for as long as it stays in the window.
   A prediction is rescaled by any change of the measured rate between admission and first token
   before it is compared: the rate is the raw model's to follow, so a slower machine does not
   leave the correction pessimistic once the rate has caught up.
@@ -47,12 +50,19 @@ from batcher.request import Priority, Request
 # Time constant (s) of the prefill-rate and step-time averages: long enough to span a few steps of
 # a slow CPU step, short enough to follow a change of machine or load within a few seconds.
 RATE_TAU_S = 2.0
+# A bucket of the prefill rate with no step for this long is stale (see `prefill_rate_with`).
+STALE_S = RATE_TAU_S
 # Recent TTFT observations the correction is taken from: at most this many, none older than
 # CORRECTION_WINDOW_S unless fewer than CORRECTION_MIN remain (a quiet server keeps its evidence).
-CORRECTION_SAMPLES = 64
-CORRECTION_WINDOW_S = 10.0
-CORRECTION_MIN = 16
-CORRECTION_QUANTILE = 0.99
+CORRECTION_SAMPLES = 32
+CORRECTION_WINDOW_S = 5.0
+CORRECTION_MIN = 8
+CORRECTION_QUANTILE = 0.5
+# The correction makes a prediction at most this much more hopeful than the model: evidence that
+# the model was more pessimistic than that comes from requests admitted while the machine was
+# slower than by the time they ran (the rates follow a speed-up within a few seconds, not at
+# once), and acting on it admits, all at once, a burst that then misses together.
+CORRECTION_FLOOR = 1.0
 # One observation may move the model at most this far either way: a request that stalled on
 # something else (a preemption, a paused process) must not make the next hundred look free or
 # hopeless.
@@ -241,12 +251,18 @@ class TtftPredictor:
     def prefill_rate_with(self, decoding: int) -> float | None:
         """The prefill rate in steps carrying about `decoding` decode rows: that bucket's when
         measured, else the nearest measured bucket with more rows (a lower rate, the safe side),
-        else the nearest with fewer; None before any measurement."""
+        else the nearest with fewer; None before any measurement. Buckets measured within the
+        last `STALE_S` of steps are preferred: a decayed average stops moving when its steps stop
+        coming, so a bucket last seen while the machine was slower would go on saying so."""
         want = _bucket(decoding)
         if not self._by_rows:
             return None
-        above = [b for b in self._by_rows if b >= want]
-        b = min(above) if above else max(self._by_rows)
+        last = self._last_end if self._last_end is not None else 0.0
+        fresh = [b for b, (tokens, _) in self._by_rows.items()
+                 if tokens.last is not None and tokens.last >= last - STALE_S]
+        pool = fresh or list(self._by_rows)
+        above = [b for b in pool if b >= want]
+        b = min(above) if above else max(pool)
         tokens, seconds = self._by_rows[b]
         return tokens.value / seconds.value if seconds.value > 0 else self.prefill_rate
 
@@ -263,14 +279,16 @@ class TtftPredictor:
         return max(1.0, self._wall.value / self._modelled.value)
 
     def correction(self, now: float) -> float:
-        """The CORRECTION_QUANTILE of recent actual / predicted ratios; 1 before CORRECTION_MIN."""
+        """The CORRECTION_QUANTILE of recent actual / predicted ratios, at least CORRECTION_FLOOR;
+        1 before CORRECTION_MIN."""
         ratios = self._ratios
         while len(ratios) > CORRECTION_MIN and now - ratios[0][0] > CORRECTION_WINDOW_S:
             ratios.popleft()
         if len(ratios) < CORRECTION_MIN:
             return 1.0
         ordered = sorted(r for _, r in ratios)
-        return ordered[min(len(ordered) - 1, int(CORRECTION_QUANTILE * len(ordered)))]
+        return max(CORRECTION_FLOOR,
+                   ordered[min(len(ordered) - 1, int(CORRECTION_QUANTILE * len(ordered)))])
 
     def predict_raw(self, backlog: Backlog, priority: str, own_tokens: int) -> float | None:
         """Seconds until a request of `priority` with `own_tokens` of prompt, arriving now, gets
@@ -290,6 +308,12 @@ class TtftPredictor:
         """`predict_raw` times the correction learned from delivered TTFTs."""
         raw = self.predict_raw(backlog, priority, own_tokens)
         return None if raw is None else raw * self.correction(now)
+
+    def quiet_prefill_s(self, now: float, tokens: float) -> float | None:
+        """Predicted seconds to prefill `tokens` with no decodes beside them: how long a prompt
+        is in itself, whatever else the server is doing."""
+        rate = self.prefill_rate_with(0)
+        return None if rate is None else self.correction(now) * max(0.0, tokens) / rate
 
     def drain_s(self, now: float, tokens: float) -> float | None:
         """Predicted seconds to prefill `tokens` (the Retry-After arithmetic)."""

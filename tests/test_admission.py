@@ -464,3 +464,93 @@ def test_slo_flags_are_validated() -> None:
         Admission(None, slo_tpot_s=0.0)
     with pytest.raises(ValueError, match="slo_ttft_s"):
         Admission(None, slo_ttft_s=-1.0)
+
+
+# -- the SLO share's controller --------------------------------------------------------------------
+
+def test_slo_share_is_cut_once_per_round_and_recovers_fast_then_probes_slowly() -> None:
+    from batcher.slo_limit import CEILING, CUT, FAST_PER_S, FLOOR, SLOW_PER_S, SloLimit
+
+    lim = SloLimit()
+    assert lim.share == CEILING
+    lim.observe(10.0, admitted_at=8.0, ttft_s=1.9, slo_s=2.0)  # a miss: cut
+    assert lim.share == pytest.approx(CEILING * CUT) and lim.cuts == 1
+    # Requests admitted before that cut miss too: the same round, no further cut.
+    lim.observe(10.2, admitted_at=9.0, ttft_s=1.9, slo_s=2.0)
+    assert lim.cuts == 1
+    # One admitted after the cut misses: the share that failed it is cut again.
+    lim.observe(12.0, admitted_at=10.5, ttft_s=1.9, slo_s=2.0)
+    assert lim.share == pytest.approx(CEILING * CUT * CUT) and lim.cuts == 2
+    # Without misses it comes back fast to just under the share that last missed ...
+    low = lim.share
+    lim.observe(13.0, admitted_at=12.5, ttft_s=0.5, slo_s=2.0)
+    assert lim.share == pytest.approx(low + FAST_PER_S)
+    t = 13.0
+    while lim.share < 0.9 * CEILING * CUT:
+        t += 0.5
+        lim.observe(t, admitted_at=t - 0.5, ttft_s=0.5, slo_s=2.0)
+    assert t - 13.0 < 2.0
+    # ... then probes past it slowly.
+    before = lim.share
+    lim.observe(t + 1.0, admitted_at=t, ttft_s=0.5, slo_s=2.0)
+    assert lim.share == pytest.approx(before + SLOW_PER_S)
+    # Never below the floor, never above the ceiling; a long quiet spell counts one second (and
+    # where even the floor missed, the share only probes slowly).
+    for i in range(20):
+        lim.missed(100.0 + i, admitted_at=100.0 + i)
+    assert lim.share == FLOOR
+    lim.observe(1000.0, admitted_at=999.0, ttft_s=0.1, slo_s=2.0)
+    assert lim.share == pytest.approx(FLOOR + SLOW_PER_S)
+    for i in range(200):
+        lim.observe(1001.0 + i, admitted_at=1000.0 + i, ttft_s=0.1, slo_s=2.0)
+    assert lim.share == CEILING
+
+
+def test_a_request_on_course_to_miss_cuts_before_its_first_token() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    _measured(adm, clock, rate=1000.0)
+    busy = Backlog(running=1, ahead_interactive=600, ahead_batch=600)
+    t = adm.admit(acme, "interactive", 100, 10, busy)  # 0.8 s predicted
+    assert t.held_to_slo and t.predicted_corrected_s == pytest.approx(0.8)
+    clock.advance(0.8)
+    adm.admit(acme, "interactive", 100, 10, busy)  # on time so far: no cut
+    assert adm.limit.cuts == 0
+    clock.advance(0.1)  # 0.9 s: past 0.8 x 0.9 / 0.85, and still no first token
+    with pytest.raises(Rejected):  # the share is cut at once: 0.8 s is now over the limit
+        adm.admit(acme, "interactive", 100, 10, busy)
+    assert adm.limit.cuts == 1
+    assert adm.ttft_limit_s("interactive") == pytest.approx(0.85 * 0.75)
+    # Its first token then comes late: the same round, not a second cut.
+    adm.observe_first_token(t)
+    assert adm.limit.cuts == 1
+
+
+def test_only_requests_held_to_the_limit_move_it() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    _measured(adm, clock, rate=1000.0)
+    # Alone on an idle server, or a long prompt held by its wait only: a late first token is
+    # its own prompt's, not a sign that the limit is too high.
+    for backlog, prompt in ((IDLE, 100), (Backlog(running=1, ahead_interactive=100), 5000)):
+        t = adm.admit(acme, "interactive", prompt, 10, backlog)
+        assert not t.held_to_slo
+        clock.advance(3.0)
+        adm.observe_first_token(t)
+        adm.release(t, 10)
+    assert adm.limit.cuts == 0
+
+
+def test_a_request_with_only_decodes_ahead_is_checked() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    # Alone, the scheduler reads prompts at 1000 tokens/s; beside three decodes at 100 (a slow
+    # machine, chunks kept small to protect the streams).
+    for _ in range(15):
+        clock.advance(0.1)
+        adm.observe_step(0.1, 100, True, decode_rows=0)
+        clock.advance(0.1)
+        adm.observe_step(0.1, 10, True, decode_rows=3)
+    with pytest.raises(Rejected):  # 0.1 s + 100 tokens at 100/s = 1.1 s: over the limit
+        adm.admit(acme, "interactive", 100, 10, Backlog(running=3))
+    adm.admit(acme, "interactive", 100, 10, IDLE)  # alone on the server: admitted

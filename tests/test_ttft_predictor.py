@@ -68,10 +68,10 @@ def p99(values: list[float]) -> float:
 
 
 def drive(rate: float, duration: float, change_at: float, scale_after: float,
-          seed: int = 1) -> tuple[Run, Admission]:
+          seed: int = 1, change_until: float = math.inf) -> tuple[Run, Admission]:
     """Poisson arrivals at `rate` for `duration` simulated seconds, offered to a simulated
     replica through the server's admission control; every step `scale_after` times slower from
-    `change_at` on."""
+    `change_at` until `change_until`."""
     step = ScaledStep()
     replica = SimReplica(0, SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=320,
                                             max_model_len=4096), num_blocks=8192,
@@ -102,7 +102,7 @@ def drive(rate: float, duration: float, change_at: float, scale_after: float,
             run.finished += [(now, records.pop(t.request_id)) for t in replica.finish_step(now)]
         else:
             now = arrivals[i]
-            step.scale = scale_after if now >= change_at else 1.0
+            step.scale = scale_after if change_at <= now < change_until else 1.0
             rec = Record(now, admitted=False)
             run.records.append(rec)
             prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT)]
@@ -146,8 +146,7 @@ def test_admitted_ttft_holds_through_a_step_time_change() -> None:
     # 4x the offered load: most of it refused, all at once.
     assert adm.rejections["queue_slo"] > len(run.records) / 2
     # The prediction itself follows: from 8 s after the change, admitted requests' corrected
-    # predictions are within 30% of what they got, for nine in ten of them (they aim high: the
-    # correction is a high quantile of recent ratios).
+    # predictions are within 30% of what they got, for nine in ten of them.
     errors = sorted(abs(r.ttft / r.predicted - 1) for r in run.admitted(38.0, 60.0)
                     if r.ttft is not None and r.predicted)
     assert errors[int(0.9 * len(errors))] <= 0.30, errors[int(0.9 * len(errors))]
@@ -163,6 +162,20 @@ def test_prediction_follows_within_a_few_seconds(scale_after: float) -> None:
     # Slower: about what the machine can still do. Faster: at least what it did before (the
     # scheduler's own chunk sizing takes longer to use all of the new speed).
     assert run.goodput(24.0, 40.0) >= 0.8 * cap / max(1.0, scale_after)
+
+
+@pytest.mark.parametrize("scale", [2.0, 3.0])
+def test_admission_reopens_after_a_transient_slowdown(scale: float) -> None:
+    """Every step `scale` times slower for 6 s, then as before: the misses of the slow spell
+    lower the share of the SLO admitted, and once the machine is back the server must serve as
+    much as before within the SLO, not go on refusing what it can serve."""
+    cap = capacity()
+    run, adm = drive(rate=4 * cap, duration=50.0, change_at=20.0, scale_after=scale,
+                     change_until=26.0)
+    assert adm.limit.cuts > 0  # the slow spell was felt
+    after = run.admitted(32.0, 50.0)  # 6 s after the machine recovered
+    assert p99([r.ttft for r in after]) <= SLO_S
+    assert run.goodput(32.0, 50.0) >= 0.9 * cap, (run.goodput(32.0, 50.0), cap)
 
 
 def test_the_deep_probe_is_not_in_the_queue_tenants_are_bounded_by() -> None:
