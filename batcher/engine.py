@@ -119,6 +119,9 @@ class EngineEvent:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # On the first token's event of a request that asked: one entry per prompt token after
+    # the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     stop_reason: str | None = None  # the stop string that matched
@@ -184,6 +187,8 @@ class AsyncEngine:
         self.supports_grammar = attach is not None
         if attach is not None:
             attach(tokenizer)
+        # Prompt logprobs need a runner that scores prompt rows (the fake one does not).
+        self.scores_prompts = bool(getattr(runner, "scores_prompts", False))
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching,
                                  prefix_cache_scope)
         # Fed every step's measured model time; read by the scheduler's step budget and admission.
@@ -277,6 +282,8 @@ class AsyncEngine:
         try:
             if not request.eos_token_ids:
                 request.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+            if request.sampling.prompt_logprobs is not None and not self.scores_prompts:
+                raise ValueError("prompt logprobs are not supported by this model")
             self.scheduler.add_request(request)
         except BaseException:
             self._streams.discard(rid)
@@ -441,7 +448,8 @@ class AsyncEngine:
             text = live.detok.add(u.new_token_ids)
             if live.detok.stopped and not u.finished:
                 self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
-            ev = EngineEvent(u.request_id, text, list(u.new_token_ids), list(u.new_logprobs))
+            ev = EngineEvent(u.request_id, text, list(u.new_token_ids), list(u.new_logprobs),
+                             u.prompt_logprobs)
             if live.request.is_finished:
                 if not live.detok.stopped:
                     ev.text += live.detok.flush()

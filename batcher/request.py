@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batcher.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from batcher.core.outputs import TokenLogprobs
 
 
 class Priority(enum.IntEnum):
@@ -59,6 +63,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Prompt logprobs: how many prompt tokens (after the first) have been scored, and the
+    # entries not yet handed out. Kept across preemption, so a recompute neither repeats nor
+    # loses one.
+    num_prompt_scored: int = 0
+    prompt_scores: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -79,6 +88,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def prompt_unscored(self) -> bool:
+        """Asks for prompt logprobs and some prompt token still lacks its entry."""
+        return (self.sampling.prompt_logprobs is not None
+                and self.num_prompt_scored < len(self.prompt_token_ids) - 1)
 
     @property
     def is_finished(self) -> bool:

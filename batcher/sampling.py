@@ -23,6 +23,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop token ids
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = chosen token's logprob plus top-k
+    # None = off; k >= 0 = each prompt token's logprob (after the first) plus its top-k.
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     # Penalties as OpenAI and vLLM define them: presence and frequency subtract from the logits
     # of tokens already generated (once, and once per occurrence); repetition divides a positive
@@ -66,6 +68,8 @@ class SamplingParams:
             raise ValueError("seed must be an integer")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError("min_tokens must be an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):

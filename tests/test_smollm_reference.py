@@ -55,3 +55,22 @@ def test_batched_greedy_equals_hf(smollm_fp32, hf_smollm):
                               dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False,
                               min_new_tokens=NEW_TOKENS, pad_token_id=tok.eos_token_id)
         assert got == out[0, len(prompt):].tolist(), tok.decode(prompt)
+
+
+def test_prompt_logprobs_equal_hf(smollm_fp32, hf_smollm) -> None:
+    """Prompt logprobs through the engine (8-token chunks) equal transformers' log_softmax."""
+    import asyncio
+
+    from tests.test_prompt_logprobs import score_prompts
+
+    tok, hf = hf_smollm
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog. Paris is the capital of")
+    ours, _ = asyncio.run(score_prompts(smollm_fp32, [prompt], budget=8, top=5))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    want = ref[:-1].gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    got = torch.tensor([e.logprob for e in ours[0]])
+    assert len(got) == len(prompt) - 1
+    assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+    got_top = torch.tensor([[v for _, v in e.top] for e in ours[0]])
+    assert torch.allclose(got_top, ref[:-1].topk(5, dim=-1).values, atol=1e-3)

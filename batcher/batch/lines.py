@@ -109,6 +109,12 @@ class LineRunner:
         prompts = await gw.tokenize(spec)
         gw.fit_context(spec, prompts)
         job = gw.admit(tenant, spec, prompts, rid)
+        # NOTE: a line's first token is no evidence about the TTFT prediction: interactive
+        # requests that arrive after it are served first by design, so it comes later than
+        # predicted. Compared, it would raise the correction applied to interactive requests
+        # (a high quantile: one line is enough), refusing them and closing the gate on the
+        # batch for the correction's window.
+        job.ticket.predicted_ttft_s = None
         self._jobs[rid] = job
         generated = 0
         try:

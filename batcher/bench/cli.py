@@ -97,6 +97,22 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     a.add_argument("--sweep-rates", default=None, help="comma-separated Poisson rates: one run "
                    "each, the goodput curve and capacity")
+    x = p.add_argument_group("mixed run: interactive Poisson traffic beside a batch submitted "
+                             "through /v1/files and /v1/batches (batcher/bench/mixed.py)")
+    x.add_argument("--batch-lines", type=int, default=None, metavar="N", help="run the mixed "
+                   "benchmark with a batch of N lines (e.g. 1000); the TTFT SLO is "
+                   "--slo-ttft-ms (default 2000 here)")
+    x.add_argument("--batch-rate-share", type=float, default=0.45, help="interactive rate as "
+                   "a share of the capacity measured first (default: %(default)s)")
+    x.add_argument("--batch-interactive-rate", type=float, default=None, help="interactive "
+                   "requests/s instead (skips the capacity phase)")
+    x.add_argument("--batch-alone-s", type=float, default=40.0, help="seconds of interactive "
+                   "traffic alone, before and after (default: %(default)s)")
+    x.add_argument("--batch-max-s", type=float, default=600.0, help="longest the batch phase "
+                   "runs; an unfinished batch is then cancelled (default: %(default)s)")
+    x.add_argument("--batch-contrast-s", type=float, default=60.0, help="seconds of the "
+                   "contrast phase (the lines sent live at priority batch); 0 skips it "
+                   "(default: %(default)s)")
     m = p.add_argument_group("measurement and output")
     m.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput")
     m.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
@@ -238,6 +254,8 @@ async def _main(args: argparse.Namespace) -> int:
         cfg = ClientConfig(args.base_url, model, args.endpoint, api_key,
                            not args.no_ignore_eos, args.temperature, args.priority,
                            args.prompt_mode, args.request_timeout)
+        if args.batch_lines is not None:
+            return await _mixed(args, session, cfg)
         await warm_up(session, cfg, workload, args.warmup)
         interval = 0.0 if args.no_metrics else args.metrics_interval
         if args.sweep_rates:
@@ -257,6 +275,23 @@ async def _main(args: argparse.Namespace) -> int:
                     "\n".join(f"- {line}" for line in server_lines(server)
                               + ([cpu.describe()] if cpu else [])), command())
     return 0 if summary["ok"] else 1
+
+
+async def _mixed(args: argparse.Namespace, session: aiohttp.ClientSession,
+                 cfg: ClientConfig) -> int:
+    from batcher.bench.mixed import HEADER, MixedConfig, report_rows, run_mixed
+
+    mc = MixedConfig(slo_ttft_s=(args.slo_ttft_ms or 2000.0) / 1000, lines=args.batch_lines,
+                     rate=args.batch_interactive_rate, rate_share=args.batch_rate_share,
+                     alone_s=args.batch_alone_s, max_s=args.batch_max_s,
+                     contrast_s=args.batch_contrast_s, server_pid=args.server_pid,
+                     seed=args.seed + 1).validate()
+    rep = await run_mixed(session, cfg, mc)
+    rows, notes, ok = report_rows(rep, mc)
+    print(markdown_table(rows, HEADER) + "\n" + notes)
+    if args.append_benchmarks:
+        append_rows(args.append_benchmarks, HEADER, rows, notes, command())
+    return 0 if ok else 1
 
 
 async def _sweep(args: argparse.Namespace, session: aiohttp.ClientSession, cfg: ClientConfig,

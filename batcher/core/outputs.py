@@ -29,6 +29,10 @@ class ScheduledSeq:
     # The sequence's tokens so far (prompt then output) when a penalty needs them, else empty.
     # A snapshot: the request's own list grows while the runner reads this.
     history: tuple[int, ...] = ()
+    # Prompt logprobs: rows `score_offset ..` of this chunk are scored, row j against
+    # `score_targets[j - score_offset]` (the prompt token that follows it).
+    score_targets: tuple[int, ...] = ()
+    score_offset: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -81,3 +85,5 @@ class RunnerOutput:
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Per request with `score_targets`: one entry per target, in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

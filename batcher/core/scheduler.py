@@ -34,6 +34,8 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None]
     status: RequestStatus
+    # With the first sampled token of a request that asked: its prompt's entries.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -217,6 +219,11 @@ class Scheduler:
         ):
             req = self.waiting[0]
             computed, num_hit = self.kv.get_computed_blocks(req)
+            if req.prompt_unscored:
+                # NOTE: cached blocks skip their positions' logits, so a request that wants
+                # prompt logprobs reuses only blocks already scored (before a preemption).
+                keep = min(num_hit, req.num_prompt_scored) // self.kv.block_size
+                computed, num_hit = computed[:keep], keep * self.kv.block_size
             num_new = self._chunk(req, num_hit, budget)
             if allowance is not None:
                 # NOTE: the time target is spent: the head waits for the next step, and the
@@ -273,6 +280,11 @@ class Scheduler:
                 0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
             )
             self.kv.cache_full_blocks(req)
+            if seq.score_targets:
+                scores = runner_out.prompt_logprobs[seq.request_id]
+                assert len(scores) == len(seq.score_targets), seq.request_id
+                req.prompt_scores += scores
+                req.num_prompt_scored += len(scores)
             if not seq.sample:
                 continue
             assert seq.request_id in sampled, f"runner returned no token for {seq.request_id}"
@@ -285,7 +297,10 @@ class Scheduler:
             status = self._check_stop(req, token)
             if status is not None:
                 self._free(req, status)
-            updates.append(RequestUpdate(req.request_id, [token], [lp], req.status))
+            update = RequestUpdate(req.request_id, [token], [lp], req.status)
+            if req.sampling.prompt_logprobs is not None and req.num_output_tokens == 1:
+                update.prompt_logprobs, req.prompt_scores = req.prompt_scores, []
+            updates.append(update)
         if self.debug_checks:
             self.check_integrity()
         return updates
@@ -340,7 +355,7 @@ class Scheduler:
 
     def _seq(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        return ScheduledSeq(
+        seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids[start : start + num_new],
             start_pos=start,
@@ -353,6 +368,15 @@ class Scheduler:
             history=tuple(req.token_ids) if req.sampling.needs_history and start + num_new
             == req.num_tokens else (),
         )
+        if req.prompt_unscored:
+            # Position p's logits score prompt token p + 1; earlier positions were scored
+            # before a preemption (their entries are kept) or need no entry.
+            lo = max(start, req.num_prompt_scored)
+            hi = min(start + num_new, req.num_prompt_tokens - 1)
+            if lo < hi:
+                seq.score_targets = tuple(req.prompt_token_ids[lo + 1 : hi + 1])
+                seq.score_offset = lo - start
+        return seq
 
     @staticmethod
     def _suppressed(req: Request) -> tuple[int, ...]:

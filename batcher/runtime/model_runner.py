@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
-from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from batcher.runtime.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
@@ -36,6 +36,8 @@ class ModelRunner:
     """Flatten a step's sequences into one varlen batch: single-token rows (decodes) first, then
     multi-token prefill chunks; positions, slot mapping, block tables and masks are built once per
     step for all layers."""
+
+    scores_prompts = True  # computes prompt logprobs for seqs with `score_targets`
 
     def __init__(self, loaded: Loaded, num_blocks: int, block_size: int,
                  attention_backend: str = "auto", cuda_graphs: bool = True,
@@ -71,7 +73,8 @@ class ModelRunner:
         if self.grammar is not None:
             self.grammar.drop(sched.freed_ids)
         pending = None
-        if self.graphs is not None and self.graphs.can_run(sched):
+        scored = [s for s in sched.seqs if s.score_targets]
+        if self.graphs is not None and not scored and self.graphs.can_run(sched):
             sample_seqs = sched.seqs  # decode-only: every row samples, in order
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)  # masks fill while the model runs
@@ -81,13 +84,17 @@ class ModelRunner:
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)
             logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
+        ns = len(sample_seqs)
+        out = RunnerOutput(prompt_logprobs=score_prompts(logits[ns:], scored) if scored else {})
         if not sample_seqs:
-            return RunnerOutput()
+            return out
         masks = None if pending is None else self.grammar.wait(pending, sample_seqs)
-        tokens, logprobs = self.sampler.sample(logits, sample_seqs, masks)
+        tokens, logprobs = self.sampler.sample(logits[:ns], sample_seqs, masks)
         if masks is not None:
             self.grammar.advance(sample_seqs, tokens)
-        return RunnerOutput([s.request_id for s in sample_seqs], tokens, logprobs)
+        out.request_ids, out.token_ids, out.logprobs = (
+            [s.request_id for s in sample_seqs], tokens, logprobs)
+        return out
 
     def attach_tokenizer(self, tokenizer: Any) -> None:
         """Enable grammar-constrained rows (structured outputs): their masks need the vocabulary."""
@@ -130,7 +137,14 @@ class ModelRunner:
                 block_ids=torch.tensor(s.block_ids[:nblocks], dtype=torch.long, device=dev)))
             row += n
         sample_seqs: list[ScheduledSeq] = [s for s in sched.seqs if s.sample]
-        logits_idx = torch.tensor([row_of[id(s)] for s in sample_seqs] or [0],
+        # NOTE: prompt-logprob rows follow the sampling rows, in scheduled order (as
+        # `execute` hands them to `score_prompts`).
+        score_rows: list[int] = []
+        for s in sched.seqs:
+            if s.score_targets:
+                first = row_of[id(s)] - len(s.token_ids) + 1 + s.score_offset
+                score_rows.extend(range(first, first + len(s.score_targets)))
+        logits_idx = torch.tensor([row_of[id(s)] for s in sample_seqs] + score_rows or [0],
                                   dtype=torch.long, device=dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_idx,
@@ -160,6 +174,34 @@ class ModelRunner:
             meta.decode_groups.append(DecodeGroup(
                 end - start, blocks, torch.tensor(flat, dtype=torch.long, device=dev), mask))
             start = end
+
+
+def score_prompts(logits: torch.Tensor, seqs: list[ScheduledSeq]
+                  ) -> dict[str, list[TokenLogprobs]]:
+    """Prompt logprobs: `logits` [sum of targets, vocab] holds each seq's scored rows in
+    order; entry j is its target's logprob under row j, with the row's top-k alternatives
+    (k = `prompt_logprobs`). From the raw distribution, as sampled logprobs are."""
+    targets = torch.tensor([t for s in seqs for t in s.score_targets], device=logits.device)
+    out: dict[str, list[TokenLogprobs]] = {}
+    row = 0
+    # Slices bound the fp32 temporaries of a long chunk: [rows, vocab] each.
+    for s in seqs:
+        n = len(s.score_targets)
+        kk = s.sampling.prompt_logprobs or 0
+        entries: list[TokenLogprobs] = []
+        for lo in range(row, row + n, 256):
+            hi = min(row + n, lo + 256)
+            lp = torch.log_softmax(logits[lo:hi].float(), dim=-1)  # [rows, vocab]
+            chosen = lp.gather(1, targets[lo:hi].unsqueeze(1)).squeeze(1).tolist()
+            if kk:
+                vals, ids = lp.topk(kk, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+            else:
+                tops = [[] for _ in chosen]
+            entries += [TokenLogprobs(c, t) for c, t in zip(chosen, tops)]
+        out[s.request_id] = entries
+        row += n
+    return out
 
 
 # A new group pays a gather and an SDPA call per layer; start one only when it saves this many

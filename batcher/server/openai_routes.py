@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,13 +37,21 @@ def engine_refusal(exc: Exception) -> ApiError:
 class Choice:
     """Accumulates one choice's text, tokens and logprobs."""
 
-    __slots__ = ("final", "logprobs", "text", "tokens")
+    __slots__ = ("final", "logprobs", "prompt_logprobs", "text", "tokens")
 
     def __init__(self) -> None:
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs | None] = []
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.final: EngineEvent | None = None
+
+
+def score_only(ev: EngineEvent) -> EngineEvent:
+    """An event of a `max_tokens: 0` answer: the one token the engine sampled is dropped."""
+    return dataclasses.replace(
+        ev, text="", token_ids=[], logprobs=[], num_output_tokens=0, stop_reason=None,
+        finish_reason="length" if ev.finish_reason in ("stop", "length") else ev.finish_reason)
 
 
 class UsageTally:
@@ -114,6 +123,9 @@ class GenerationHandler:
         if spec.sampling.grammar is not None and not gw.engine.supports_grammar:
             raise invalid("structured outputs are not supported by this model",
                           "response_format", "unsupported")
+        if spec.sampling.prompt_logprobs is not None and not gw.engine.scores_prompts:
+            raise invalid("prompt logprobs ('echo' with 'logprobs') are not supported by this "
+                          "model", "echo", "unsupported")
         timing.marks.mark_parsed()
         prompts = await gw.tokenize(spec)
         gw.fit_context(spec, prompts)
@@ -128,7 +140,7 @@ class GenerationHandler:
                 return await self._stream(request, spec, job, timing)
             choices = await self._collect(spec, job)
             generated = sum(len(c.tokens) for c in choices)
-            answer = self._whole(spec, rid, choices)
+            answer = self._whole(spec, rid, choices, job)
             t = timing.finish([c.final for c in choices], answer["usage"])
             answer["timings"] = t.to_json()
             return web.Response(body=orjson.dumps(answer), content_type="application/json",
@@ -144,6 +156,10 @@ class GenerationHandler:
             async with asyncio.timeout(spec.timeout):
                 async for i, ev in self.gw.events(job):
                     c = choices[i]
+                    if spec.score_only:
+                        ev = score_only(ev)
+                    if ev.prompt_logprobs is not None:
+                        c.prompt_logprobs = ev.prompt_logprobs
                     c.text.append(ev.text)
                     c.tokens += ev.token_ids
                     c.logprobs += ev.logprobs
@@ -159,7 +175,8 @@ class GenerationHandler:
                 raise err
         return choices
 
-    def _whole(self, spec: GenerationSpec, rid: str, choices: list[Choice]) -> dict[str, Any]:
+    def _whole(self, spec: GenerationSpec, rid: str, choices: list[Choice], job: Job
+               ) -> dict[str, Any]:
         out = []
         tally = UsageTally(spec.n)
         for i, c in enumerate(choices):
@@ -167,6 +184,9 @@ class GenerationHandler:
             assert fin is not None
             text = "".join(c.text)
             lp = self._logprobs(spec, c.tokens, c.logprobs, text)
+            if spec.echo and spec.logprobs is not None:
+                lp = self._echo_logprobs(job.requests[i].prompt_token_ids, c.prompt_logprobs,
+                                         lp)
             item: dict[str, Any] = {"index": i, "logprobs": lp,
                                     "finish_reason": fin.finish_reason}
             calls = parse_call(text, spec.tools) if self.chat else None
@@ -240,9 +260,12 @@ class GenerationHandler:
         if self.chat:
             for i in range(len(job.requests)):
                 await resp.write(sse_event(self._chunk(base, i, role=True)))
-        elif spec.echo:
+        elif spec.echo and spec.logprobs is None:
             for i in range(len(job.requests)):
                 await resp.write(sse_event(self._chunk(base, i, text=self._echo(spec, i))))
+        # With logprobs, a choice's echo waits for its prompt logprobs (on its first event).
+        echo_due = set(range(len(job.requests))) if spec.echo and spec.logprobs is not None \
+            else set()
         tally = UsageTally(spec.n)
         finals: list[EngineEvent | None] = [None] * len(job.requests)
         prompt_sent: set[int] = set()
@@ -255,6 +278,13 @@ class GenerationHandler:
             if err is not None:
                 await resp.write(sse_event(self._error(err, ev)))
                 return
+            if spec.score_only:
+                ev = score_only(ev)
+            if i in echo_due and ev.prompt_logprobs is not None:
+                echo_due.discard(i)
+                lp = self._echo_logprobs(job.requests[i].prompt_token_ids, ev.prompt_logprobs)
+                await resp.write(sse_event(self._chunk(base, i, text=self._echo(spec, i),
+                                                       logprobs=lp)))
             chunk = self._event_chunk(base, spec, job, i, ev, prompt_sent, buffers)
             if chunk is not None:
                 await resp.write(sse_event(chunk))
@@ -330,6 +360,34 @@ class GenerationHandler:
         return prompt if isinstance(prompt, str) else self.gw.tokenizer.decode(prompt)
 
     # logprobs --------------------------------------------------------------------------------
+    def _echo_logprobs(self, prompt: list[int], scores: list[TokenLogprobs] | None,
+                       then: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The legacy `logprobs` of an echoed prompt (its first token has none), followed by
+        the completion's (`then`), offsets running on across both."""
+        lps: list[TokenLogprobs | None] = [None, *(scores or [])]
+        assert len(lps) == len(prompt), (len(lps), len(prompt))
+        out = self._legacy_logprobs(prompt, lps)
+        if then:
+            base = out["text_offset"][-1] + len(out["tokens"][-1]) if prompt else 0
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                out[key] += then[key]
+            out["text_offset"] += [base + o for o in then["text_offset"]]
+        return out
+
+    def _legacy_logprobs(self, tokens: list[int], lps: list[TokenLogprobs | None]
+                         ) -> dict[str, Any]:
+        dec = self.gw.tokenizer.decode
+        toks, token_lps, tops, offsets, off = [], [], [], [], 0
+        for t, lp in zip(tokens, lps):
+            tok = dec([t])
+            toks.append(tok)
+            offsets.append(off)
+            off += len(tok)
+            token_lps.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {dec([a]): b for a, b in lp.top})
+        return {"tokens": toks, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
     def _logprobs(self, spec: GenerationSpec, tokens: list[int],
                   lps: list[TokenLogprobs | None], text: str) -> Any:
         if spec.logprobs is None or not tokens:
@@ -349,13 +407,4 @@ class GenerationHandler:
                                                   "bytes": list(raw(a))}
                                                  for a, b in lp.top]})
             return {"content": content}
-        toks, token_lps, tops, offsets, off = [], [], [], [], 0
-        for t, lp in zip(tokens, lps):
-            tok = dec([t])
-            toks.append(tok)
-            offsets.append(off)
-            off += len(tok)
-            token_lps.append(None if lp is None else lp.logprob)
-            tops.append(None if lp is None else {dec([a]): b for a, b in lp.top})
-        return {"tokens": toks, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
+        return self._legacy_logprobs(tokens, lps)

@@ -37,6 +37,9 @@ class GenerationSpec:
     logprobs: int | None = None  # number of top alternatives; None = off
     priority: str = "interactive"
     echo: bool = False  # completions: the prompt's text leads each choice's text
+    # Completions with `max_tokens: 0` and `echo`: the prompt alone is the answer (scoring a
+    # text, with `logprobs`). The engine samples one token, which is dropped.
+    score_only: bool = False
     tools: ToolSpec = field(default_factory=ToolSpec)  # chat: tools the answer may call
     timeout: float | None = None
     # Extension: each choice carries its token ids (and the first stream chunk the prompt's),
@@ -200,16 +203,17 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         spec.prompts = _prompts(body, vocab_size)
         spec.logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         spec.echo = _bool(body, "echo", False)
-        if spec.echo and spec.logprobs is not None:
-            raise invalid("'echo' with 'logprobs' asks for prompt logprobs, which are not "
-                          "supported", "echo", "unsupported")
         best_of = _int(body, "best_of", None, 1, MAX_N)
         if best_of is not None and best_of != (_int(body, "n", 1, 1, MAX_N) or 1):
             raise invalid("'best_of' other than 'n' is not supported", "best_of", "unsupported")
     mt = body.get("max_completion_tokens") if chat else None
     key = "max_completion_tokens" if mt is not None else "max_tokens"
-    max_tokens = _int(body, key, None, 1, 1 << 20)
+    max_tokens = _int(body, key, None, 0 if spec.echo else 1, 1 << 20)
     spec.max_tokens_given = max_tokens is not None
+    if max_tokens == 0:
+        # NOTE: one token is sampled from logits the last prompt row computes anyway: no
+        # extra model work, and every engine path stays the same.
+        spec.score_only, max_tokens = True, 1
     spec.n = _int(body, "n", 1, 1, MAX_N) or 1
     spec.stream = _bool(body, "stream", False)
     spec.return_token_ids = _bool(body, "return_token_ids", False)
@@ -235,7 +239,8 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         top_p=_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
         top_k=max(0, top_k or 0),
         seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
-        logprobs=spec.logprobs, min_tokens=_int(body, "min_tokens", 0, 0, 1 << 20) or 0,
+        logprobs=spec.logprobs, prompt_logprobs=spec.logprobs if spec.echo else None,
+        min_tokens=_int(body, "min_tokens", 0, 0, 1 << 20) or 0,
         stop_token_ids=_stop_token_ids(body, vocab_size),
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0) or 0.0,
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0) or 0.0,

@@ -1,0 +1,37 @@
+"""A batch line through the replica's own gateway, in-process (tiny model): it is admitted and
+answered like a live request, but its first token never becomes evidence for the TTFT
+correction that interactive admission applies (lines are served after later interactive
+requests by design, so they come late against their prediction)."""
+
+from __future__ import annotations
+
+from batcher.batch.lines import LineRunner
+from batcher.serve import _step_observer
+from batcher.server.appkeys import GATEWAY
+from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory, auth, completion, tokenizer
+
+__all__ = ["tokenizer"]  # the module-scoped fixture, shared
+
+
+async def test_a_line_teaches_the_ttft_correction_nothing(aiohttp_client, tiny_fp32,
+                                                          tokenizer) -> None:
+    client = await aiohttp_client(app_factory(tiny_fp32, tokenizer, TENANTS)())
+    gw = client.server.app[GATEWAY]
+    # As `batcher serve` wires it: every step feeds admission's prefill rate.
+    gw.engine.step_listeners.append(_step_observer(gw.admission, gw.engine, lambda r, c: 0.01))
+    predictor = gw.admission.predictor
+
+    async def live() -> None:
+        resp = await client.post("/v1/completions", json=completion(), headers=auth(ALICE))
+        assert resp.status == 200, await resp.text()
+
+    await live()  # measures a prefill rate: later admissions carry a prediction
+    await live()
+    seen = predictor.num_ttft_observations
+    assert seen >= 1  # a live request with a prediction is compared at its first token
+    result = await LineRunner(gw).run(TENANTS["alice"], "/v1/completions",
+                                      completion(max_tokens=3, ignore_eos=True), "line-1")
+    assert result.ok and result.body["usage"]["completion_tokens"] == 3
+    assert predictor.num_ttft_observations == seen
+    await live()
+    assert predictor.num_ttft_observations == seen + 1
