@@ -299,9 +299,30 @@ class TtftPredictor:
         if rate is None:
             return None
         own = max(0, own_tokens) / rate
-        by_prefill = backlog.ahead(priority) / rate + own
+        by_prefill = self._prefill_s(backlog, priority, backlog.ahead(priority) + own_tokens)
         by_slot = backlog.steps_to_slot(priority) * self.step_s + own
         return self.step_s + max(by_prefill, by_slot)
+
+    def _prefill_s(self, backlog: Backlog, priority: str, tokens: float) -> float:
+        """Seconds to prefill `tokens` from now, the rate rising as running streams end: each
+        decodes for at most its `steps_left` more steps, and the scheduler gives prefill more of
+        a step with fewer decodes beside it. Streams queued ahead are counted as decoding
+        throughout (they start as soon as they are prefilled)."""
+        queued = backlog.decoding_while_waiting(priority) - backlog.running
+        elapsed = 0.0
+        done_steps = 0
+        n = len(backlog.steps_left)
+        for i, steps in enumerate(backlog.steps_left):  # ascending: streams end one by one
+            span = (steps - done_steps) * self.step_s
+            if span <= 0:
+                continue
+            rate = self.prefill_rate_with(n - i + queued) or 1.0
+            if tokens <= rate * span:
+                return elapsed + tokens / rate
+            tokens -= rate * span
+            elapsed += span
+            done_steps = steps
+        return elapsed + tokens / (self.prefill_rate_with(max(0, queued)) or 1.0)
 
     def predict(self, now: float, backlog: Backlog, priority: str, own_tokens: int
                 ) -> float | None:
