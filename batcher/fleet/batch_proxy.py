@@ -268,8 +268,9 @@ async def file_content(request: web.Request) -> web.StreamResponse:
                                    timeout=STREAM_TIMEOUT) as resp:
             if resp.status != 200:
                 return _passed(resp.status, _json(await resp.read()))
-            out = web.StreamResponse(headers={"Content-Type": resp.headers.get(
-                "Content-Type", "application/jsonl")})
+            out = web.StreamResponse(headers={
+                "Content-Type": resp.headers.get("Content-Type", "application/jsonl"),
+                "X-Request-Id": request["request_id"]})
             if resp.content_length is not None:
                 out.content_length = resp.content_length
             await out.prepare(request)
@@ -333,6 +334,9 @@ async def _list(request: web.Request, kind: str) -> web.Response:
         cursor = await _cursor(request, kind, q["after"], headers)
     path = KINDS[kind][2]
     reps = list(proxy.ctx.registry)
+    if not reps:
+        raise ApiError(503, "no replica is registered with this router", code="no_replica",
+                       retry_after=2)
 
     async def ask(rep: Replica) -> tuple[int, Any]:
         query = {**base, **batch_ids.page_query(cursor, rep.replica_id, order == "asc")}
@@ -357,7 +361,7 @@ async def _list(request: web.Request, kind: str) -> web.Response:
         items = [batch_ids.outward(x, rep.replica_id) for x in body.get("data") or ()
                  if isinstance(x, dict)]
         pages[rep.replica_id] = (items, bool(body.get("has_more")))
-    if reps and disabled == len(reps):
+    if disabled == len(reps):
         raise ApiError(404, "no replica behind this router serves the batch API",
                        code="batch_api_disabled")
     return json_response(batch_ids.merge(pages, limit, order == "asc"))

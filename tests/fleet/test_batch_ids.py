@@ -95,3 +95,17 @@ def test_uploads_go_to_the_most_headroom_or_the_pool() -> None:
     ctx = _ctx(("b",))
     ctx.registry.get("b").evicted = True  # a pool replica that is down takes nothing
     assert BatchProxy(ctx).upload_order() == []
+
+
+def test_fleet_replicas_get_their_own_batch_directories() -> None:
+    from batcher.fleet.cli import _own_batch_dirs
+    from batcher.fleet.launcher import replica_specs
+
+    specs = replica_specs(2, ["--data-dir", "/srv/batch", "--batch-db", "/db/b.sqlite3"], [])
+    _own_batch_dirs(specs)
+    for s in specs:
+        assert s.argv[s.argv.index("--data-dir") + 1] == f"/srv/batch/{s.replica_id}"
+        assert s.argv[s.argv.index("--batch-db") + 1] == f"/db/b-{s.replica_id}.sqlite3"
+    plain = replica_specs(1, ["--max-num-seqs", "8"], [])
+    _own_batch_dirs(plain)
+    assert "--data-dir" not in plain[0].argv
