@@ -14,6 +14,7 @@ MAX_DEFAULT_BLOCKS = 65536
 # Tokens a request may span (prompt + output), before the model's own limit caps it.
 DEFAULT_MAX_MODEL_LEN = 8192
 PREFILL_BUDGETS = ("time", "fixed")
+SPECULATIVE_METHODS = ("none", "ngram")
 
 
 @dataclass(slots=True)
@@ -34,6 +35,10 @@ class SchedulerConfig:
     max_step_slowdown: float = 1.5  # else: this times the step's decode-only time
     # Tokens the first prefill of a step gets when the time target leaves room for none.
     min_prefill_chunk: int = 4
+    # Speculative decoding: "ngram" drafts up to `num_speculative_tokens` tokens per decode row
+    # from the sequence's own earlier tokens (`core/ngram_proposer.py`); "none" is off.
+    speculative: str = "none"
+    num_speculative_tokens: int = 4
 
     def validate(self) -> SchedulerConfig:
         if self.max_num_seqs < 1:
@@ -52,6 +57,10 @@ class SchedulerConfig:
             raise ValueError("max_step_slowdown must be >= 1")
         if self.min_prefill_chunk < 1:
             raise ValueError("min_prefill_chunk must be >= 1")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be between 1 and 16")
         return self
 
 

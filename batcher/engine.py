@@ -445,7 +445,10 @@ class AsyncEngine:
             if live is None:
                 continue  # output of a request the engine no longer tracks: drop it
             live.token_times.extend([now] * len(u.new_token_ids))
-            text = live.detok.add(u.new_token_ids)
+            if len(u.new_token_ids) > 1:
+                text = self._add_until_stop(live, u)
+            else:
+                text = live.detok.add(u.new_token_ids)
             if live.detok.stopped and not u.finished:
                 self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
             ev = EngineEvent(u.request_id, text, list(u.new_token_ids), list(u.new_logprobs),
@@ -456,6 +459,23 @@ class AsyncEngine:
                 self._finish(live, now, ev)
             else:
                 self._streams.push(u.request_id, ev)
+
+    @staticmethod
+    def _add_until_stop(live: _Live, u: RequestUpdate) -> str:
+        """Several tokens from one step (speculation): detokenize them one at a time, so a stop
+        string ends the output at the same token as plain decoding would; the tokens after it
+        are dropped from the update and the request."""
+        parts: list[str] = []
+        for i, token in enumerate(u.new_token_ids):
+            parts.append(live.detok.add([token]))
+            extra = len(u.new_token_ids) - i - 1
+            if live.detok.stopped and extra:
+                del u.new_token_ids[-extra:], u.new_logprobs[-extra:]
+                del live.token_times[-extra:], live.request.token_ids[-extra:]
+                if u.status is RequestStatus.FINISHED_LENGTH:  # the stop came first
+                    u.status = live.request.status = RequestStatus.FINISHED_STOPPED
+                break
+        return "".join(parts)
 
     def _finish(self, live: _Live, now: float, ev: EngineEvent | None = None,
                 error: str | None = None) -> None:

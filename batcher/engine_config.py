@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from batcher.config import (
     DEFAULT_MAX_MODEL_LEN,
     PREFILL_BUDGETS,
+    SPECULATIVE_METHODS,
     CacheConfig,
     SchedulerConfig,
     parse_bytes,
@@ -44,13 +45,16 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     torch_threads: int | None = None  # None: the cgroup CPU quota, else all cores
+    speculative: str = "none"  # or "ngram": draft tokens by prompt lookup, verified in one step
+    num_speculative_tokens: int = 4
 
     def validate(self) -> EngineConfig:
         """Raise ValueError naming the first bad setting."""
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES),
                               ("quantization", QUANTIZATIONS),
                               ("attention_backend", ATTENTION_BACKENDS),
-                              ("prefill_budget", PREFILL_BUDGETS)):
+                              ("prefill_budget", PREFILL_BUDGETS),
+                              ("speculative", SPECULATIVE_METHODS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "torch_threads"):
@@ -64,7 +68,9 @@ class EngineConfig:
                         max_model_len=self.max_model_len, prefill_budget=self.prefill_budget,
                         slo_tpot_s=self.slo_tpot_ms / 1000 if self.slo_tpot_ms else None,
                         max_step_slowdown=self.max_step_slowdown,
-                        min_prefill_chunk=self.min_prefill_chunk).validate()
+                        min_prefill_chunk=self.min_prefill_chunk,
+                        speculative=self.speculative,
+                        num_speculative_tokens=self.num_speculative_tokens).validate()
         CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                     kv_cache_memory=parse_bytes(self.kv_cache_memory)
                     if self.kv_cache_memory else None,

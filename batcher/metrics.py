@@ -99,6 +99,10 @@ class Metrics:
                                    "Prompt tokens served from the prefix cache", registry=r)
         self.preemptions = Counter("batcher_preemptions", "Requests preempted for recompute",
                                    registry=r)
+        self.spec_drafted = Counter("batcher_spec_draft_tokens", "Tokens drafted by "
+                                    "speculative decoding and checked by the model", registry=r)
+        self.spec_accepted = Counter("batcher_spec_accepted_tokens", "Drafted tokens the model "
+                                     "agreed with (each saves a decode step)", registry=r)
         self.finished = Counter("batcher_requests_finished", "Requests finished",
                                 ["reason"], registry=r)
         self.rejected = Counter("batcher_requests_rejected", "Requests refused before the "
@@ -141,7 +145,9 @@ class Metrics:
         for name, counter in (("generated_tokens", self.generated_tokens),
                               ("prompt_tokens_computed", self.prefill_computed),
                               ("prefix_hit_tokens", self.prefix_hits),
-                              ("preemptions", self.preemptions)):
+                              ("preemptions", self.preemptions),
+                              ("spec_draft_tokens", self.spec_drafted),
+                              ("spec_accepted_tokens", self.spec_accepted)):
             value = getattr(st, name)
             delta = value - self._last.get(name, 0)
             if delta > 0:

@@ -27,8 +27,11 @@ from batcher.config import (
     CUDA_MAX_NUM_BATCHED_TOKENS,
     CUDA_MAX_NUM_SEQS,
     PREFILL_BUDGETS,
+    SPECULATIVE_METHODS,
 )
 from batcher.engine_config import ATTENTION_BACKENDS, DEFAULT_MODEL, QUANTIZATIONS, EngineConfig
+from batcher.server.tool_parsers import DEFAULT as TOOL_PARSER_DEFAULT
+from batcher.server.tool_parsers import parser_names as tool_parser_names
 
 # The engine settings' defaults, one copy for these flags and the in-process API.
 _E = EngineConfig()
@@ -98,6 +101,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "leaves room for none, so a long prompt always progresses; otherwise its chunk is "
       "what fits the target, however small, since deep into a long prompt even a few tokens "
       "cost a sizeable share of a step (default: %(default)s)")
+    a("--speculative", default=_E.speculative, type=lower, choices=SPECULATIVE_METHODS,
+      help="speculative decoding: 'ngram' drafts a decoding stream's next tokens from an "
+      "earlier occurrence of its latest tokens in its own prompt and output, and checks them in "
+      "the same model step; accepted drafts are the tokens plain decoding would have produced, "
+      "so outputs are unchanged (grammar-constrained requests, and requests still under "
+      "min_tokens, are not drafted) (default: %(default)s)")
+    a("--num-speculative-tokens", type=positive_int, default=_E.num_speculative_tokens,
+      help="most tokens drafted per stream and step with --speculative ngram, 1-16 "
+      "(default: %(default)s)")
     a("--attention-backend", default=_E.attention_backend, choices=ATTENTION_BACKENDS,
       help="decode attention: the fused Triton kernel on CUDA when available (default: "
       "%(default)s)")
@@ -111,6 +123,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--default-max-tokens", type=positive_int, default=1024,
       help="chat max_tokens when the client "
       "sends none (default: %(default)s)")
+    a("--tool-call-parser", default=TOOL_PARSER_DEFAULT, choices=tool_parser_names(),
+      help="how tool calls are written and read: 'generic' describes the tools in a system "
+      "message and constrains the answer to a JSON call or a reply (for chat templates without "
+      "a tool format, the bundled model's); 'hermes' (Qwen2.5/Qwen3, Hermes) and 'llama3_json' "
+      "(Llama 3.1-3.3) use the template's own format, which must render 'tools' "
+      "(default: %(default)s)")
     a("--tenants", default=None, help="tenants TOML file (keys, token budgets) (default: none, "
       "auth off)")
     a("--max-waiting", type=positive_int, default=256, help="requests queued before new ones "

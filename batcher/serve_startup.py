@@ -64,7 +64,9 @@ def engine_configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConf
                             prefill_budget=args.prefill_budget,
                             slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
                             max_step_slowdown=args.max_step_slowdown,
-                            min_prefill_chunk=args.min_prefill_chunk)
+                            min_prefill_chunk=args.min_prefill_chunk,
+                            speculative=args.speculative,
+                            num_speculative_tokens=args.num_speculative_tokens)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory=parse_bytes(args.kv_cache_memory)
                         if args.kv_cache_memory else None,

@@ -111,17 +111,20 @@ class KVCacheManager:
         return block_ids, len(block_ids) * bs
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None,
+        num_lookahead: int = 0,
     ) -> bool:
         """Grow `request.block_ids` so that it covers `num_computed_tokens` (plus the hit blocks)
-        plus `num_new_tokens`. With `computed_blocks` (an admission: the request holds nothing),
-        take a reference to each hit block first. Returns False and changes nothing when the free
-        blocks are too few."""
+        plus `num_new_tokens` plus `num_lookahead` drafted positions past the sequence's end
+        (speculation; `trim` gives back what was not accepted). With `computed_blocks` (an
+        admission: the request holds nothing), take a reference to each hit block first.
+        Returns False and changes nothing when the free blocks are too few."""
         computed = computed_blocks or []
         assert not computed or (not request.block_ids and request.num_computed_tokens == 0)
         bs = self.block_size
         num_tokens = request.num_computed_tokens + len(computed) * bs + num_new_tokens
         assert num_tokens <= request.num_tokens, "cannot compute tokens not yet sampled"
+        num_tokens += num_lookahead
         held = len(request.block_ids) + len(computed)
         num_fresh = max(0, cdiv(num_tokens, bs) - held)
         # NOTE: a hit on a cached (ref 0) block takes it out of the free LRU, so it cannot count
@@ -167,6 +170,20 @@ class KVCacheManager:
                 tuple(tokens[i * bs : (i + 1) * bs]),
             )
         state.num_cached_blocks = num_full
+
+    def trim(self, request: Request) -> None:
+        """Release the blocks past those that `request.num_tokens` positions need: the tail a
+        speculative step reserved for drafts that were not accepted. Such a block holds no
+        accepted token, so it was never registered in the prefix cache."""
+        keep = cdiv(request.num_tokens, self.block_size)
+        if len(request.block_ids) <= keep:
+            return
+        state = self._state.get(request.request_id)
+        assert state is None or state.num_cached_blocks <= keep, request.request_id
+        tail = request.block_ids[keep:]
+        # NOTE: a new list: the last step's ScheduledSeq may still refer to the old one.
+        request.block_ids = request.block_ids[:keep]
+        self.pool.free(reversed(tail))
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so tails are evicted first) and

@@ -33,6 +33,9 @@ class ScheduledSeq:
     # `score_targets[j - score_offset]` (the prompt token that follows it).
     score_targets: tuple[int, ...] = ()
     score_offset: int = 0
+    # Speculation: proposed next tokens, also the tail of `token_ids` (after the one real new
+    # token). The runner samples every position and keeps what `core/spec_verify` accepts.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +83,8 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """Sampled tokens for the sequences with `sample=True`, in the order they were scheduled."""
+    """Sampled tokens for the sequences with `sample=True`, in the order they were scheduled.
+    A sequence with drafts may have several entries in a row: its kept tokens, in order."""
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from batcher.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
+from batcher.core.ngram_proposer import NgramProposer, can_speculate
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from batcher.core.refusals import DuplicateRequestId, EmptyPrompt, ExceedsContext, ExceedsKvCapacity
 from batcher.core.step_budget import PrefillAllowance, step_target
@@ -56,6 +57,8 @@ class SchedulerStats:
     steps: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    spec_draft_tokens: int = 0  # tokens proposed by speculation and checked by the model
+    spec_accepted_tokens: int = 0  # of those, the ones the model agreed with
 
 
 def _running_key(req: Request) -> tuple[int, float]:
@@ -102,6 +105,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._pending_aborts: dict[str, None] = {}
         self._freed_ids: list[str] = []
+        self.proposer = (NgramProposer(self.config.num_speculative_tokens)
+                         if self.config.speculative == "ngram" else None)
 
     @property
     def num_running(self) -> int:
@@ -182,9 +187,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(seqs) < cfg.max_num_seqs:
             req = self.running[i]
+            drafts: list[int] = []
             if req.num_tokens - req.num_computed_tokens == 1:
                 decodes_left -= 1
                 num_new = 1
+                drafts = self._drafts(req, budget - 1 - decodes_left)
             elif budget > decodes_left:
                 num_new = self._chunk(req, req.num_computed_tokens, budget - decodes_left)
                 if allowance is not None:
@@ -195,7 +202,10 @@ class Scheduler:
             else:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new):
+            while not self.kv.allocate_slots(req, num_new, num_lookahead=len(drafts)):
+                if drafts:  # NOTE: speculation never preempts anyone: retry without drafts
+                    drafts = []
+                    continue
                 # NOTE: the tail of `running` is the lowest-priority, newest request; it is never
                 # one scheduled earlier in this loop, so no budget needs refunding.
                 victim = self.running[-1]
@@ -208,8 +218,8 @@ class Scheduler:
             else:
                 if allowance is not None and req.num_tokens - req.num_computed_tokens > 1:
                     allowance.take(num_new, req.num_computed_tokens)
-                seqs.append(self._seq(req, num_new))
-                budget -= num_new
+                seqs.append(self._seq(req, num_new, drafts))
+                budget -= num_new + len(drafts)
                 i += 1
 
         # Waiting requests by (priority, arrival); none in a step that preempted, because the
@@ -263,7 +273,10 @@ class Scheduler:
         ids, tokens = runner_out.request_ids, runner_out.token_ids
         # NOTE: a runner with logprobs off may leave the list empty.
         lps = runner_out.logprobs if runner_out.logprobs else [None] * len(tokens)
-        sampled = dict(zip(ids, zip(tokens, lps, strict=True), strict=True))
+        # NOTE: a row with drafts may have several tokens, in order.
+        sampled: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}
+        for rid, token, lp in zip(ids, tokens, lps, strict=True):
+            sampled.setdefault(rid, []).append((token, lp))
         updates: list[RequestUpdate] = []
         now: float | None = None
         for seq in sched_out.seqs:
@@ -275,6 +288,9 @@ class Scheduler:
             ):
                 continue
             assert req.num_computed_tokens == seq.start_pos, (req.request_id, seq.start_pos)
+            if seq.draft_token_ids:
+                updates.append(self._update_speculative(req, seq, sampled[seq.request_id]))
+                continue
             req.num_computed_tokens += seq.num_tokens
             self.stats.prompt_tokens_computed += max(
                 0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
@@ -288,7 +304,7 @@ class Scheduler:
             if not seq.sample:
                 continue
             assert seq.request_id in sampled, f"runner returned no token for {seq.request_id}"
-            token, lp = sampled[seq.request_id]
+            ((token, lp),) = sampled[seq.request_id]
             req.append_token(token)
             self.stats.generated_tokens += 1
             if req.first_token_time is None:
@@ -353,7 +369,48 @@ class Scheduler:
         assert num_new > 0, req.request_id
         return num_new
 
-    def _seq(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Tokens to draft after a decode row's token (none when speculation is off, the request
+        cannot take it, or the step's budget has no room)."""
+        if self.proposer is None or not can_speculate(req.sampling, req.num_output_tokens):
+            return []
+        # The model's own token comes on top of the accepted drafts: never past max_tokens or
+        # max_model_len.
+        room = min(budget, req.sampling.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req.token_ids, room) if room > 0 else []
+
+    def _update_speculative(self, req: Request, seq: ScheduledSeq,
+                            kept: list[tuple[int, TokenLogprobs | None]]) -> RequestUpdate:
+        """Apply a row with drafts: `kept` is the accepted drafts then the model's own next
+        token (`core/spec_verify`). Tokens are appended one by one and the first that stops the
+        request ends it, as plain decoding would. KV is valid for the row's input token and the
+        accepted drafts; the blocks reserved for rejected drafts go back to the pool, and they are
+        never registered in the prefix cache (they hold no computed token)."""
+        self.stats.spec_draft_tokens += len(seq.draft_token_ids)
+        self.stats.spec_accepted_tokens += len(kept) - 1
+        new_tokens: list[int] = []
+        new_lps: list[TokenLogprobs | None] = []
+        status = None
+        for token, lp in kept:
+            req.append_token(token)
+            new_tokens.append(token)
+            new_lps.append(lp)
+            self.stats.generated_tokens += 1
+            status = self._check_stop(req, token)
+            if status is not None:
+                break
+        req.num_computed_tokens = min(seq.start_pos + len(kept), req.num_tokens - 1)
+        self.kv.cache_full_blocks(req)
+        if req.first_token_time is None:
+            req.first_token_time = self.clock()
+        if status is not None:
+            self._free(req, status)
+        else:
+            self.kv.trim(req)
+        return RequestUpdate(req.request_id, new_tokens, new_lps, req.status)
+
+    def _seq(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
         seq = ScheduledSeq(
             request_id=req.request_id,
@@ -376,6 +433,9 @@ class Scheduler:
             if lo < hi:
                 seq.score_targets = tuple(req.prompt_token_ids[lo + 1 : hi + 1])
                 seq.score_offset = lo - start
+        if drafts:
+            seq.token_ids = seq.token_ids + drafts  # a new list: the request's stays as it is
+            seq.draft_token_ids = tuple(drafts)
         return seq
 
     @staticmethod

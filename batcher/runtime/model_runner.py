@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from batcher.core.spec_verify import collapse, verify_rows
 from batcher.runtime.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
@@ -92,8 +93,8 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits[:ns], sample_seqs, masks)
         if masks is not None:
             self.grammar.advance(sample_seqs, tokens)
-        out.request_ids, out.token_ids, out.logprobs = (
-            [s.request_id for s in sample_seqs], tokens, logprobs)
+        # NOTE: with drafts, `sample_seqs` has a row per drafted position (see `prepare`).
+        out.request_ids, out.token_ids, out.logprobs = collapse(sched.seqs, tokens, logprobs)
         return out
 
     def attach_tokenizer(self, tokenizer: Any) -> None:
@@ -136,7 +137,12 @@ class ModelRunner:
                 row=row, length=n, start_pos=s.start_pos, mask=mask,
                 block_ids=torch.tensor(s.block_ids[:nblocks], dtype=torch.long, device=dev)))
             row += n
-        sample_seqs: list[ScheduledSeq] = [s for s in sched.seqs if s.sample]
+        # A row with drafts samples each of its positions: `core/spec_verify` keeps the prefix
+        # plain decoding would have produced.
+        sample_seqs: list[ScheduledSeq] = [r for s in sched.seqs if s.sample
+                                           for r in verify_rows(s)]
+        sample_rows = [row for s in sched.seqs if s.sample
+                       for row in range(row_of[id(s)] - len(s.draft_token_ids), row_of[id(s)] + 1)]
         # NOTE: prompt-logprob rows follow the sampling rows, in scheduled order (as
         # `execute` hands them to `score_prompts`).
         score_rows: list[int] = []
@@ -144,7 +150,7 @@ class ModelRunner:
             if s.score_targets:
                 first = row_of[id(s)] - len(s.token_ids) + 1 + s.score_offset
                 score_rows.extend(range(first, first + len(s.score_targets)))
-        logits_idx = torch.tensor([row_of[id(s)] for s in sample_seqs] + score_rows or [0],
+        logits_idx = torch.tensor(sample_rows + score_rows or [0],
                                   dtype=torch.long, device=dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_idx,

@@ -1,0 +1,296 @@
+"""Speculative decoding by n-gram lookup: the proposer, the verify rule, the scheduler's
+bookkeeping (KV reserved for drafts and given back, stops inside a drafted span) on a pure
+fake model, and the engine on the tiny model: outputs equal to plain decoding."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batcher.config import SchedulerConfig
+from batcher.core.kv_cache_manager import KVCacheManager
+from batcher.core.ngram_proposer import NgramProposer, can_speculate
+from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from batcher.core.scheduler import Scheduler
+from batcher.core.spec_verify import accepted, collapse, verify_rows
+from batcher.request import Request
+from batcher.sampling import SamplingParams
+
+# -- the proposer -----------------------------------------------------------------------------
+
+
+def test_proposer_continues_the_latest_earlier_occurrence() -> None:
+    p = NgramProposer(k=3)
+    # "1 2 3" occurred twice before; the latest occurrence (followed by 7 8 9) wins.
+    assert p.propose([1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8, 9, 0, 1, 2, 3]) == [7, 8, 9]
+    assert p.propose([1, 2, 3, 4, 1, 2, 3], k=2) == [4, 1]  # k caps the proposal
+
+
+def test_proposer_prefers_the_longest_match() -> None:
+    p = NgramProposer(k=2)
+    # The suffix "5 6" recurs once (followed by 7), "6" alone more recently (followed by 9).
+    assert p.propose([5, 6, 7, 8, 6, 9, 5, 6]) == [7, 8]
+    assert NgramProposer(k=2, max_n=1).propose([5, 6, 7, 8, 6, 9, 5, 6]) == [9, 5]
+
+
+def test_proposer_without_a_match_proposes_nothing() -> None:
+    p = NgramProposer(k=4)
+    assert p.propose([1, 2, 3, 4, 5]) == []
+    assert p.propose([7]) == []
+    assert p.propose([]) == []
+    assert p.propose([1, 2, 1], k=0) == []
+    assert NgramProposer(k=2, min_n=2).propose([1, 9, 3, 1]) == []  # only a 1-gram recurs
+
+
+def test_proposer_searches_only_its_window() -> None:
+    tokens = [1, 2, 3, 4] + [9] * 40 + [1, 2, 3]
+    assert NgramProposer(k=2).propose(tokens) == [4, 9]
+    assert NgramProposer(k=2, window=20).propose(tokens) == []
+
+
+def test_proposer_rejects_bad_settings() -> None:
+    for kw in ({"k": 0}, {"k": 2, "min_n": 0}, {"k": 2, "min_n": 3, "max_n": 2},
+               {"k": 2, "window": 3}):
+        with pytest.raises(ValueError):
+            NgramProposer(**kw)
+
+
+def test_grammar_rows_and_rows_under_min_tokens_are_not_drafted() -> None:
+    assert can_speculate(SamplingParams(), 0)
+    assert not can_speculate(SamplingParams(grammar="{}"), 5)
+    assert not can_speculate(SamplingParams(min_tokens=3), 2)
+    assert can_speculate(SamplingParams(min_tokens=3), 3)
+
+
+# -- the verify rule --------------------------------------------------------------------------
+
+
+def test_accepted_keeps_the_agreeing_drafts_and_the_models_own_token() -> None:
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == 4  # all drafts, plus the token after them
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == 2  # 5, then the model's 9
+    assert accepted([5, 6, 7], [1, 6, 7, 8]) == 1  # the model's own token only
+
+
+def test_verify_rows_sample_each_position_as_a_plain_decode() -> None:
+    sp = SamplingParams(temperature=0.7, seed=1, repetition_penalty=1.2)
+    seq = ScheduledSeq("a", [4, 5, 6], 10, [0], True, sp, output_index=3, history=(1, 2, 4),
+                       draft_token_ids=(5, 6))
+    rows = verify_rows(seq)
+    assert [r.output_index for r in rows] == [3, 4, 5]
+    assert [r.history for r in rows] == [(1, 2, 4), (1, 2, 4, 5), (1, 2, 4, 5, 6)]
+    plain = ScheduledSeq("b", [4], 10, [0], True, sp)
+    assert verify_rows(plain) == [plain]
+
+
+def test_collapse_keeps_each_rows_accepted_prefix_in_order() -> None:
+    sp = SamplingParams(temperature=0.0)
+    seqs = [ScheduledSeq("a", [1, 2, 3], 5, [0], True, sp, draft_token_ids=(2, 3)),
+            ScheduledSeq("p", [7, 7], 0, [1], False, sp),  # a prefill chunk: no row
+            ScheduledSeq("b", [4], 9, [2], True, sp)]
+    ids, toks, lps = collapse(seqs, [2, 8, 3, 40], ["a0", "a1", "a2", "b0"])
+    assert (ids, toks, lps) == (["a", "a", "b"], [2, 8, 40], ["a0", "a1", "b0"])
+
+
+# -- the scheduler on a pure fake model -------------------------------------------------------
+
+
+class CycleModel:
+    """A deterministic 'model': the next token depends only on the last one and cycles with a
+    short period, so n-gram drafts are usually right. Samples every drafted position as the
+    real runner does."""
+
+    def __init__(self, period: int = 7, break_every: int = 0) -> None:
+        self.period = period
+        self.break_every = break_every  # every so many positions, break the cycle
+
+    def next_token(self, token: int, pos: int) -> int:
+        if self.break_every and pos % self.break_every == 0:
+            return 100 + pos % 13
+        return 10 + (token + 1) % self.period
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        tokens: list[int] = []
+        for s in sched.seqs:
+            if s.sample:
+                first = s.num_tokens - 1 - len(s.draft_token_ids)
+                tokens += [self.next_token(s.token_ids[j], s.start_pos + j)
+                           for j in range(first, s.num_tokens)]
+        ids, kept, lps = collapse(sched.seqs, tokens, [None] * len(tokens))
+        return RunnerOutput(ids, kept, lps)
+
+
+def run_core(reqs: list[Request], model: CycleModel, num_blocks: int = 64,
+             **cfg) -> tuple[dict[str, list[int]], dict[str, str], Scheduler]:
+    kv = KVCacheManager(num_blocks, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                      prefill_budget="fixed", **cfg), kv, debug_checks=True)
+    for r in reqs:
+        sched.add_request(r)
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    reasons: dict[str, str] = {}
+    for _ in range(500):
+        if not sched.has_unfinished():
+            break
+        step = sched.schedule()
+        for s in step.seqs:  # a reserved slot for every drafted position
+            assert len(s.block_ids) * 4 >= s.start_pos + s.num_tokens
+        for u in sched.update(step, model.execute(step)):
+            out[u.request_id] += u.new_token_ids
+            if u.finished:
+                reasons[u.request_id] = u.finish_reason
+    assert not sched.has_unfinished()
+    return out, reasons, sched
+
+
+def requests() -> list[Request]:
+    return [
+        Request("long", [10, 11, 12, 13, 14, 15, 16, 10, 11],
+                SamplingParams(max_tokens=40, temperature=0.0)),
+        Request("stop-id", [12, 13, 14], SamplingParams(max_tokens=40, temperature=0.0,
+                                                        stop_token_ids=[15], min_tokens=9)),
+        Request("short", [10, 11, 12], SamplingParams(max_tokens=3, temperature=0.0)),
+        Request("broken", [1, 2, 3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0)),
+    ]
+
+
+@pytest.mark.parametrize("model", [CycleModel(), CycleModel(break_every=5)],
+                         ids=["cycle", "broken-cycle"])
+def test_speculation_gives_plain_decodings_tokens_and_frees_every_block(model) -> None:
+    plain, plain_reasons, s0 = run_core(requests(), model)
+    spec, spec_reasons, s1 = run_core(requests(), model, speculative="ngram",
+                                      num_speculative_tokens=4)
+    assert spec == plain and spec_reasons == plain_reasons
+    assert len(plain["long"]) == 40 and len(plain["short"]) == 3
+    assert plain_reasons["stop-id"] == "stop" and len(plain["stop-id"]) > 9  # min_tokens
+    assert s0.stats.spec_draft_tokens == 0
+    assert s1.stats.spec_accepted_tokens > 0
+    assert s1.stats.spec_accepted_tokens <= s1.stats.spec_draft_tokens
+    assert s1.stats.steps < s0.stats.steps  # accepted drafts saved steps
+    assert s1.stats.generated_tokens == s0.stats.generated_tokens
+    assert s1.kv.num_free_blocks == s1.kv.num_total_blocks
+    s1.check_integrity()
+
+
+def test_rejected_drafts_give_their_blocks_back_and_are_never_cached() -> None:
+    """A model that never follows the cycle its prompt shows: every draft is rejected."""
+    model = CycleModel(period=3)
+    kv = KVCacheManager(32, block_size=4)
+    sched = Scheduler(SchedulerConfig(speculative="ngram", num_speculative_tokens=6), kv,
+                      debug_checks=True)
+    req = Request("r", [10, 20, 30, 40, 10, 20, 30], SamplingParams(max_tokens=20,
+                                                                    temperature=0.0))
+    sched.add_request(req)
+    drafted = 0
+    while sched.has_unfinished():
+        step = sched.schedule()
+        seq = step.seqs[0]
+        drafted += len(seq.draft_token_ids)
+        sched.update(step, model.execute(step))
+        if not req.is_finished:
+            assert len(req.block_ids) <= -(-req.num_tokens // 4)  # nothing past the tokens
+            assert req.num_computed_tokens == req.num_tokens - 1
+    assert drafted > 0 and sched.stats.spec_accepted_tokens < drafted
+    # Every cached block's hash chain matches the tokens really generated.
+    probe = Request("again", list(req.token_ids), SamplingParams(max_tokens=1))
+    _, hit = kv.get_computed_blocks(probe)
+    assert hit == (len(req.token_ids) - 1) // 4 * 4
+
+
+def test_speculation_never_preempts_and_respects_the_token_budget() -> None:
+    model = CycleModel()
+    reqs = [Request(f"r{i}", [10 + i, 11 + i, 12 + i], SamplingParams(max_tokens=24,
+                                                                    temperature=0.0))
+            for i in range(6)]
+    plain, _, s0 = run_core([Request(r.request_id, r.prompt_token_ids, r.sampling)
+                             for r in reqs], model, num_blocks=24)
+    spec, _, s1 = run_core(reqs, model, num_blocks=24, speculative="ngram",
+                           num_speculative_tokens=8)
+    assert spec == plain
+    assert s1.stats.preemptions <= s0.stats.preemptions
+
+
+def test_speculation_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="speculative"):
+        SchedulerConfig(speculative="draft-model").validate()
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SchedulerConfig(speculative="ngram", num_speculative_tokens=0).validate()
+
+
+# -- the engine on the tiny model -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from batcher.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+def tiny_engine(loaded, tokenizer, speculative: str):
+    from batcher.engine import AsyncEngine
+    from batcher.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(loaded, num_blocks=128, block_size=16)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, speculative=speculative)
+    return AsyncEngine(runner, tokenizer, cfg, debug_checks=True)
+
+
+async def generate_all(loaded, tokenizer, speculative: str, prompts, sp, stop=None):
+    engine = tiny_engine(loaded, tokenizer, speculative)
+    results = []
+    try:
+        for i, p in enumerate(prompts):  # one at a time: single-stream decoding
+            toks, lps, text, reason = [], [], "", None
+            async for ev in engine.generate(Request(f"r{i}", p, sp), stop=stop):
+                toks += ev.token_ids
+                lps += [None if lp is None else lp.logprob for lp in ev.logprobs]
+                text += ev.text
+                reason = ev.finish_reason or reason
+            results.append((toks, lps, text, reason))
+        assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+        return results, engine.scheduler.stats
+    finally:
+        await engine.stop()
+
+
+TINY_PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(300, 340)), [42] * 12]
+
+
+def same_outputs(spec, plain) -> None:
+    """Tokens, text and finish reasons equal; logprobs equal up to float rounding (a drafted
+    position's logits come from a multi-token row, a plain one's from a one-token row)."""
+    assert [(t, x, r) for t, _, x, r in spec] == [(t, x, r) for t, _, x, r in plain]
+    for (_, a, _, _), (_, b, _, _) in zip(spec, plain, strict=True):
+        assert a == pytest.approx(b, abs=1e-3)
+
+
+@pytest.mark.parametrize("sp", [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    # Seeded rows draw the same noise per output position with or without drafts; the bias
+    # keeps the random model's samples among a few tokens, so drafts get proposed.
+    SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True,
+                   logprobs=2, presence_penalty=0.2,
+                   logit_bias={5: 9.0, 6: 9.0, 7: 9.0, 8: 9.0}),
+], ids=["greedy", "seeded-sampling"])
+def test_tiny_engine_output_equals_plain_decoding(tiny_fp32, tokenizer, sp) -> None:
+    plain, _ = asyncio.run(generate_all(tiny_fp32, tokenizer, "none", TINY_PROMPTS, sp))
+    spec, stats = asyncio.run(generate_all(tiny_fp32, tokenizer, "ngram", TINY_PROMPTS, sp))
+    same_outputs(spec, plain)
+    assert stats.spec_accepted_tokens > 0
+
+
+def test_tiny_engine_stop_string_inside_a_drafted_span(tiny_fp32, tokenizer) -> None:
+    """The stop string ends the output at the same token with speculation: the drafted tokens
+    after it are dropped, usage counts agree."""
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = [[42] * 12]
+    plain, _ = asyncio.run(generate_all(tiny_fp32, tokenizer, "none", prompt, sp))
+    text = plain[0][2]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    plain, _ = asyncio.run(generate_all(tiny_fp32, tokenizer, "none", prompt, sp, [stop]))
+    spec, stats = asyncio.run(generate_all(tiny_fp32, tokenizer, "ngram", prompt, sp, [stop]))
+    same_outputs(spec, plain)
+    assert plain[0][3] == "stop"
+    assert stats.spec_accepted_tokens > 0
