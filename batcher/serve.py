@@ -123,7 +123,8 @@ def gateway_factory(args: argparse.Namespace,
         cfg = GatewayConfig(model_name=args.served_model_name or name,
                             max_model_len=engine.scheduler.config.max_model_len,
                             default_max_tokens=args.default_max_tokens,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes,
+                            tool_call_parser=args.tool_call_parser)
         return Gateway(cfg, engine, Authenticator(auth), admission, metrics, embedder,
                        EMBEDDING_MODEL_NAME, counter)
 

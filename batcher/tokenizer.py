@@ -50,6 +50,12 @@ class Tokenizer:
         return self._eos_token_ids
 
     @property
+    def chat_template(self) -> str | None:
+        """The model's chat template text (a tool-call format needs one that renders tools)."""
+        t = getattr(self.hf, "chat_template", None)
+        return t if isinstance(t, str) else None
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows (base vocabulary plus added tokens)."""
         return len(self.hf)
@@ -68,18 +74,23 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Prompt token ids for a chat, ending with the assistant's turn header.
+
+        `tools`: for a template with a tool format of its own, the tools it lists; then
+        assistant messages may carry `tool_calls` (arguments as objects), which it renders.
 
         `messages` is a list of `{"role": system|user|assistant|tool, "content": str | [{"type":
         "text", "text": str}, ...]}`; text parts are joined with newlines. Raises ValueError on
         any other shape, or when the model has no chat template or its template rejects the chat."""
-        chat = validate_messages(messages)
+        chat = validate_messages(messages, tool_calls=tools is not None)
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use the completions endpoint")
         try:
+            extra = {"tools": tools} if tools is not None else {}
             text = self.hf.apply_chat_template(chat, add_generation_prompt=add_generation_prompt,
-                                               tokenize=False)
+                                               tokenize=False, **extra)
         except Exception as exc:  # jinja2 TemplateError from the template's raise_exception()
             raise ValueError(f"messages rejected by the chat template: {exc}") from exc
         # The template writes BOS itself where the model wants one.
@@ -138,11 +149,12 @@ def _gpt2_byte_chars() -> dict[int, str]:
     return out
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check a chat's shape; return it as `[{"role": ..., "content": str}]`. ValueError if bad."""
+def validate_messages(messages: Any, tool_calls: bool = False) -> list[dict[str, Any]]:
+    """Check a chat's shape; return it as `[{"role": ..., "content": str}]`. ValueError if bad.
+    `tool_calls`: keep an assistant's `tool_calls` (for a template that renders them)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
-    chat: list[dict[str, str]] = []
+    chat: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -150,12 +162,15 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
         role = msg.get("role")
         if role not in ROLES:
             raise ValueError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}")
-        if msg.get("tool_calls") or msg.get("function_call"):
+        calls = msg.get("tool_calls") if tool_calls and role == "assistant" else None
+        if (msg.get("tool_calls") and calls is None) or msg.get("function_call"):
             # Dropping them would show the model a conversation that never happened.
             raise ValueError(f"{where}.tool_calls: tool calling is not supported by this server")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
         content = msg.get("content")
+        if calls is not None and content is None:
+            content = ""
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -172,7 +187,7 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
         elif not isinstance(content, str):
             problem = f"{where}.content must be a string or a list of text parts"
             raise ValueError(problem)  # noqa: TRY004
-        chat.append({"role": role, "content": content})
+        chat.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {})})
     return chat
 
 

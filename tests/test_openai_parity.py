@@ -451,22 +451,23 @@ def test_tools_render_into_the_chat_and_constrain_the_answer() -> None:
     load_tokenizer().apply_chat_template(spec.messages)  # the template takes it
 
 
-def test_call_buffer_holds_a_call_and_releases_a_reply() -> None:
-    from batcher.server.tools import CallBuffer, parse_tools
+def test_generic_stream_holds_a_call_and_releases_a_reply() -> None:
+    from batcher.server.tool_parsers import get_parser, parse_tools
 
     auto = parse_tools({"tools": [WEATHER]})
-    buf = CallBuffer(auto)
-    assert buf.feed(" ") == "" and buf.feed("It is") == " It is" and buf.feed(" warm") == " warm"
-    assert buf.end() == ("", None)
-    buf = CallBuffer(auto)
-    assert buf.feed('{"name": "get_weather", ') == ""
-    assert buf.feed('"arguments": {"city": "Oslo"}}') == ""
-    rest, calls = buf.end()
-    assert rest == "" and calls is not None and calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    cut = CallBuffer(auto)
-    cut.feed('{"name": "get_wea')  # cut by max_tokens: text, not a call
-    assert cut.end() == ('{"name": "get_wea', None)
+    gen = get_parser("generic")
+    st = gen.stream(auto)
+    assert st.feed(" ") == ("", []) and st.feed("It is") == (" It is", [])
+    assert st.feed(" warm") == (" warm", []) and st.end() == ("", []) and not st.called
+    st = gen.stream(auto)
+    text, head = st.feed('{"name": "get_weather", ')
+    assert text == "" and head == []
+    text, deltas = st.feed('"arguments": {"city": "Oslo"}}')
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["index"] == 0
+    assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"city": "Oslo"}
+    assert st.called
+    content, calls = gen.parse('{"name": "get_wea', auto)  # cut by max_tokens: text
+    assert content == '{"name": "get_wea' and calls is None
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from batcher.metrics import Metrics
 from batcher.request import Priority, Request
 from batcher.server.auth import Authenticator
 from batcher.server.protocol import GenerationSpec
+from batcher.server.tool_parsers import get_parser
 from batcher.tenants import TenantConfig
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class GatewayConfig:
     max_model_len: int
     default_max_tokens: int = 1024
     max_body_bytes: int = 4 * 2**20
+    tool_call_parser: str = "generic"  # see batcher.server.tool_parsers
 
 
 @dataclass(slots=True)
@@ -57,6 +59,10 @@ class Gateway:
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.tool_parser = get_parser(cfg.tool_call_parser)
+        if self.tool_parser.native and "tools" not in (self.tokenizer.chat_template or ""):
+            raise ValueError(f"tool call parser {cfg.tool_call_parser!r} needs a chat template "
+                             "that renders 'tools'; this model's does not (use 'generic')")
         self.auth = auth
         self.admission = admission
         self.metrics = metrics
@@ -92,7 +98,8 @@ class Gateway:
 
         def work() -> list[list[int]]:
             if spec.chat:
-                return [self.tokenizer.apply_chat_template(spec.messages)]
+                return [self.tokenizer.apply_chat_template(spec.messages,
+                                                           tools=spec.chat_tools)]
             return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in spec.prompts]
 
         size = sum(len(p) for p in spec.prompts if isinstance(p, str)) + len(

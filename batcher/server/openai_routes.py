@@ -20,7 +20,7 @@ from batcher.http.sse import DONE, SSE_HEADERS, sse_event
 from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
 from batcher.server.timing import RequestTiming
-from batcher.server.tools import CallBuffer, parse_call
+from batcher.server.tool_parsers import ToolStream
 
 
 def engine_refusal(exc: Exception) -> ApiError:
@@ -119,7 +119,8 @@ class GenerationHandler:
     async def _handle(self, request: web.Request, timing: RequestTiming) -> web.StreamResponse:
         gw = self.gw
         body = await read_json(request)
-        spec = parse_generation(body, self.chat, {gw.cfg.model_name}, gw.tokenizer.vocab_size)
+        spec = parse_generation(body, self.chat, {gw.cfg.model_name}, gw.tokenizer.vocab_size,
+                                gw.tool_parser)
         if spec.sampling.grammar is not None and not gw.engine.supports_grammar:
             raise invalid("structured outputs are not supported by this model",
                           "response_format", "unsupported")
@@ -189,9 +190,10 @@ class GenerationHandler:
                                          lp)
             item: dict[str, Any] = {"index": i, "logprobs": lp,
                                     "finish_reason": fin.finish_reason}
-            calls = parse_call(text, spec.tools) if self.chat else None
+            content, calls = self.gw.tool_parser.parse(text, spec.tools) if (
+                self.chat and spec.tools.active) else (text, None)
             if calls:
-                item["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 if fin.finish_reason == "stop":
                     item["finish_reason"] = "tool_calls"
             elif self.chat:
@@ -269,7 +271,7 @@ class GenerationHandler:
         tally = UsageTally(spec.n)
         finals: list[EngineEvent | None] = [None] * len(job.requests)
         prompt_sent: set[int] = set()
-        buffers = ({i: CallBuffer(spec.tools) for i in range(len(job.requests))}
+        buffers = ({i: self.gw.tool_parser.stream(spec.tools) for i in range(len(job.requests))}
                    if self.chat and spec.tools.active else None)
         item: tuple[int, EngineEvent] | None = first
         while item is not None:
@@ -301,26 +303,27 @@ class GenerationHandler:
 
     def _event_chunk(self, base: dict[str, Any], spec: GenerationSpec, job: Job, i: int,
                      ev: EngineEvent, prompt_sent: set[int],
-                     buffers: dict[int, CallBuffer] | None = None) -> dict[str, Any] | None:
+                     buffers: dict[int, ToolStream] | None = None) -> dict[str, Any] | None:
         """The chunk for one event, or None when it carries nothing a client would see. With
-        tools, text that may be a call is held back and a call goes out whole at the end, as
-        one `tool_calls` delta."""
+        tools, text that may open a call is held back, and calls go out as `tool_calls`
+        deltas while they are generated: a call's first names it, later ones carry its
+        arguments' text."""
         lp = self._logprobs(spec, ev.token_ids, ev.logprobs, ev.text)
         ids = ev.token_ids if spec.return_token_ids else None
-        text, calls = ev.text, None
+        text, deltas = ev.text, []
         if buffers is not None:
-            text = buffers[i].feed(text)
+            text, deltas = buffers[i].feed(text)
             if ev.finished:
-                rest, calls = buffers[i].end()
-                text += rest
-        if not (text or ev.finished or lp or ids):
+                rest, more = buffers[i].end()
+                text, deltas = text + rest, deltas + more
+        if not (text or deltas or ev.finished or lp or ids):
             return None
-        finish = "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
+        called = buffers is not None and buffers[i].called
+        finish = "tool_calls" if called and ev.finish_reason == "stop" else ev.finish_reason
         chunk = self._chunk(base, i, text=text, logprobs=lp, finish=finish,
                             stop_reason=ev.stop_reason, token_ids=ids)
-        if calls:
-            chunk["choices"][0]["delta"]["tool_calls"] = [
-                dict(c, index=k) for k, c in enumerate(calls)]
+        if deltas:
+            chunk["choices"][0]["delta"]["tool_calls"] = deltas
         if ids is not None and i not in prompt_sent:
             prompt_sent.add(i)  # once per choice: what a resume re-sends
             chunk["prompt_token_ids"] = job.requests[i].prompt_token_ids

@@ -10,7 +10,7 @@ from typing import Any
 
 from batcher.http.errors import invalid
 from batcher.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
-from batcher.server.tools import ToolSpec, parse_tools, render_messages, tool_grammar
+from batcher.server.tool_parsers import ToolParser, ToolSpec, get_parser, parse_tools
 from batcher.server.unsupported import refuse_unsupported
 from batcher.structured import GUIDED, request_grammar
 from batcher.tenants import PRIORITY_NAMES
@@ -41,6 +41,7 @@ class GenerationSpec:
     # text, with `logprobs`). The engine samples one token, which is dropped.
     score_only: bool = False
     tools: ToolSpec = field(default_factory=ToolSpec)  # chat: tools the answer may call
+    chat_tools: list[dict[str, Any]] | None = None  # what the chat template receives as `tools`
     timeout: float | None = None
     # Extension: each choice carries its token ids (and the first stream chunk the prompt's),
     # so a router can resume a broken stream elsewhere token-exactly.
@@ -170,10 +171,12 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size: int
-                     ) -> GenerationSpec:
+def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size: int,
+                     tool_parser: ToolParser | None = None) -> GenerationSpec:
     """Validate a completion (`chat=False`) or chat body. Raises ApiError(400). `model` may be
-    left out when exactly one model is served, as vLLM and llama.cpp's server allow."""
+    left out when exactly one model is served, as vLLM and llama.cpp's server allow.
+    `tool_parser`: the served model's tool-call format (the generic one by default)."""
+    tool_parser = tool_parser or get_parser("generic")
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_type")
     refuse_unsupported(body, chat)
@@ -193,7 +196,8 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         if not isinstance(msgs, list) or not msgs:
             raise invalid("'messages' must be a non-empty list", "messages", "invalid_type")
         spec.tools = parse_tools(body)
-        spec.messages = render_messages(msgs, spec.tools)
+        spec.messages = tool_parser.render(msgs, spec.tools)
+        spec.chat_tools = tool_parser.template_tools(spec.tools)
         lp = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
         if top is not None and not lp:
@@ -253,7 +257,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         field = next((k for k in ("response_format", *GUIDED) if body.get(k) is not None),
                      "response_format")
         raise invalid(str(exc), field) from None
-    calls = tool_grammar(spec.tools)
+    calls = tool_parser.grammar(spec.tools)
     if calls is not None:
         if spec.sampling.grammar is not None:
             raise invalid("a tool call and a structured output cannot both constrain one answer"

@@ -1,0 +1,208 @@
+"""Streaming tool calls: text in, OpenAI `tool_calls` deltas out, token by token.
+
+A call is a JSON object `{"name": ..., "arguments" | "parameters": {...}}`. Once its name and
+the arguments key are in, the call's first delta goes out (`index`, `id`, `type`,
+`function.name`); then every character of the arguments value goes out as it arrives, as
+`function.arguments` fragments, so a client's concatenation is the arguments' JSON text. An
+object that puts its arguments before its name is sent whole when it closes.
+
+Which text is a reply and where calls begin is the format's business (`ToolParser.split`);
+inside the call region, everything between objects (tags, brackets, separators) is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+from batcher.server.tool_parsers.spec import ToolSpec, call_id
+
+if TYPE_CHECKING:
+    from batcher.server.tool_parsers.base import ToolParser
+
+HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def json_end(text: str, start: int = 0) -> int | None:
+    """The index just past the JSON object or array that opens at `start`, or None while it is
+    still open."""
+    depth, in_str, esc = 0, False, False
+    for j in range(start, len(text)):
+        ch = text[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def delta(index: int, name: str | None = None, arguments: str = "") -> dict[str, Any]:
+    """A `tool_calls` delta: the first of a call names it, later ones carry arguments."""
+    if name is None:
+        return {"index": index, "function": {"arguments": arguments}}
+    return {"index": index, "id": call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class _Call:
+    """One call object being streamed: head (until the name and arguments key), args (the
+    arguments value, forwarded as it comes), tail (to the object's closing brace)."""
+
+    __slots__ = ("buf", "depth", "esc", "in_str", "index", "started", "state")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.buf = ""
+        self.state = "head"
+        self.depth = 0
+        self.in_str = self.esc = False
+        self.started = False
+
+    def feed(self, text: str) -> tuple[list[dict[str, Any]], str | None]:
+        """(deltas, the text after the object once it closed, else None)."""
+        out: list[dict[str, Any]] = []
+        if self.state == "head":
+            self.buf += text
+            m = HEAD.match(self.buf)
+            if m is None:
+                end = json_end(self.buf)
+                if end is None:
+                    return out, None
+                return self._whole(self.buf[:end]), self.buf[end:]
+            out.append(delta(self.index, json.loads(f'"{m.group(1)}"')))
+            self.state, text = "args", self.buf[m.end():]
+        if self.state == "args":
+            frag, rest = self._args(text)
+            if frag:
+                out.append(delta(self.index, arguments=frag))
+            if rest is None:
+                return out, None
+            self.state, self.depth, text = "tail", 1, rest
+        return out, self._tail(text)
+
+    def _whole(self, text: str) -> list[dict[str, Any]]:
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return []
+        args = obj.get("arguments", obj.get("parameters", {}))
+        return [delta(self.index, obj["name"], args if isinstance(args, str) else
+                      json.dumps(args))]
+
+    def _args(self, text: str) -> tuple[str, str | None]:
+        """The part of `text` in the arguments value, and what follows it once it ended."""
+        for j, ch in enumerate(text):
+            if not self.started:
+                if ch.isspace():
+                    continue
+                self.started = True
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+                    if self.depth == 0:  # a string value ends here
+                        return text[:j + 1], text[j + 1:]
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]" and self.depth > 0:
+                self.depth -= 1
+                if self.depth == 0:
+                    return text[:j + 1], text[j + 1:]
+            elif ch in ",}" and self.depth == 0:  # a bare scalar value ends before this
+                return text[:j], text[j:]
+        return text, None
+
+    def _tail(self, text: str) -> str | None:
+        for j, ch in enumerate(text):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.state = "done"
+                    return text[j + 1:]
+        return None
+
+
+class ToolStream:
+    """One streamed choice: `feed` each text delta, `end` at the choice's end; both return
+    (reply text to show now, `tool_calls` deltas)."""
+
+    __slots__ = ("calls", "current", "parser", "pending", "region", "spec", "started")
+
+    def __init__(self, parser: ToolParser, spec: ToolSpec) -> None:
+        self.parser = parser
+        self.spec = spec
+        self.pending = ""  # reply text held back while it may still open a call
+        self.region = False  # inside the call region
+        self.started = False  # some reply text went out
+        self.calls = 0
+        self.current: _Call | None = None
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if not self.region:
+            self.pending += text
+            show, at = self.parser.split(self.pending, self.spec, self.started, final=False)
+            if at is None:
+                self.pending = self.pending[len(show):]
+                self.started = self.started or bool(show)
+                return show, []
+            text, self.pending, self.region = self.pending[at:], "", True
+            return show, self._calls(text)
+        return "", self._calls(text)
+
+    def end(self) -> tuple[str, list[dict[str, Any]]]:
+        if self.region:
+            return "", []
+        show, _ = self.parser.split(self.pending, self.spec, self.started, final=True)
+        self.pending = ""
+        return show, []
+
+    @property
+    def called(self) -> bool:
+        return self.calls > 0
+
+    def _calls(self, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while text:
+            if self.current is None:
+                at = text.find("{")
+                if at < 0:
+                    return out
+                self.current = _Call(self.calls)
+                self.calls += 1
+                text = text[at:]
+            deltas, rest = self.current.feed(text)
+            out += deltas
+            if rest is None:
+                return out
+            self.current, text = None, rest
+        return out
