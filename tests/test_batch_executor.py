@@ -71,6 +71,8 @@ class FakeGate:
         self.interactive = False
         self.shedding = False
         self.last_reason = ""
+        self.last_code = ""
+        self.last_predicted_s: float | None = None
         self.seen: list[tuple[int, int, int]] = []
 
     def interactive_waiting(self) -> bool:
@@ -176,6 +178,7 @@ async def test_no_line_starts_while_the_gate_is_shut(tmp_path: Path,
                                                      clock: list[float]) -> None:
     gate = FakeGate()
     gate.open = False
+    gate.last_code, gate.last_predicted_s = "ttft", 1.5
     rig = Rig(tmp_path, FakeRunner(), gate, clock)
     await rig.ex.start()
     try:
@@ -183,6 +186,9 @@ async def test_no_line_starts_while_the_gate_is_shut(tmp_path: Path,
         await asyncio.sleep(0.2)
         assert sum(rig.runner.calls.values()) == 0
         assert rig.metrics.queued._value.get() == 4
+        # Why nothing starts is exported: what blocked, and the gate's prediction.
+        assert rig.metrics.gate_blocked.labels("ttft")._value.get() >= 1
+        assert rig.metrics.gate_predicted._value.get() == 1.5
         gate.open = True
         rec = await rig.wait(bid)
     finally:

@@ -80,6 +80,9 @@ def test_the_ttft_prediction_decides(rate: float, admits: bool) -> None:
     # An interactive request arriving after a 300-token line waits for that prefill: at 200
     # tokens/s that is over a second, past half the 2 s SLO.
     assert gate.room(0, 300, 16) is admits
+    # What the executor exports: the prediction made, and the blocker's label.
+    assert gate.last_predicted_s is not None and (gate.last_predicted_s > 1.0) is not admits
+    assert gate.last_code == ("room" if admits else "ttft")
     if not admits:
         assert "SLO" in gate.last_reason
 

@@ -50,6 +50,8 @@ class Runner(Protocol):
 
 class Gate(Protocol):
     last_reason: str
+    last_code: str
+    last_predicted_s: float | None
 
     def interactive_waiting(self) -> bool: ...
 
@@ -247,8 +249,12 @@ class BatchExecutor:
                     self._take(b, from_retry)
                     continue
                 prompt, out = estimate_tokens(line.body)
-                if not self.gate.room(in_flight, started_prompt + prompt, started_out + out,
-                                      started + 1):
+                room = self.gate.room(in_flight, started_prompt + prompt, started_out + out,
+                                      started + 1)
+                if self.gate.last_predicted_s is not None:
+                    self.metrics.gate_predicted.set(self.gate.last_predicted_s)
+                if not room:
+                    self.metrics.gate_blocked.labels(self.gate.last_code).inc()
                     return
                 self._take(b, from_retry)
                 rid = new_id("batch_req_")

@@ -60,6 +60,10 @@ class SpareCapacity:
         self.admission = admission
         self.cfg = cfg.validate()
         self.last_reason = "idle"
+        self.last_code = "idle"  # the same, as a short metric label
+        # The interactive TTFT the last check predicted for an arrival right after a new line
+        # (None: that check did not get as far as the prediction).
+        self.last_predicted_s: float | None = None
 
     def interactive_waiting(self) -> bool:
         """An interactive request is queued: running batch lines still in prefill should give
@@ -82,28 +86,30 @@ class SpareCapacity:
         """True when `lines` lines (this one and those started since the engine last saw them,
         `prompt_tokens` and up to `max_tokens` out in all) may start now, `in_flight` being
         running already; `last_reason` says why not."""
+        self.last_predicted_s = None
         why = self._blocker(in_flight, prompt_tokens, max_tokens, lines)
-        self.last_reason = why or "room"
+        self.last_code, self.last_reason = why or ("room", "room")
         return why is None
 
     def _blocker(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int
-                 ) -> str | None:
+                 ) -> tuple[str, str] | None:
+        """(metric label, explanation) of what keeps the line from starting, or None."""
         eng = self.engine
         if not eng.healthy or self.admission.draining:
-            return "engine not serving"
+            return "not_serving", "engine not serving"
         if in_flight >= self.cfg.max_running:
-            return "batch lines at their cap"
+            return "cap", "batch lines at their cap"
         sched = eng.scheduler
         if self.interactive_waiting():
-            return "interactive requests are queued"
+            return "interactive_queued", "interactive requests are queued"
         max_seqs = sched.config.max_num_seqs
         # Slots and blocks a new interactive request needs must stay free.
         if sched.num_running + sched.num_waiting + lines > max_seqs - max(1, max_seqs // 8):
-            return "sequence slots reserved for interactive traffic"
+            return "slots", "sequence slots reserved for interactive traffic"
         kv = eng.kv
         need = -(-(prompt_tokens + max_tokens) // kv.block_size)
         if kv.num_free_blocks - need < self.cfg.free_blocks_share * kv.num_total_blocks:
-            return "KV blocks reserved for interactive traffic"
+            return "kv", "KV blocks reserved for interactive traffic"
         slo = self.admission.slo_ttft_s
         # NOTE: one line may always start on an idle engine. The prediction learns only from
         # steps that run: were it to stay pessimistic (measured while lines crowded the engine,
@@ -116,8 +122,9 @@ class SpareCapacity:
             predicted = self.admission.predictor.predict(
                 self.admission.clock(), Backlog.of_scheduler(sched), "interactive",
                 prompt_tokens + self.cfg.probe_tokens)
+            self.last_predicted_s = predicted
             if predicted is None:
-                return "no prediction yet (one line at a time until measured)"
+                return "no_prediction", "no prediction yet (one line at a time until measured)"
             if predicted > self.cfg.ttft_share * slo:
-                return "interactive TTFT would exceed its share of the SLO"
+                return "ttft", "interactive TTFT would exceed its share of the SLO"
         return None

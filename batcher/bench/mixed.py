@@ -59,6 +59,7 @@ class MixedConfig:
     live_users: int = 16
     server_pid: int | None = None
     seed: int = 1
+    gate_share: float = 0.5  # the server's --batch-ttft-share, for the report
 
     def validate(self) -> MixedConfig:
         if self.lines < 1 or self.line_max_tokens < 1 or self.max_tokens < 1:
@@ -99,6 +100,7 @@ class MixedReport:
     batch_wall_s: float = 0.0
     server: dict[str, float] = field(default_factory=dict)  # batcher_batch_* deltas, phase 3
     max_lines_running: float = 0.0
+    gate_predicted: list[float] = field(default_factory=list)  # polled, seconds
 
     def phase(self, name: str) -> Phase | None:
         return next((p for p in self.phases if p.name == name), None)
@@ -215,8 +217,8 @@ async def submit_batch(session: aiohttp.ClientSession, cfg: ClientConfig,
 
 
 async def _follow_batch(session: aiohttp.ClientSession, cfg: ClientConfig, batch_id: str,
-                        max_s: float, done: asyncio.Event, running: list[float]
-                        ) -> tuple[dict[str, Any], float]:
+                        max_s: float, done: asyncio.Event, running: list[float],
+                        predicted: list[float]) -> tuple[dict[str, Any], float]:
     """Poll until the batch ends or `max_s` passed (then cancel it); sets `done` either way."""
     base = cfg.base_url.rstrip("/")
     t0 = time.perf_counter()
@@ -227,6 +229,8 @@ async def _follow_batch(session: aiohttp.ClientSession, cfg: ClientConfig, batch
                 batch = await r.json(content_type=None)
             m = await batch_metrics(session, cfg)
             running.append(m.get("batcher_batch_lines_running", 0.0))
+            if m.get("batcher_batch_gate_predicted_ttft_seconds"):
+                predicted.append(m["batcher_batch_gate_predicted_ttft_seconds"])
             if batch.get("status") in TERMINAL or time.perf_counter() - t0 >= max_s:
                 break
             await asyncio.sleep(0.5)
@@ -279,13 +283,13 @@ async def run_mixed(session: aiohttp.ClientSession, cfg: ClientConfig, mc: Mixed
     done = asyncio.Event()
     running: list[float] = []
     follow = asyncio.create_task(_follow_batch(session, cfg, batch["id"], mc.max_s, done,
-                                               running))
+                                               running, rep.gate_predicted))
     phase = await _phase("interactive + batch (batch API)", rate, mc,
                          _poisson(session, cfg, mc, rate, 12, mc.max_s, done))
     batch, rep.batch_wall_s = await follow
     after = await batch_metrics(session, cfg)
     rep.server = {k: v - before.get(k, 0.0) for k, v in after.items()
-                  if not k.endswith(("_queued", "_running"))}
+                  if not k.endswith(("_queued", "_running", "_seconds"))}
     rep.batch_status = str(batch.get("status"))
     rep.batch_done = int((batch.get("request_counts") or {}).get("completed", 0))
     rep.max_lines_running = max(running, default=0.0)
@@ -343,7 +347,13 @@ def report_rows(rep: MixedReport, mc: MixedConfig) -> tuple[list[list[str]], str
     ok = (mixed is not None and rep.batch_status == "completed"
           and not math.isnan(mixed.p99()) and mixed.p99() <= slo)
     s = rep.server
-    deferrals = {k.split('"')[1]: v for k, v in s.items() if "deferrals" in k and v}
+    deferrals = {k.split('"')[1]: int(v) for k, v in s.items() if "deferrals" in k and v}
+    blocked = {k.split('"')[1]: int(v) for k, v in s.items() if "gate_blocked" in k and v}
+    gp = rep.gate_predicted
+    gate = (f"the gate's predicted interactive TTFT right after a new line (polled): median "
+            f"{pct(gp, 50):.2f} s, p90 {pct(gp, 90):.2f} s, against its limit of "
+            f"{mc.gate_share:g} x SLO = {mc.gate_share * slo:.2f} s" if gp else
+            "no gate prediction was polled")
     cap = (f"capacity {rep.capacity_rps:.2f} interactive requests/s (closed loop of "
            f"{mc.capacity_users}, {mc.capacity_s:g} s), driven at {mc.rate_share:g}x = "
            f"{rep.rate:.2f}/s" if rep.capacity_rps is not None else
@@ -357,7 +367,8 @@ def report_rows(rep: MixedReport, mc: MixedConfig) -> tuple[list[list[str]], str
         f"{s.get('batcher_batch_spare_capacity_tokens_total', 0):,.0f}; line starts put off: "
         f"{deferrals or 'none'} (yield: a line in prefill made way for a queued interactive "
         f"request; shed: a running line cancelled while interactive TTFT was predicted past "
-        f"its share of the SLO; others: admission's refusals)."),
+        f"its share of the SLO; others: admission's refusals). Executor passes that found no "
+        f"room for the next line, by what blocked it: {blocked or 'none'}; {gate}."),
         (f"- Goal (batch completed through the API, interactive p99 TTFT within the SLO): "
         f"{'met' if ok else 'NOT met'}.")))
     return rows, notes, ok
