@@ -162,9 +162,8 @@ class Ticket:
     # Admitted because predicted within the SLO limit (not alone on an idle server, not a long
     # prompt held by its wait only): its TTFT is evidence for the limit's controller.
     held_to_slo: bool = False
-    # The corrected prediction and the share of the SLO it was admitted under.
+    # The corrected prediction it was admitted on.
     predicted_corrected_s: float = 0.0
-    share: float = 1.0
 
 
 @dataclass(slots=True)
@@ -353,7 +352,6 @@ class Admission:
                         predicted_at_rate=self.predictor.prefill_rate, held_to_slo=held)
         if held and raw is not None:
             ticket.predicted_corrected_s = raw * self.predictor.correction(now)
-            ticket.share = self.limit.share
             self.limit.watch(ticket)
         return ticket
 

@@ -30,6 +30,8 @@ from typing import Protocol
 # before the client's (the answer still has to reach it), so the controller acts a little early.
 MISS_AT = 0.9
 CUT = 0.75
+# A request still waiting this many times its prediction counts as a miss (see `behind`).
+LATE_BY = 1.5
 # Share gained per second without a miss: below PROBE_AT x the share of the last miss, and past it.
 FAST_PER_S = 0.1
 SLOW_PER_S = 0.01
@@ -43,7 +45,6 @@ class Watched(Protocol):
 
     admitted_at: float
     predicted_corrected_s: float
-    share: float
     first_token_seen: bool
     released: bool
 
@@ -91,14 +92,13 @@ class SloLimit:
         return admitted_at >= self._cut_at
 
     @staticmethod
-    def behind(elapsed_s: float, predicted_s: float, share: float, slo_s: float) -> bool:
+    def behind(elapsed_s: float, predicted_s: float, slo_s: float) -> bool:
         """A request still waiting `elapsed_s` after admission, predicted (corrected) at
-        `predicted_s` when the share was `share`, is on course to miss: it has taken longer,
-        relative to its prediction, than one admitted at the limit may take before it misses
-        (`MISS_AT / share` times its prediction), and at least half the SLO (a short
-        prediction's scatter tells little). Seen while it waits, a slowdown is acted on before
-        the requests admitted behind it reach their first tokens."""
-        return elapsed_s > max(0.5 * slo_s, predicted_s * MISS_AT / max(share, FLOOR))
+        `predicted_s`, is on course to miss: it is already late by `MISS_AT` of the SLO, or
+        `LATE_BY` times its prediction (a slowdown that the requests admitted behind it, nearer
+        the limit, will not survive), and at least half the SLO has gone (a short prediction's
+        scatter tells little)."""
+        return elapsed_s > max(0.5 * slo_s, min(MISS_AT * slo_s, LATE_BY * predicted_s))
 
     def watch(self, request: Watched) -> None:
         """Watch an admitted request until its first token (see `check_waiting`)."""
@@ -115,6 +115,6 @@ class SloLimit:
             if r.first_token_seen or r.released or not self.counts(r.admitted_at):
                 continue
             # The oldest one that counts is the one furthest behind.
-            if self.behind(now - r.admitted_at, r.predicted_corrected_s, r.share, slo_s):
+            if self.behind(now - r.admitted_at, r.predicted_corrected_s, slo_s):
                 self.missed(now, r.admitted_at)
             return
