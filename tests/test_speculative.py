@@ -31,7 +31,10 @@ def test_proposer_prefers_the_longest_match() -> None:
     p = NgramProposer(k=2)
     # The suffix "5 6" recurs once (followed by 7), "6" alone more recently (followed by 9).
     assert p.propose([5, 6, 7, 8, 6, 9, 5, 6]) == [7, 8]
-    assert NgramProposer(k=2, max_n=1).propose([5, 6, 7, 8, 6, 9, 5, 6]) == [9, 5]
+    assert NgramProposer(k=2, min_n=1, max_n=1).propose([5, 6, 7, 8, 6, 9, 5, 6]) == [9, 5]
+    # By default a lone recurring token is not enough.
+    assert NgramProposer(k=2).propose([5, 6, 7, 8, 1, 6]) == []
+    assert NgramProposer(k=2, min_n=1).propose([5, 6, 7, 8, 1, 6]) == [7, 8]
 
 
 def test_proposer_without_a_match_proposes_nothing() -> None:
@@ -40,7 +43,7 @@ def test_proposer_without_a_match_proposes_nothing() -> None:
     assert p.propose([7]) == []
     assert p.propose([]) == []
     assert p.propose([1, 2, 1], k=0) == []
-    assert NgramProposer(k=2, min_n=2).propose([1, 9, 3, 1]) == []  # only a 1-gram recurs
+    assert NgramProposer(k=2).propose([1, 9, 3, 1]) == []  # only a 1-gram recurs
 
 
 def test_proposer_searches_only_its_window() -> None:
@@ -172,14 +175,20 @@ def test_speculation_gives_plain_decodings_tokens_and_frees_every_block(model) -
     s1.check_integrity()
 
 
+class DecoyModel(CycleModel):
+    """Emits A B x A B y A B z ... with x, y, z never seen before: after every "A B" the
+    proposer drafts the token that followed the previous "A B", and it is always wrong."""
+
+    def next_token(self, token: int, pos: int) -> int:
+        return (50, 51, 1000 + pos)[pos % 3]
+
+
 def test_rejected_drafts_give_their_blocks_back_and_are_never_cached() -> None:
-    """A model that never follows the cycle its prompt shows: every draft is rejected."""
-    model = CycleModel(period=3)
+    model = DecoyModel()
     kv = KVCacheManager(32, block_size=4)
     sched = Scheduler(SchedulerConfig(speculative="ngram", num_speculative_tokens=6), kv,
                       debug_checks=True)
-    req = Request("r", [10, 20, 30, 40, 10, 20, 30], SamplingParams(max_tokens=20,
-                                                                    temperature=0.0))
+    req = Request("r", [7, 8, 9], SamplingParams(max_tokens=30, temperature=0.0))
     sched.add_request(req)
     drafted = 0
     while sched.has_unfinished():
@@ -190,7 +199,7 @@ def test_rejected_drafts_give_their_blocks_back_and_are_never_cached() -> None:
         if not req.is_finished:
             assert len(req.block_ids) <= -(-req.num_tokens // 4)  # nothing past the tokens
             assert req.num_computed_tokens == req.num_tokens - 1
-    assert drafted > 0 and sched.stats.spec_accepted_tokens < drafted
+    assert drafted > 0 and sched.stats.spec_accepted_tokens == 0
     # Every cached block's hash chain matches the tokens really generated.
     probe = Request("again", list(req.token_ids), SamplingParams(max_tokens=1))
     _, hit = kv.get_computed_blocks(probe)
@@ -280,17 +289,74 @@ def test_tiny_engine_output_equals_plain_decoding(tiny_fp32, tokenizer, sp) -> N
     assert stats.spec_accepted_tokens > 0
 
 
-def test_tiny_engine_stop_string_inside_a_drafted_span(tiny_fp32, tokenizer) -> None:
-    """The stop string ends the output at the same token with speculation: the drafted tokens
-    after it are dropped, usage counts agree."""
-    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompt = [[42] * 12]
-    plain, _ = asyncio.run(generate_all(tiny_fp32, tokenizer, "none", prompt, sp))
-    text = plain[0][2]
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    assert stop.strip(), text
-    plain, _ = asyncio.run(generate_all(tiny_fp32, tokenizer, "none", prompt, sp, [stop]))
-    spec, stats = asyncio.run(generate_all(tiny_fp32, tokenizer, "ngram", prompt, sp, [stop]))
+class CopyModel(CycleModel):
+    """Continues its prompt cyclically (the token after t is the one after t in the prompt): an
+    answer that repeats its prompt, so drafts from the prompt are accepted in long runs. A
+    runner for the engine: it needs no tensors."""
+
+    num_blocks = 64
+    block_size = 16
+
+    def __init__(self, prompt: list[int]) -> None:
+        super().__init__()
+        self.after = {t: prompt[(i + 1) % len(prompt)] for i, t in enumerate(prompt)}
+
+    def next_token(self, token: int, pos: int) -> int:
+        return self.after[token]
+
+
+async def copy_engine_run(tokenizer, prompt, speculative: str, sp: SamplingParams, stop):
+    from batcher.engine import AsyncEngine
+
+    engine = AsyncEngine(CopyModel(prompt), tokenizer,
+                         SchedulerConfig(speculative=speculative), debug_checks=True)
+    toks, text, reason, usage, groups = [], "", None, None, []
+    try:
+        async for ev in engine.generate(Request("c", prompt, sp), stop=stop):
+            toks += ev.token_ids
+            groups.append(len(ev.token_ids))
+            text += ev.text
+            if ev.finished:
+                reason, usage = ev.finish_reason, ev.num_output_tokens
+        assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+        return (toks, text, reason, usage), groups
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize("max_tokens", [40, 6], ids=["stop", "stop-before-length"])
+def test_stop_string_inside_a_drafted_span_ends_where_plain_decoding_does(tokenizer,
+                                                                        max_tokens) -> None:
+    """The stop string completes in the middle of a step's accepted drafts: the tokens after
+    it are dropped, and the reason is "stop" even when the step also reached max_tokens."""
+    prompt = tokenizer.encode(" alpha beta gamma delta epsilon zeta eta theta iota kappa",
+                        add_special_tokens=False)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    stop = [" delta"]
+    plain, plain_groups = asyncio.run(copy_engine_run(tokenizer, prompt, "none", sp, stop))
+    spec, spec_groups = asyncio.run(copy_engine_run(tokenizer, prompt, "ngram", sp, stop))
+    assert spec == plain
+    assert plain[2] == "stop" and plain[1].endswith("gamma"), plain
+    assert set(plain_groups) <= {0, 1} and max(spec_groups) > 1  # drafts were accepted
+
+
+# -- the bundled model ------------------------------------------------------------------------
+
+
+@pytest.mark.benchmark
+def test_bundled_model_greedy_output_equals_plain_decoding(smollm_fp32, tokenizer) -> None:
+    """SmolLM2 in fp32 (in bf16 a drafted position's logits, computed in a multi-token row, may
+    round differently from a one-token row and flip a near-tie: see BENCHMARKS.md): the same
+    tokens with and without drafts, and drafts accepted on an answer that repeats its prompt."""
+    code = ("def area(width, height):\n    result = width * height\n    return result\n\n"
+            "def perimeter(width, height):\n    result = 2 * (width + height)\n"
+            "    return result\n")
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in (
+        f"Repeat this code exactly, renaming `result` to `value`:\n\n{code}",
+        "Name three colours and one fruit of each colour.",
+    )] + [tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8,")]
+    sp = SamplingParams(max_tokens=40, temperature=0.0)
+    plain, _ = asyncio.run(generate_all(smollm_fp32, tokenizer, "none", prompts, sp))
+    spec, stats = asyncio.run(generate_all(smollm_fp32, tokenizer, "ngram", prompts, sp))
     same_outputs(spec, plain)
-    assert plain[0][3] == "stop"
-    assert stats.spec_accepted_tokens > 0
+    assert stats.spec_accepted_tokens >= 10, stats
