@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from batcher.runtime.prefill_staging import StagedKV
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -27,6 +29,9 @@ class PrefillChunk:
     mask: torch.Tensor | None  # [length, context] bool (True = attend); None = plain causal
     # `mask` with each row repeated per query head of a KV head, built by the first layer.
     fold_mask: torch.Tensor | None = None
+    # The sequence's contiguous K/V while its prompt is read in chunks (`prefill_staging`):
+    # the chunk appends to it and attends over it in place, instead of gathering its context.
+    stage: StagedKV | None = None
 
     @property
     def context_len(self) -> int:
@@ -134,16 +139,22 @@ def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     # q: [n, heads, head_dim]; k_new, v_new: [n, kv_heads, head_dim] -> [n, heads * head_dim]
     n, heads, hd = q.shape
     kvh = k_new.shape[1]
+    staged = None
+    if chunk.stage is not None:
+        staged = chunk.stage.context(kv_cache, k_new, v_new, chunk.start_pos, chunk.block_ids)
     if chunk.start_pos == 0:
         # A first chunk attends only to itself: use the fresh K/V, no gather.
-        k, v = k_new, v_new
+        kh = k_new.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, head_dim]
+        vh = v_new.transpose(0, 1).unsqueeze(0)
+    elif staged is not None:
+        kh, vh = staged  # [1, kv_heads, ctx, head_dim], read in place
     else:
         k_cache, v_cache = kv_cache
         ctx = chunk.context_len
         k = k_cache.index_select(0, chunk.block_ids).view(-1, kvh, hd)[:ctx]
         v = v_cache.index_select(0, chunk.block_ids).view(-1, kvh, hd)[:ctx]
-    kh = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
-    vh = v.transpose(0, 1).unsqueeze(0)
+        kh = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
+        vh = v.transpose(0, 1).unsqueeze(0)
     if fold_gqa and chunk.mask is not None and heads != kvh and q.device.type == "cpu":
         # A continued chunk is a few queries over a long context: with `enable_gqa`, SDPA on CPU
         # in reduced precision pays a per-call cost that grows with the context. Folding each KV

@@ -12,6 +12,7 @@ from batcher.core.spec_verify import collapse, verify_rows
 from batcher.runtime.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
+from batcher.runtime.prefill_staging import PrefillStaging
 from batcher.runtime.sampler import Sampler
 
 
@@ -56,6 +57,12 @@ class ModelRunner:
                                            block_size, loaded.dtype, loaded.device)
         self.sampler = Sampler()
         self.grammar: GrammarMasks | None = None  # see attach_tokenizer
+        # CPU: a prompt read in chunks keeps a contiguous copy of its K/V (up to an eighth of
+        # the pool's bytes), so a chunk deep in a prompt does not gather its context per layer.
+        kv = self.kv_caches[0][0]
+        token_bytes = 2 * len(self.kv_caches) * kv[0, 0].numel() * kv.element_size()
+        self.staging = (PrefillStaging(num_blocks * block_size * token_bytes // 8, token_bytes)
+                        if loaded.device.type == "cpu" else None)
         # NOTE: one-token SDPA with enable_gqa is several times slower on CPU in reduced
         # precision; in fp32 it is the faster choice.
         self.fold_gqa = loaded.dtype != torch.float32 or loaded.device.type != "cpu"
@@ -123,6 +130,13 @@ class ModelRunner:
                                  slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         if decodes:
             self._decode_meta(meta, decodes)
+        staging = self.staging
+        if staging is not None:
+            staging.begin_step(sched.freed_ids)
+            if len(staging):
+                # A decode row or a sampling chunk means the prompt was read (this step's chunk
+                # keeps its buffer through the forward).
+                staging.release_all([s.request_id for s in decodes])
         row = len(decodes)
         for s in prefills:
             n = len(s.token_ids)
@@ -133,8 +147,12 @@ class ModelRunner:
                 # Bottom-right aligned causal mask: query i sees keys [0, start_pos + i].
                 q_pos = torch.arange(s.start_pos, ctx, device=dev).unsqueeze(1)
                 mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos  # [n, ctx]
+            stage = None if staging is None else staging.for_chunk(
+                s.request_id, s.start_pos, n, s.sample)
+            if stage is not None and s.sample:
+                staging.release(s.request_id)
             meta.prefills.append(PrefillChunk(
-                row=row, length=n, start_pos=s.start_pos, mask=mask,
+                row=row, length=n, start_pos=s.start_pos, mask=mask, stage=stage,
                 block_ids=torch.tensor(s.block_ids[:nblocks], dtype=torch.long, device=dev)))
             row += n
         # A row with drafts samples each of its positions: `core/spec_verify` keeps the prefix
