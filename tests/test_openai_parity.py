@@ -508,6 +508,83 @@ def test_bundled_model_agent_loop(real: Server) -> None:
         msg.content and not msg.content.lstrip().startswith("{"))
 
 
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False}}}
+
+
+def _call(cid: str, name: str, args: dict) -> dict:
+    return {"id": cid, "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+@pytest.mark.slow
+def test_bundled_model_parallel_tool_calls(real: Server) -> None:
+    """With parallel_tool_calls (the default) the answer may hold several calls, each with its
+    own id; with false the grammar allows one. The chat shows an earlier turn with two calls
+    (rendered as the format's JSON array), as an agent's history would."""
+    oc = _client(real)
+    msgs = [{"role": "user", "content": "What is the weather in Rome and the time in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                _call("c1", "get_weather", {"city": "Rome"}),
+                _call("c2", "get_time", {"zone": "Europe/Oslo"})]},
+            {"role": "tool", "tool_call_id": "c1", "content": "20 C"},
+            {"role": "tool", "tool_call_id": "c2", "content": "10:00"},
+            {"role": "assistant", "content": "It is 20 C in Rome and 10:00 in Oslo."},
+            {"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
+    kw = {"model": "smollm2-135m", "messages": msgs, "tools": [WEATHER, TIME],
+          "tool_choice": "required", "max_tokens": 48, "temperature": 0}
+    many = oc.chat.completions.create(**kw)
+    calls = many.choices[0].message.tool_calls
+    assert many.choices[0].finish_reason == "tool_calls" and calls and len(calls) >= 2
+    assert len({c.id for c in calls}) == len(calls)
+    assert {c.function.name for c in calls} == {"get_weather", "get_time"}
+    assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+    one = oc.chat.completions.create(**kw, parallel_tool_calls=False)
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert len(one.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.slow
+def test_bundled_model_streams_tool_call_arguments(real: Server) -> None:
+    """The official client's stream helper assembles the call from deltas; the arguments come
+    in several fragments while they are generated, not in one delta at the end."""
+    oc = _client(real)
+    fragments = 0
+    with oc.chat.completions.stream(
+            model="smollm2-135m", messages=list(CHAT), tools=[WEATHER], max_tokens=32,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}) as stream:
+        for event in stream:
+            fragments += event.type == "tool_calls.function.arguments.delta"
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    assert fragments > 2
+
+
+@pytest.mark.slow
+def test_bundled_model_prompt_logprobs(real: Server) -> None:
+    """echo + logprobs: the prompt's tokens with their logprobs (the first null); max_tokens 0
+    scores a text. A prompt token's score equals the logprob it had when sampled."""
+    oc = _client(real)
+    prompt = "The capital of France is"
+    first = oc.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1,
+                                  temperature=0, logprobs=1)
+    word = first.choices[0].text
+    scored = oc.completions.create(model="smollm2-135m", prompt=prompt + word, max_tokens=0,
+                                   echo=True, logprobs=2)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == prompt + word and scored.usage.completion_tokens == 0
+    assert "".join(lp.tokens) == prompt + word and lp.token_logprobs[0] is None
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:]) and lp.top_logprobs[0] is None
+    assert lp.tokens[-1] == word
+    assert abs(lp.token_logprobs[-1] - first.choices[0].logprobs.token_logprobs[0]) < 0.05
+
+
 async def test_tokenize_and_models_through_the_router(aiohttp_client, tiny_fp32) -> None:
     from batcher.fleet.context import RouterConfig, RouterContext
     from batcher.fleet.proxy import create_router_app

@@ -59,10 +59,7 @@ class Gateway:
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.tool_parser = get_parser(cfg.tool_call_parser)
-        if self.tool_parser.native and "tools" not in (self.tokenizer.chat_template or ""):
-            raise ValueError(f"tool call parser {cfg.tool_call_parser!r} needs a chat template "
-                             "that renders 'tools'; this model's does not (use 'generic')")
+        self.tool_parser = get_parser(cfg.tool_call_parser, self.tokenizer.chat_template)
         self.auth = auth
         self.admission = admission
         self.metrics = metrics

@@ -238,9 +238,13 @@ GENERATION_OPTIONAL: dict[str, Field] = {
                    st.one_of(json_values, st.dictionaries(clean_text, floats, max_size=2))),
     "an_unknown_field": legal(json_values),
 }
+FUZZ_TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}}}}
 completion_bodies = bodies(
     {"model": (st.just(MODEL), st.sampled_from(["TINY", "gpt-4", ""])), "prompt": prompts},
     {**GENERATION_OPTIONAL, "logprobs": (st.integers(0, 20), edge_ints),
+     # 0 with echo scores the prompt (prompt logprobs with `logprobs`); without echo a 400.
+     "max_tokens": (st.integers(0, 4), st.one_of(ints, st.sampled_from([1.0, 1.5, True, "4"]))),
      "echo": legal(st.booleans()), "suffix": (st.just(""), small_text),
      "best_of": legal(edge_ints)})
 
@@ -259,6 +263,9 @@ chat_bodies = bodies(
     {**GENERATION_OPTIONAL, "logprobs": legal(st.booleans()),
      "top_logprobs": (st.integers(0, 20), edge_ints),
      "max_completion_tokens": (st.integers(1, 4), ints),
+     "tools": (st.sampled_from([[], [FUZZ_TOOL]]), json_values),
+     "tool_choice": (st.sampled_from(["none", "auto", "required"]), json_values),
+     "parallel_tool_calls": legal(st.booleans()),
      "modalities": (st.just(["text"]), json_values)})
 embedding_bodies = bodies(
     {"model": (st.just(EMBEDDING_MODEL), st.sampled_from([MODEL, ""])),

@@ -20,11 +20,15 @@ def parser_names() -> list[str]:
     return list(PARSERS)
 
 
-def get_parser(name: str) -> ToolParser:
-    """The parser called `name`. Raises ValueError naming the choices."""
+def get_parser(name: str, chat_template: str | None = None) -> ToolParser:
+    """The parser called `name`. Raises ValueError naming the choices, or when a format of
+    the template's own is asked of a template that does not render `tools`."""
     cls = PARSERS.get(name)
     if cls is None:
         raise ValueError(f"unknown tool call parser {name!r}; choose from {parser_names()}")
+    if cls.native and "tools" not in (chat_template or ""):
+        raise ValueError(f"tool call parser {name!r} needs a chat template that renders "
+                         "'tools'; this model's does not (use 'generic')")
     return cls()
 
 

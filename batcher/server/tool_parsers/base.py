@@ -36,9 +36,12 @@ class ToolParser:
         return out
 
     def template_tools(self, spec: ToolSpec) -> list[dict[str, Any]] | None:
-        """The `tools` the chat template receives (None: it receives none)."""
-        if not self.native or not spec.active:
+        """The `tools` the chat template receives; None for the generic format, whose earlier
+        calls are text. A native one with no tools offered still renders earlier calls."""
+        if not self.native:
             return None
+        if not spec.active:
+            return []
         return [{"type": "function", "function": t} for t in spec.offered]
 
     def grammar(self, spec: ToolSpec) -> str | None:
