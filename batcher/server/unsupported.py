@@ -72,7 +72,8 @@ COMMON: tuple[Unsupported, ...] = (
     Unsupported("json_schema", STRUCTURED),
     Unsupported("ebnf", STRUCTURED),
     Unsupported("use_beam_search", "beam search is not supported", _falsy),
-    Unsupported("prompt_logprobs", "prompt logprobs are not supported"),
+    Unsupported("prompt_logprobs", "vLLM's prompt_logprobs field is not supported; on "
+                "completions, 'echo' with 'logprobs' returns the prompt's logprobs"),
     Unsupported("include_stop_str_in_output", "stop strings are never included", _falsy),
     Unsupported("truncate_prompt_tokens", "prompts are never truncated"),
     Unsupported("bad_words", "bad words are not supported", _empty),
