@@ -33,8 +33,10 @@ class SchedulerConfig:
     prefill_budget: str = "time"
     slo_tpot_s: float | None = None  # the target of a step carrying decodes, when set
     max_step_slowdown: float = 1.5  # else: this times the step's decode-only time
-    # Tokens the first prefill of a step gets when the time target leaves room for none.
-    min_prefill_chunk: int = 4
+    # Tokens the first prefill of a step gets when the time target leaves room for none: 2, the
+    # smallest multi-token chunk (deep into a long prompt on a CPU every token of a chunk costs
+    # a sizeable share of a decode step, so a larger minimum breaks the target on its own).
+    min_prefill_chunk: int = 2
     # Speculative decoding: "ngram" drafts up to `num_speculative_tokens` tokens per decode row
     # from the sequence's own earlier tokens (`core/ngram_proposer.py`); "none" is off.
     speculative: str = "none"

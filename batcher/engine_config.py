@@ -37,7 +37,7 @@ class EngineConfig:
     prefix_cache_scope: str = "tenant"  # or "global"
     prefill_budget: str = "time"  # or "fixed"
     max_step_slowdown: float = 1.5
-    min_prefill_chunk: int = 4  # tokens
+    min_prefill_chunk: int = 2  # tokens
     slo_tpot_ms: float | None = None
     dtype: str = "auto"
     device: str = "auto"

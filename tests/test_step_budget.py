@@ -227,7 +227,8 @@ def test_longest_waiting_prefill_goes_first_and_none_starves() -> None:
     arrival = len(sim.steps)
     sim.run_until(lambda: bool(sim.token_times["old"]))
     chunks = [prefill_of(out, "old") for out, _, _ in sim.steps[arrival:]]
-    assert min(chunks[:-1]) >= 16 and sum(chunks) == 800  # progress every step, in order
+    # Progress every step, in order (chunks sized to the target less the fit's recent overrun).
+    assert min(chunks[:-1]) >= 8 and sum(chunks) == 800
     sim.run_until(lambda: bool(sim.token_times["new"]))
     assert sim.token_times["old"][0] < sim.token_times["new"][0]
 
@@ -339,3 +340,42 @@ def test_a_burst_of_arrivals_keeps_its_throughput() -> None:
     time_wall, time_ttft = burst("time")
     assert time_wall <= 1.05 * fixed_wall
     assert time_ttft <= 1.5 * fixed_ttft
+
+
+def test_noisy_steps_stay_within_the_target_at_a_high_quantile_not_only_on_average() -> None:
+    """Step times scatter around any fit (on a shared CPU by 10-20%). Sized to the target itself,
+    about half the mixed steps would run over it; sized to the target over the fit's recent
+    overrun, nine in ten stay within it, and the prompt still moves every step."""
+    import random
+
+    rng = random.Random(5)
+
+    def noisy(shape: StepShape) -> float:
+        return cpu_like(shape) * rng.lognormvariate(0.0, 0.12)
+
+    sim = Sim(SchedulerConfig(64, 320, 4096), formula=noisy, context_read_s=2e-3)
+    arrival = streams_then_long_prompt(sim)
+    mixed = sim.steps[arrival:]
+    assert all(prefill_of(out, "long") >= 2 for out, _, _ in mixed)
+    # Over their target: 4-9% of the steps here (seeds 5-7); 43-51% sized to the target itself.
+    over = sum(seconds > target for _, seconds, target in mixed)
+    assert len(mixed) > 50 and over <= 0.15 * len(mixed), (over, len(mixed))
+    assert 1.0 < sim.model.overrun() <= 1.5
+
+
+def test_overrun_is_a_quantile_of_recent_mixed_steps() -> None:
+    model = OnlineStepTimeModel()
+    decode = StepShape(8, 256)
+    mixed = decode.plus(32, 500)
+    for _ in range(20):
+        model.observe(decode, model.predict(decode))  # decode-only steps do not count
+    assert model.overrun() == 1.0
+    for _ in range(7):
+        model.observe(mixed, 1.2 * model.predict(mixed))
+    assert model.overrun() == 1.0  # too few seen yet
+    for _ in range(40):
+        model.observe(mixed, 1.2 * model.predict(mixed))
+    assert 1.05 < model.overrun() <= 1.2  # the fit catches up, the ratios shrink
+    for _ in range(80):
+        model.observe(mixed, 5 * model.predict(mixed))
+    assert model.overrun() == 1.5  # capped: past it the fit itself must follow

@@ -25,6 +25,7 @@ machine it runs on (a Kalman filter over the coefficients, see its docstring).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +115,12 @@ _TYPICAL = np.array([1.0, 32.0, 10.0, 256.0, 0.5, 1.0, 128.0, 1.0])
 _PRIOR_FLOOR_S = 0.002
 # Decode-only steps measured before they are predicted from those alone.
 _MIN_DECODE_STEPS = 3
+# Mixed steps (prefill next to decodes) whose measured / predicted ratio is kept, and how many are
+# needed before it is used; see `OnlineStepTimeModel.overrun`.
+_OVERRUN_WINDOW = 64
+_MIN_OVERRUN_STEPS = 8
+# The overrun allowed for is at most this factor: past it the fit itself must catch up.
+_MAX_OVERRUN = 1.5
 
 
 class _KalmanFit:
@@ -200,6 +207,8 @@ class OnlineStepTimeModel:
                 clip_sigma)
         self._all = _KalmanFit(*args)
         self._decode = _KalmanFit(*args)
+        # Measured / predicted (before the step was learned from) of recent mixed steps.
+        self._mixed_ratios: deque[float] = deque(maxlen=_OVERRUN_WINDOW)
 
     @property
     def num_observations(self) -> int:
@@ -224,9 +233,29 @@ class OnlineStepTimeModel:
         if shape.is_empty or not (seconds > 0 and math.isfinite(seconds)):
             return
         features = shape.features(self.knot)
+        if shape.prefill_tokens and shape.decode_rows:
+            predicted = self._all.predict(features)
+            if predicted > 0:
+                self._mixed_ratios.append(seconds / predicted)
         self._all.update(features, seconds)
         if shape.prefill_tokens == 0:
             self._decode.update(features, seconds)
+
+    def overrun(self, quantile: float = 0.9) -> float:
+        """How far steps that carried prefill next to decodes lately ran over their prediction:
+        the `quantile` of measured / predicted over the last few dozen such steps, each
+        predicted before it was learned from; 1.0 until a few were seen, at most 1.5.
+
+        A fit of the mean leaves about half the steps over any time target it sizes chunks to,
+        and a step's time varies around the fit (a neighbour's cache traffic, the chunk's exact
+        context); sizing to `target / overrun()` keeps that quantile of steps within it. The
+        ratio also absorbs a bias the linear features cannot express, at any scale."""
+        ratios = self._mixed_ratios
+        if len(ratios) < _MIN_OVERRUN_STEPS:
+            return 1.0
+        ranked = sorted(ratios)
+        q = ranked[min(len(ranked) - 1, int(quantile * len(ranked)))]
+        return min(_MAX_OVERRUN, max(1.0, q))
 
     def max_chunk(self, target_s: float, shape: StepShape, start_pos: int, limit: int,
                   block_size: int = 16) -> int:
