@@ -149,6 +149,10 @@ def test_the_sampling_surface_is_read() -> None:
     assert sp.logit_bias == {7: -100.0} and sp.stop_token_ids == [3, 9] and sp.logprobs == 20
     assert parse_generation({"prompt": "x", "priority": -3}, False, SERVED, 9).priority == (
         "interactive")
+    scoring = parse_generation({"prompt": "x", "echo": True, "logprobs": 3, "max_tokens": 0},
+                               False, SERVED, 9)
+    assert scoring.score_only and scoring.sampling.max_tokens == 1
+    assert scoring.sampling.prompt_logprobs == 3
     chat = parse_generation({"messages": [], "logprobs": True, "top_logprobs": 20} | {
         "messages": [{"role": "user", "content": "x"}]}, True, SERVED, 9)
     assert chat.logprobs == 20
@@ -159,7 +163,8 @@ def test_the_sampling_surface_is_read() -> None:
     ({"logit_bias": {"1000": 1}}, "logit_bias"), ({"stop_token_ids": [1000]}, "stop_token_ids"),
     ({"stop_token_ids": "1"}, "stop_token_ids"), ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"logprobs": 21}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"logprobs": 21}, "logprobs"), ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "max_tokens": -1}, "max_tokens"),
     ({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix"), ({"priority": 2**40}, "priority"),
 ])
 def test_bad_values_name_the_field(body: dict, param: str) -> None:
