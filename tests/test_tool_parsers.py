@@ -173,3 +173,17 @@ def test_a_native_template_receives_tools_and_earlier_calls() -> None:
     text = tok.decode(tok.apply_chat_template(none.messages, tools=none.chat_tools),
                       skip_special_tokens=False)
     assert "<tools>" not in text and "<tool_call>" in text
+
+
+def test_the_serve_flag_takes_the_registry_names(capsys) -> None:
+    import argparse
+
+    from batcher.serve_args import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).tool_call_parser == "generic"
+    assert p.parse_args(["--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tool-call-parser", "mistral"])
+    assert "choose from 'generic', 'hermes', 'llama3_json'" in capsys.readouterr().err
