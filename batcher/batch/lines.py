@@ -122,7 +122,7 @@ class LineRunner:
             # is byte-for-byte what the same request gets over HTTP.
             choices = await handler._collect(spec, job)
             generated = sum(len(c.tokens) for c in choices)
-            answer = handler._whole(spec, rid, choices)
+            answer = handler._whole(spec, rid, choices, job)
         finally:
             del self._jobs[rid]
             gw.release(job, generated or sum(r.num_output_tokens for r in job.requests))
