@@ -117,6 +117,14 @@ def test_a_reply_is_never_held_longer_than_it_may_open_a_call() -> None:
     # A cut call (max_tokens) in a whole answer is text, not a call a client could run.
     cut = '{"name": "get_weather", "arguments": {"ci'
     assert get_parser("generic").parse(cut, TOOLS) == (cut, None)
+    # An object that is no call takes no index and makes no tool_calls answer.
+    llama = get_parser("llama3_json", "tools").stream(TOOLS)
+    assert llama.feed('{"x": 1}; {"name": "get_time", ') == ("", [])
+    _, deltas = llama.feed('"parameters": {}}')
+    assert deltas[0]["index"] == 0 and llama.called
+    stray = get_parser("llama3_json", "tools").stream(TOOLS)
+    stray.feed('{"x": 1}')
+    assert not stray.called
 
 
 @pytest.mark.parametrize("fmt", sorted(PARSERS))

@@ -164,7 +164,7 @@ class ToolStream:
         self.pending = ""  # reply text held back while it may still open a call
         self.region = False  # inside the call region
         self.started = False  # some reply text went out
-        self.calls = 0
+        self.calls = 0  # calls named so far
         self.current: _Call | None = None
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -198,9 +198,10 @@ class ToolStream:
                 if at < 0:
                     return out
                 self.current = _Call(self.calls)
-                self.calls += 1
                 text = text[at:]
             deltas, rest = self.current.feed(text)
+            # NOTE: counted once named: an object that is no call takes no index.
+            self.calls += sum(1 for d in deltas if "id" in d)
             out += deltas
             if rest is None:
                 return out
