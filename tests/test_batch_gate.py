@@ -127,3 +127,25 @@ def test_shedding_follows_the_prediction(rate: float, sheds: bool) -> None:
     # 128 tokens of the next interactive prompt at 50 tokens/s: 2.6 s, past 0.8 of the SLO.
     assert gate.shed() is sheds
     assert not rig(slo_ttft_s=None)[0].shed()
+
+
+def test_the_gate_follows_admissions_cut_of_the_slo_share() -> None:
+    """Admission admits interactive requests within a share of the SLO that its controller cuts
+    after misses; the gate's start and shed thresholds shrink with it, so batch never keeps
+    running (or starting) while interactive requests predicted below its thresholds are
+    refused."""
+    gate, engine, adm, now = rig(slo_ttft_s=2.0, max_running=8)
+    for _ in range(20):
+        now[0] += 0.1
+        adm.observe_step(0.1, 100, True)  # 1,000 prefill tokens/s
+    add(engine, "b0", 8, Priority.BATCH)
+    # About 0.5 s predicted for an arrival after a 300-token line: within half of 2 s.
+    assert gate.room(0, 300, 16)
+    assert 0.3 < gate.last_predicted_s < 1.0
+    adm.limit.share = 0.3  # the floor: interactive admitted within 0.6 s only
+    assert not gate.room(0, 300, 16) and gate.last_code == "ttft"
+    add(engine, "b1", 600, Priority.BATCH)
+    engine.scheduler.schedule()  # both running: their prefill is ahead of any arrival
+    assert gate.shed()
+    adm.limit.share = 0.85
+    assert not gate.shed()

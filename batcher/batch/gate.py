@@ -3,7 +3,8 @@
 Admission's TTFT prediction decides. A batch line that starts now is prefilled before any
 interactive request arriving after it (running requests are served first, whatever their
 priority), so the question is: would an interactive request arriving right after this line still
-be predicted within a share of the TTFT SLO? Besides that prediction, lines never start while an
+be predicted within a share of the TTFT SLO (scaled down as far as admission has cut the share
+it admits interactive requests within)? Besides that prediction, lines never start while an
 interactive request is queued, never take the last sequence slots or KV blocks (interactive
 requests must find room without preempting), and at most `max_running` run at once.
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from batcher.admission import Admission
 from batcher.engine import AsyncEngine
 from batcher.request import Priority
+from batcher.slo_limit import CEILING
 from batcher.ttft_predictor import Backlog
 
 
@@ -70,12 +72,19 @@ class SpareCapacity:
         way (running requests are served first, whatever their priority)."""
         return any(r.priority <= Priority.INTERACTIVE for r in self.engine.scheduler.waiting)
 
+    def _slo_scale(self) -> float:
+        """How far admission has cut the share of the SLO it admits interactive requests within
+        (1 at its ceiling): the gate's shares shrink with it, so batch starts less and is shed
+        before interactive requests are refused."""
+        return min(1.0, self.admission.limit.share / CEILING)
+
     def shed(self) -> bool:
         """Interactive traffic is predicted to miss its SLO with the work running now (the
         machine slowed, or interactive load rose): batch work should give way."""
         slo = self.admission.slo_ttft_s
         if slo is None:
             return False
+        slo *= self._slo_scale()
         predicted = self.admission.predictor.predict(
             self.admission.clock(), Backlog.of_scheduler(self.engine.scheduler), "interactive",
             self.cfg.probe_tokens)
@@ -111,6 +120,8 @@ class SpareCapacity:
         if kv.num_free_blocks - need < self.cfg.free_blocks_share * kv.num_total_blocks:
             return "kv", "KV blocks reserved for interactive traffic"
         slo = self.admission.slo_ttft_s
+        if slo is not None:
+            slo *= self._slo_scale()
         # NOTE: one line may always start on an idle engine. The prediction learns only from
         # steps that run: were it to stay pessimistic (measured while lines crowded the engine,
         # or not measured yet) an idle engine would never run the step that corrects it. And
