@@ -36,9 +36,14 @@ class FakeRunner:
         self.running = self.peak = 0
         self.prefilling: set[str] = set()  # request ids of lines still "in prefill"
         self.prefill_s = 0.0
+        self.left: dict[str, int] = {}  # request id -> decode steps to go, while decoding
+        self.decode_steps = 16
 
     def in_prefill(self, rid: str) -> bool:
         return rid in self.prefilling
+
+    def steps_left(self, rid: str) -> int | None:
+        return self.left.get(rid)
 
     async def run(self, tenant: TenantConfig, url: str, body: dict, rid: str) -> LineResult:
         p = body["prompt"]
@@ -55,8 +60,10 @@ class FakeRunner:
                     await asyncio.sleep(self.prefill_s)
                 finally:
                     self.prefilling.discard(rid)
+            self.left[rid] = self.decode_steps
             await asyncio.sleep(self.delay)
         finally:
+            self.left.pop(rid, None)
             self.running -= 1
         self.finished[p] += 1
         if body.get("fail"):
@@ -309,6 +316,33 @@ async def test_lines_in_prefill_make_way_for_interactive_requests(
     assert [x["custom_id"] for x in out] == [f"c{i}" for i in range(8)]
     assert all(runner.finished[f"p{i}"] == 1 for i in range(8))
     assert all(runner.calls[f"p{i}"] == 2 for i in range(4))  # the yielded ones ran again
+
+
+async def test_decoding_lines_make_way_unless_about_to_finish(
+        tmp_path: Path, clock: list[float]) -> None:
+    runner = FakeRunner(delay=0.3)
+    gate = FakeGate(cap=2)
+    rig = Rig(tmp_path, runner, gate, clock)
+    await rig.ex.start()
+    try:
+        bid = rig.create(lines_file(4))
+        while len(runner.left) < 2:
+            await asyncio.sleep(0.005)
+        a, b = sorted(runner.left)
+        runner.left[a] = 2  # about to finish: it keeps its row
+        gate.interactive = True  # an interactive request queued or prefilling
+        gate.open = False
+        while rig.ex.in_flight > 1:
+            await asyncio.sleep(0.005)
+        assert rig.metrics.deferrals.labels("yield")._value.get() == 1
+        assert b not in runner.left and a in runner.left
+        gate.interactive = False
+        gate.open = True
+        rec = await rig.wait(bid)
+    finally:
+        await rig.ex.stop()
+    assert rec.completed == 4
+    assert sum(runner.finished.values()) == 4 and sum(runner.calls.values()) == 5
 
 
 async def test_running_lines_are_shed_newest_first_while_interactive_needs_room(

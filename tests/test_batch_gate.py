@@ -51,6 +51,8 @@ def test_queued_interactive_work_shuts_the_gate() -> None:
     assert gate.room(0, 100, 32)  # queued batch work does not block more batch work
     add(engine, "live", 10, Priority.INTERACTIVE)
     assert not gate.room(0, 100, 32) and "interactive" in gate.last_reason
+    engine.scheduler.schedule()  # it runs now, its prompt not yet computed: still pending
+    assert gate.interactive_waiting() and not gate.room(0, 100, 32)
 
 
 def test_cap_slots_blocks_and_health() -> None:

@@ -35,3 +35,25 @@ async def test_a_line_teaches_the_ttft_correction_nothing(aiohttp_client, tiny_f
     assert predictor.num_ttft_observations == seen
     await live()
     assert predictor.num_ttft_observations == seen + 1
+
+
+async def test_a_running_line_reports_its_prefill_and_steps_left(aiohttp_client, tiny_fp32,
+                                                                 tokenizer) -> None:
+    import asyncio
+
+    client = await aiohttp_client(app_factory(tiny_fp32, tokenizer, TENANTS)())
+    runner = LineRunner(client.server.app[GATEWAY])
+    assert runner.steps_left("line-2") is None and not runner.in_prefill("line-2")
+    task = asyncio.ensure_future(runner.run(TENANTS["alice"], "/v1/completions",
+                                            completion(max_tokens=200, ignore_eos=True),
+                                            "line-2"))
+    seen: list[int] = []
+    while not task.done():
+        left = runner.steps_left("line-2")
+        if left is not None:
+            seen.append(left)
+        await asyncio.sleep(0.001)
+    assert (await task).ok
+    assert seen and all(0 <= x <= 200 for x in seen) and seen == sorted(seen, reverse=True)
+    assert min(seen) < 200  # it counted down while decoding
+    assert runner.steps_left("line-2") is None

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 # Re-check expiry, retries and capacity at least this often; steps and new batches wake it sooner.
 TICK_S = 0.05
+# A decoding line this close to its end finishes rather than gives way: cancelled, it would be
+# run again from the start, and it holds the interactive request back only that many steps.
+FINISH_STEPS = 2
 DEFAULT_LINE_MAX_TOKENS = 16
 # Refusals about the server's state (queue, SLO, drain), not a tenant's budget.
 SERVER_REFUSALS = frozenset({"queue_full", "queue_slo", "tpot_slo", "draining", "overloaded",
@@ -46,6 +49,8 @@ class Runner(Protocol):
                   ) -> LineResult: ...
 
     def in_prefill(self, request_id: str) -> bool: ...
+
+    def steps_left(self, request_id: str) -> int | None: ...
 
 
 class Gate(Protocol):
@@ -199,15 +204,21 @@ class BatchExecutor:
                 await self._finalize(b, "completed")
 
     def _make_way(self) -> None:
-        """Batch work gives way to interactive work. Interactive requests are queued: cancel the
-        lines still in prefill (their prompts would be computed first). Interactive requests are
-        predicted past `shed_share` of their SLO: cancel the newest running line, one per pass
-        (a pass follows every step), until the prediction recovers or one line is left. Cancelled lines go back to
-        the head of their batch and run again later."""
+        """Batch work gives way to interactive work. An interactive request is queued or
+        prefilling: cancel the lines still in prefill (their prompts would be computed first)
+        and the decoding ones with more than `FINISH_STEPS` to go (the scheduler cuts prefill
+        chunks to keep their time per token, the interactive prompt's too). Interactive
+        requests are predicted past `shed_share` of their SLO: cancel the newest running line,
+        one per pass (a pass follows every step), until the prediction recovers or one line is
+        left. Cancelled lines go back to the head of their batch and run again later (their
+        prompts mostly from the prefix cache)."""
         if self.gate.interactive_waiting():
             for b in self.batches.values():
                 for index, task in b.running.items():
-                    if index not in b.yielded and self.runner.in_prefill(b.request_ids[index]):
+                    rid = b.request_ids[index]
+                    if index not in b.yielded and (
+                            self.runner.in_prefill(rid)
+                            or (self.runner.steps_left(rid) or 0) > FINISH_STEPS):
                         self._give_way(b, index, task, "yield")
         # NOTE: the oldest line is never shed. One line on an otherwise idle engine may always
         # start (the gate's rule); shedding it would restart it at once, and a line forever in

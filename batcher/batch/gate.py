@@ -68,9 +68,15 @@ class SpareCapacity:
         self.last_predicted_s: float | None = None
 
     def interactive_waiting(self) -> bool:
-        """An interactive request is queued: running batch lines still in prefill should give
-        way (running requests are served first, whatever their priority)."""
-        return any(r.priority <= Priority.INTERACTIVE for r in self.engine.scheduler.waiting)
+        """An interactive request is queued, or running with its prompt not yet computed:
+        batch lines should give way. Running requests are served first, whatever their
+        priority, so a line's prompt is computed before the interactive one; and a line that
+        decodes is a stream whose time per token the scheduler protects by cutting prefill
+        chunks, the interactive prompt's included."""
+        sched = self.engine.scheduler
+        return (any(r.priority <= Priority.INTERACTIVE for r in sched.waiting)
+                or any(r.priority <= Priority.INTERACTIVE and r.num_tokens - r.num_computed_tokens > 1
+                       for r in sched.running))
 
     def _slo_scale(self) -> float:
         """How far admission has cut the share of the SLO it admits interactive requests within
@@ -110,7 +116,7 @@ class SpareCapacity:
             return "cap", "batch lines at their cap"
         sched = eng.scheduler
         if self.interactive_waiting():
-            return "interactive_queued", "interactive requests are queued"
+            return "interactive_queued", "interactive requests are queued or prefilling"
         max_seqs = sched.config.max_num_seqs
         # Slots and blocks a new interactive request needs must stay free.
         if sched.num_running + sched.num_waiting + lines > max_seqs - max(1, max_seqs // 8):

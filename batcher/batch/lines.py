@@ -80,6 +80,14 @@ class LineRunner:
         job = self._jobs.get(request_id)
         return job is not None and any(r.first_token_time is None for r in job.requests)
 
+    def steps_left(self, request_id: str) -> int | None:
+        """Decode steps the line has left at most (its longest choice's), None when it is not
+        in the engine."""
+        job = self._jobs.get(request_id)
+        if job is None or not job.requests:
+            return None
+        return max(r.sampling.max_tokens - r.num_output_tokens for r in job.requests)
+
     async def run(self, tenant: TenantConfig, url: str, body: dict[str, Any], request_id: str
                   ) -> LineResult:
         """Answer one line. Raises `Deferred` when it must wait; cancelling the call aborts the
