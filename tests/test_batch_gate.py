@@ -151,3 +151,19 @@ def test_the_gate_follows_admissions_cut_of_the_slo_share() -> None:
     assert gate.shed()
     adm.limit.share = 0.85
     assert not gate.shed()
+
+
+def test_running_batch_work_is_not_counted_ahead_of_an_arrival() -> None:
+    """Batch lines give way when an interactive request arrives, so the gate predicts that
+    arrival from the interactive work only (the new line's prompt still counted)."""
+    gate, engine, adm, now = rig(slo_ttft_s=2.0, max_running=8)
+    for _ in range(20):
+        now[0] += 0.1
+        adm.observe_step(0.1, 100, True)  # 1,000 prefill tokens/s
+    for i in range(4):
+        add(engine, f"b{i}", 200, Priority.BATCH)
+    engine.scheduler.schedule()  # 800 batch prompt tokens running, still to compute
+    assert gate.room(4, 50, 16) and gate.last_predicted_s < 0.5
+    add(engine, "live", 600, Priority.INTERACTIVE)
+    engine.scheduler.schedule()  # interactive work ahead does count (and is pending)
+    assert not gate.room(4, 50, 16) and gate.last_code == "interactive_queued"

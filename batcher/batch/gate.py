@@ -134,10 +134,16 @@ class SpareCapacity:
         # one line delays an interactive request by at most its own prefill.
         idle = sched.num_running == 0 and sched.num_waiting == 0 and lines == 1
         if slo is not None and not idle:
-            # The line's prompt is prefilled before the interactive request's own (it runs
-            # first once started), so it adds to that request's own prefill.
+            # The interactive work the arrival would find; batch lines are left out, since
+            # they give way when it arrives (the executor cancels them within a step). The
+            # new lines' prompts count as if still ahead of the arrival's own: at most the
+            # step they are in, bounded by them.
+            interactive = Backlog.of(
+                [r for r in sched.waiting if r.priority <= Priority.INTERACTIVE],
+                [r for r in sched.running if r.priority <= Priority.INTERACTIVE],
+                sched.config.max_num_seqs)
             predicted = self.admission.predictor.predict(
-                self.admission.clock(), Backlog.of_scheduler(sched), "interactive",
+                self.admission.clock(), interactive, "interactive",
                 prompt_tokens + self.cfg.probe_tokens)
             self.last_predicted_s = predicted
             if predicted is None:
