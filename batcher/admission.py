@@ -22,7 +22,9 @@ refunded what it did not generate on `release`. `admit` checks, in this order:
 8. predicted TPOT over the SLO    -> 503 `tpot_slo`: one more decode row would make the running
                                      streams' step (`decode_step_s`) slower than `slo_tpot_s`
 
-Checks 7 and 8 never refuse a request on an idle server: it could not be served sooner by waiting.
+Checks 7 and 8 never refuse a request on an idle server: it could not be served sooner by waiting;
+nor, with nothing queued ahead of it, when no step has carried prefill for a while (the prediction
+is renewed only by prompts that run).
 (A request with only decodes ahead is checked: its prompt is read in chunks beside them, and on a
 slow machine that alone can take longer than the SLO, where waiting for them to end would not.) A prompt whose own prefill takes more than half the SLO is admitted when
 the work ahead of it takes at most half the SLO, so a long prompt is not starved by short ones.
@@ -335,8 +337,11 @@ class Admission:
         now = self.clock()
         ahead = backlog.ahead(priority)
         raw = self.predictor.predict_raw(backlog, priority, prompt_tokens)
-        idle = (ahead == 0 and backlog.queued_ahead(priority) == 0 and backlog.running == 0
-                and backlog.free_slots > 0)
+        # NOTE: with nothing queued ahead, one request is also let in when every prefill rate is
+        # stale: the prediction learns only from steps that run, and one that went pessimistic
+        # (measured while the machine was slower) would otherwise refuse until the server idles.
+        first = ahead == 0 and backlog.queued_ahead(priority) == 0 and backlog.free_slots > 0
+        idle = first and (backlog.running == 0 or self.predictor.prefill_stale)
         held = False
         if self.slo_ttft_s is not None and raw is not None and not idle:
             self.limit.check_waiting(now, self.slo_ttft_s)
@@ -374,7 +379,10 @@ class Admission:
         # NOTE: long by its own prefill on a quiet server: beside decodes, on a slow machine,
         # even a short prompt takes long, and admitting it would only make it miss.
         own_s = self.predictor.quiet_prefill_s(now, own) or 0.0
-        held = own_s <= limit / 2
+        # NOTE: long against the limit at its widest: while the controller holds the share low,
+        # an ordinary prompt must not pass as a long one and skip the check.
+        widest = self.slo_ttft_s * (BATCH_SLO_SHARE if priority == "batch" else CEILING)
+        held = own_s <= widest / 2
         if not held:
             # A long prompt: hold only its wait behind others to half the limit.
             predicted, limit = predicted - own_s, limit / 2

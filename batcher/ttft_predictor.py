@@ -191,6 +191,7 @@ class TtftPredictor:
     _wall: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
     _modelled: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
     _last_end: float | None = field(default=None, repr=False)
+    _last_prefill: float | None = field(default=None, repr=False)
     _pending: bool = field(default=False, repr=False)
     _ratios: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=CORRECTION_SAMPLES), repr=False)
@@ -218,6 +219,7 @@ class TtftPredictor:
             self._wall.add(now, wall)
             self._modelled.add(now, modelled_s)
         if prefill_tokens > 0:
+            self._last_prefill = now
             self._tokens.add(now, float(prefill_tokens))
             self._seconds.add(now, wall)
             b = _bucket(decode_rows)
@@ -265,6 +267,15 @@ class TtftPredictor:
         b = min(above) if above else max(pool)
         tokens, seconds = self._by_rows[b]
         return tokens.value / seconds.value if seconds.value > 0 else self.prefill_rate
+
+    @property
+    def prefill_stale(self) -> bool:
+        """No step has carried prefill for `STALE_S` of steps: every prefill rate is old news
+        (measured while the machine, or the scheduler's chunk sizing, may have been different),
+        and only a prompt that is admitted can renew it."""
+        if self._last_end is None:
+            return False
+        return self._last_prefill is None or self._last_end - self._last_prefill > STALE_S
 
     @property
     def step_s(self) -> float:

@@ -159,9 +159,13 @@ def test_prediction_follows_within_a_few_seconds(scale_after: float) -> None:
     after = run.admitted(24.0, 40.0)
     assert len(after) > 10
     assert p99([r.ttft for r in after]) <= SLO_S
-    # Slower: about what the machine can still do. Faster: at least what it did before (the
-    # scheduler's own chunk sizing takes longer to use all of the new speed).
-    assert run.goodput(24.0, 40.0) >= 0.8 * cap / max(1.0, scale_after)
+    # Slower: about what the machine can still do, once the streams admitted before the change
+    # have drained (the scheduler holds prefill beside them to small chunks while its step-time
+    # model refits, and nothing new can meet the SLO meanwhile: the predictions say so). Faster:
+    # at least what it did before (the scheduler's own chunk sizing takes longer to use all of
+    # the new speed).
+    settled = 24.0 if scale_after <= 1.0 else 30.0
+    assert run.goodput(settled, 40.0) >= 0.8 * cap / max(1.0, scale_after)
 
 
 @pytest.mark.parametrize("scale", [2.0, 3.0])
