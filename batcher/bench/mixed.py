@@ -60,6 +60,12 @@ class MixedConfig:
     server_pid: int | None = None
     seed: int = 1
     gate_share: float = 0.5  # the server's --batch-ttft-share, for the report
+    # An alone phase runs on until about this many requests were sent (at most 3x alone_s):
+    # at a low rate, alone_s alone would leave too few for a p99.
+    alone_min_requests: int = 12
+
+    def alone_duration(self, rate: float) -> float:
+        return min(3 * self.alone_s, max(self.alone_s, self.alone_min_requests / rate))
 
     def validate(self) -> MixedConfig:
         if self.lines < 1 or self.line_max_tokens < 1 or self.max_tokens < 1:
@@ -276,8 +282,9 @@ async def run_mixed(session: aiohttp.ClientSession, cfg: ClientConfig, mc: Mixed
     cap = None if mc.rate is not None else await measure_capacity(session, cfg, mc)
     rate = mc.rate if mc.rate is not None else mc.rate_share * (cap or 0.0)
     rep = MixedReport(cap, rate)
+    alone_s = mc.alone_duration(rate)
     rep.phases.append(await _phase("interactive alone (before)", rate, mc,
-                                   _poisson(session, cfg, mc, rate, 11, mc.alone_s)))
+                                   _poisson(session, cfg, mc, rate, 11, alone_s)))
     before = await batch_metrics(session, cfg)
     batch = await submit_batch(session, cfg, batch_lines(mc, cfg.model))
     done = asyncio.Event()
@@ -320,7 +327,7 @@ async def run_mixed(session: aiohttp.ClientSession, cfg: ClientConfig, mc: Mixed
                        f"{sum(r.status in (429, 503) for r in res)} refusals resent")
         rep.phases.append(phase)
     rep.phases.append(await _phase("interactive alone (after)", rate, mc,
-                                   _poisson(session, cfg, mc, rate, 14, mc.alone_s)))
+                                   _poisson(session, cfg, mc, rate, 14, alone_s)))
     return rep
 
 
