@@ -8,6 +8,10 @@ process (OpenMP thread teams are per process), interleaved A, B, C, A, B, C:
 
 Usage: python scripts/bench_model_thread.py [--rounds 3] [--steps 40] [--quantization none]
 Prints the best per-step milliseconds of each mode and their ratios to `main`.
+
+`--op`: no model, one bf16 linear (1 x 576 -> 3072, a decode row's gate/up) timed on the main
+thread, then on a fresh thread, then on the main thread again, in one process per OpenMP wait
+policy (the environment default, PASSIVE, ACTIVE): where the stall lives, without loading.
 """
 
 from __future__ import annotations
@@ -70,13 +74,59 @@ def _one(mode: str, steps: int, quantization: str) -> float:
     return float(state["ms"])
 
 
+def _op_run() -> None:
+    import torch
+
+    def median_us() -> float:
+        a = torch.randn(1, 576, dtype=torch.bfloat16)
+        w = torch.randn(3072, 576, dtype=torch.bfloat16)
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(a, w)
+            times.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(times)
+
+    first = median_us()
+    box: list[float] = []
+    t = threading.Thread(target=lambda: box.append(median_us()))
+    t.start()
+    t.join()
+    print(f"{first:.0f} {box[0]:.0f} {median_us():.0f}")
+
+
+def _op(rounds: int) -> None:
+    import os
+
+    for r in range(rounds):
+        for policy in ("", "PASSIVE", "ACTIVE"):
+            env = dict(os.environ)
+            env.pop("OMP_WAIT_POLICY", None)
+            if policy:
+                env["OMP_WAIT_POLICY"] = policy
+            out = subprocess.run([sys.executable, __file__, "--op-child"], env=env,
+                                 capture_output=True, text=True, check=True, timeout=300)
+            main_us, fresh_us, again_us = out.stdout.split()[-3:]
+            print(f"round {r} wait policy {policy or 'default':8s} linear: main {main_us} us, "
+                  f"fresh thread {fresh_us} us, main again {again_us} us", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child run
+    p.add_argument("--op", action="store_true", help="time one linear by thread, no model")
+    p.add_argument("--op-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.op_child:
+        _op_run()
+        return
+    if a.op:
+        _op(a.rounds)
+        return
     if a.mode:
         print(_one(a.mode, a.steps, a.quantization))
         return
