@@ -42,6 +42,7 @@ CASES = {
 }
 STREAMS = 8
 STEADY_TOKENS = 30
+STEADY_AFTER = 15  # tokens per stream after the prompt's first token, to measure steady again
 
 
 def load(dtype: str):
@@ -122,10 +123,17 @@ async def streams_case(loaded, tok, sched: dict, long_len: int) -> dict:
         if ev.token_ids and first is None:
             first = time.perf_counter()
     steps = engine.steps - steps0
+    # The streams' contexts grow while the prompt is read (hundreds of steps under a tight
+    # target), and so does their steady step: measure it again after the prompt's first token.
+    counts = [len(t) for t in times]
+    while min(len(t) - c for t, c in zip(times, counts)) < STEADY_AFTER:
+        await asyncio.sleep(0.005)
     cpu_steps = engine.cpu.steps
     cpu_during = [c for _, c in cpu_steps[cpu0:cpu0 + steps]]
     cpu_steady = [c for sh, c in cpu_steps[:cpu0]
                   if sh.decode_rows == STREAMS and not sh.prefill_tokens]
+    cpu_after = [c for sh, c in cpu_steps[cpu0 + steps:]
+                 if sh.decode_rows == STREAMS and not sh.prefill_tokens]
     done.set()
     await asyncio.gather(*tasks)
     model = engine.step_time_model
@@ -138,7 +146,14 @@ async def streams_case(loaded, tok, sched: dict, long_len: int) -> dict:
             elif b <= first:
                 during.append(b - a)
     base = statistics.median(steady)
-    return {"steady_ms": base * 1e3, "steady_p99_x": pct(steady, 99) / base,
+    # Each step against the steady step at its streams' context: interpolated between the
+    # decode-only steps before the prompt arrived and after its first token.
+    before, after = statistics.median(cpu_steady), statistics.median(cpu_after)
+    n = len(cpu_during)
+    at_ctx = [c / (before + (after - before) * (i + 0.5) / n) for i, c in enumerate(cpu_during)]
+    return {"cpu_after_ms": after * 1e3, "cpu_ctx_p50_x": statistics.median(at_ctx),
+            "cpu_ctx_p99_x": pct(at_ctx, 99), "cpu_during_p99_ms": pct(cpu_during, 99) * 1e3,
+            "steady_ms": base * 1e3, "steady_p99_x": pct(steady, 99) / base,
             "p50_x": statistics.median(during) / base, "p99_ms": pct(during, 99) * 1e3,
             "max_ms": max(during) * 1e3, "p99_x": pct(during, 99) / base,
             "ttft_s": first - arrival, "steps": steps, "observed": model.num_observations,
@@ -220,6 +235,8 @@ def main() -> None:
                     help="what the engine's step-time model is fed: each step's wall seconds "
                          "(as in serving) or its model-thread CPU seconds (as on a core of its "
                          "own; for a shared machine)")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="streams cases to run, comma-separated (fixed is the TTFT reference)")
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--part", default="streams", help=argparse.SUPPRESS)
@@ -228,10 +245,13 @@ def main() -> None:
     if args.one:
         one(args)
         return
-    streams: dict[str, list[dict]] = {c: [] for c in CASES}
+    cases = args.cases.split(",")
+    if "fixed" not in cases or not set(cases) <= set(CASES):
+        raise SystemExit(f"--cases: a subset of {','.join(CASES)} that includes fixed")
+    streams: dict[str, list[dict]] = {c: [] for c in cases}
     chat: dict[str, list[dict]] = {"fixed": [], "time": []}
     for _ in range(args.rounds):
-        for case in CASES:
+        for case in cases:
             streams[case].append(child(args, "streams", case))
         if args.chat64:
             for case, runs in chat.items():
@@ -245,7 +265,9 @@ def main() -> None:
                          f"{r['p99_x']:.2f}x", f"{r['ttft_s']:.1f}",
                          f"{r['ttft_s'] / ref[i]['ttft_s']:.2f}",
                          f"{r['cpu_steady_ms']:.0f}", f"{r['cpu_p50_x']:.2f}x",
-                         f"{r['cpu_p99_x']:.2f}x", f"{r['cpu_ttft_s']:.1f}",
+                         f"{r['cpu_p99_x']:.2f}x", f"{r['cpu_after_ms']:.0f}",
+                         f"{r['cpu_ctx_p50_x']:.2f}x", f"{r['cpu_ctx_p99_x']:.2f}x",
+                         f"{r['cpu_during_p99_ms']:.0f}", f"{r['cpu_ttft_s']:.1f}",
                          f"{r['cpu_ttft_s'] / ref[i]['cpu_ttft_s']:.2f}", str(r["steps"])])
     text = ""
     if not args.no_append:
@@ -255,8 +277,9 @@ def main() -> None:
             f"{args.fit_clock} time, interleaved",
             ["case", "round", "load avg", "wall: steady gap ms", "steady p99 / steady",
              "p50 gap / steady", "p99 gap / steady", "long TTFT s", "TTFT vs fixed",
-             "CPU: steady step ms", "p50 step / steady", "p99 step / steady", "TTFT s",
-             "TTFT vs fixed", "steps to 1st token"], rows,
+             "CPU: steady step ms", "p50 step / steady", "p99 step / steady",
+             "steady after ms", "p50 / steady at ctx", "p99 / steady at ctx", "p99 step ms",
+             "TTFT s", "TTFT vs fixed", "steps to 1st token"], rows,
             notes="Each case in its own process, cases interleaved round by round on a machine "
                   "shared with other work (load avg at each start); ratios compare the same "
                   "round. Wall: the streams' gaps between tokens as a client sees them; steady = "
@@ -264,7 +287,11 @@ def main() -> None:
                   "machine's noise floor); p50/p99 = from the prompt's arrival to its first "
                   "token. CPU: the same steps in model-thread CPU seconds (one torch thread), "
                   "what they cost on a core of their own; steady = the median 8-stream "
-                  "decode-only step, TTFT = the sum of the steps to the first token.")
+                  "decode-only step before the prompt arrived, steady after = the same once "
+                  "its first token is out (the streams' contexts grew meanwhile); 'at ctx' "
+                  "divides each step by the steady step interpolated between the two, the "
+                  "steady step at its streams' context; TTFT = the sum of the steps to the "
+                  "first token.")
     if args.chat64:
         crow = []
         for case, runs in chat.items():

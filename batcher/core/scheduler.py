@@ -351,8 +351,8 @@ class Scheduler:
             if r.num_tokens - r.num_computed_tokens == 1:
                 decode = decode.plus(1, r.num_computed_tokens, bs)
         cfg = self.config
-        # The steady batch: the streams plus every request still to prefill (see step_budget).
-        batch = min(cfg.max_num_seqs, len(self.running) + len(self.waiting))
+        # The steady batch: the streams plus the requests waiting to start (see step_budget).
+        batch = min(cfg.max_num_seqs, decode.decode_rows + len(self.waiting))
         target = step_target(self.step_time, decode, cfg.slo_tpot_s, cfg.max_step_slowdown,
                              batch)
         if target is None:

@@ -6,12 +6,14 @@ the balance between a prefill token and a decode row differs by model and device
 the scheduler asks for the largest chunk whose predicted step time stays within the target:
 
 - the target is the TPOT SLO when one is set, else `max_slowdown` times the steady step: the
-  decode-only step of the batch the streams are about to be in (they, plus the requests with
-  prefill pending, up to `max_num_seqs`, at the streams' current context). Running streams then
-  slow by at most that factor while a prompt is read. Counting the pending requests matters when
+  decode-only step of the batch the streams are about to be in (they, plus the requests waiting
+  to start, up to `max_num_seqs`, at the streams' current context). Running streams then
+  slow by at most that factor while a prompt is read. Counting the waiting requests matters when
   many arrive at once: two streams' 30 ms step would otherwise hold thirty waiting prompts to
   15 ms of prefill a step, and the batch (and throughput) would grow at a crawl, although those
-  streams are about to share their steps with the thirty anyway;
+  streams are about to share their steps with the thirty anyway. A prompt already being read is
+  not counted: its own chunks would be sized by the row it adds once read, a few percent above
+  the streams' steady step for as long as the prompt takes;
 - the minimum chunk is defined in time, not tokens: the first prefill of a step (the
   longest-waiting one the scheduler reaches) gets whatever fits the target, however small, and
   only when not even two tokens fit does it get `min_chunk` tokens anyway, so a long prompt
