@@ -150,3 +150,20 @@ async def test_echo_with_logprobs_over_http(client) -> None:
     resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0},
                              headers=AUTH)
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "max_tokens"
+
+
+def test_a_scoring_request_takes_bounded_chunks() -> None:
+    """Each scored position is a row of logits, so a scoring request's chunk is capped."""
+    from batcher.core.kv_cache_manager import KVCacheManager
+    from batcher.core.scheduler import MAX_SCORED_CHUNK, Scheduler
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048,
+                                      max_model_len=4096), KVCacheManager(256, 16))
+    prompt = list(range(1, 1500))
+    sched.add_request(Request("s", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)))
+    sched.add_request(Request("p", prompt[:1200], SamplingParams(max_tokens=1)))
+    out = sched.schedule()
+    sizes = {s.request_id: s.num_tokens for s in out.seqs}
+    assert sizes["s"] == MAX_SCORED_CHUNK and sizes["p"] == 1200
+    scored = next(s for s in out.seqs if s.request_id == "s")
+    assert scored.score_targets == tuple(prompt[1:MAX_SCORED_CHUNK + 1])

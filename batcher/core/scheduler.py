@@ -25,6 +25,9 @@ from batcher.core.step_budget import PrefillAllowance, step_target
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.request import Request, RequestStatus
 
+# Prompt positions one request scores (prompt logprobs) per step, at most.
+MAX_SCORED_CHUNK = 512
+
 
 @dataclass(slots=True)
 class RequestUpdate:
@@ -366,6 +369,9 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
+        if req.prompt_unscored:
+            # Every scored position is a row of logits: bound the step's [rows, vocab].
+            num_new = min(num_new, MAX_SCORED_CHUNK)
         assert num_new > 0, req.request_id
         return num_new
 
