@@ -41,6 +41,12 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
       "after the request: it then adds to the predicted wait (default: %(default)s)")
     a("--affinity-max-extra-ms", type=float, default=50.0, help="predicted extra wait prefix "
       "affinity may cost at most (default: %(default)s)")
+    a("--routing-slo-ttft-ms", type=float, default=1000.0, help="first-token objective the policy "
+      "routes for: a request predicted to miss it on every replica is packed onto a replica "
+      "too slow for it, keeping the others' queues short; 0 turns this off "
+      "(default: %(default)s)")
+    a("--late-extra-ms", type=float, default=3000.0, help="predicted extra wait such a request "
+      "may get at most (default: %(default)s)")
     a("--max-attempts", type=int, default=3, help="attempts per request (default: %(default)s)")
     a("--retry-ratio", type=float, default=0.1, help="retries allowed per request in the "
       "window (default: %(default)s)")
@@ -138,7 +144,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         policy=PolicyConfig(affinity_chars=args.affinity_chars, hot_headroom=args.hot_headroom,
-                            affinity_max_extra_s=args.affinity_max_extra_ms / 1e3),
+                            affinity_max_extra_s=args.affinity_max_extra_ms / 1e3,
+                            slo_ttft_s=args.routing_slo_ttft_ms / 1e3,
+                            late_extra_s=args.late_extra_ms / 1e3),
         routing=args.policy,
         health=HealthConfig(interval=args.health_interval,
                             liveness_timeout=args.liveness_timeout,

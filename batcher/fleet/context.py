@@ -156,8 +156,12 @@ class RouterContext:
                                      others=st.running + st.waiting))
                 continue
             load.state_seen(rep.state_at)
-            out.append(Candidate(rep.replica_id, reg.effective_free(rep), st.total_blocks,
-                                 st.block_size, reg.effective_waiting(rep), st.version,
+            # the registry's effective_free / effective_waiting, one pass over the reservations
+            unreflected = rep.unreflected()
+            out.append(Candidate(rep.replica_id,
+                                 st.free_blocks - sum(r.blocks for r in unreflected),
+                                 st.total_blocks, st.block_size,
+                                 st.waiting + len(unreflected), st.version,
                                  fresh=not reg.suspect(rep, now), running=st.running,
                                  inflight=load.inflight,
                                  others=load.others(st.running, st.waiting),

@@ -72,7 +72,7 @@ class FleetSim:
         self.replicas = self._build_replicas(cfg, step_model)
         self.views = [View(r, self.clock) for r in self.replicas]
         self.cands = list(self.views)
-        self.policy = policy or make_policy(cfg.policy, cfg.seed)
+        self.policy = policy or make_policy(cfg.policy, cfg.seed, cfg.slo_ttft)
         self.live = self._live_views(step_model) if self.policy.live else []
         self.rng = random.Random(cfg.seed + 1)
         self.gen = RequestGen(shape, cfg.seed + 2)

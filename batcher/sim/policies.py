@@ -11,8 +11,10 @@ and returns the position of its choice in the views (None: no candidate). A poli
 - `LeastLoaded` (live): fewest waiting, then most free KV after this request (the simulator's
   first yardstick; kept for comparison).
 - `Oracle` (live): least predicted time to first token over every replica, with the fleet
-  router's own `predicted_wait` fed exact numbers: the prefill tokens really queued, the true
-  rates of each replica, what is left of a stall. No sampling, no staleness, no estimates.
+  router's own `wait_parts` fed exact numbers: the prefill tokens really queued, the true
+  rates of each replica, what is left of a stall; and the router's own choice among the scores
+  (`pick_scored`: a request late everywhere is packed where it delays no in-time request). No
+  sampling, no staleness, no estimates.
 - `PowerOfTwoFreeKV`: sample two, keep the one with more free KV after reserving this request,
   fewer waiting breaking ties.
 - `FleetPolicyAdapter`: wraps a fleet-style `choose(cands, tokens, key, cfg, rng, weights,
@@ -149,17 +151,18 @@ class LeastLoaded:
 
 
 class Oracle:
-    """Least predicted TTFT from live state (`views` are `LiveView`s)."""
+    """Least predicted TTFT from live state (`views` are `LiveView`s), chosen among as the
+    router's policy chooses (`pick_scored`)."""
 
     name = "oracle"
     live = True
 
-    def __init__(self, seed: int = 0) -> None:
-        del seed
+    def __init__(self, seed: int = 0, cfg: Any = None) -> None:
         from batcher.fleet import policy
 
+        self.rng = random.Random(seed)
         self._policy = policy
-        self.cfg = policy.PolicyConfig().validate()
+        self.cfg = cfg or policy.PolicyConfig().validate()
 
     def choose(self, views: Sequence[ReplicaView], req: RouteRequest) -> int | None:
         pol, cfg = self._policy, self.cfg
@@ -169,8 +172,10 @@ class Oracle:
         if not fit:
             return None
         priors = pol.Priors(cfg.prefill_rate_prior, cfg.step_s_prior)
-        return min(fit, key=lambda ic: (pol.predicted_wait(ic[1], req.prompt_tokens, req.tokens,
-                                                           cfg, priors), -ic[1].free_blocks))[0]
+        scored = [(c, *pol.wait_parts(c, req.prompt_tokens, req.tokens, cfg, priors))
+                  for _, c in fit]
+        pick = pol.pick_scored(scored, None, cfg, self.rng)
+        return next(i for i, c in fit if c is pick)
 
 
 def _candidate(make: Callable[..., Any], v: Any, version: str = "v1") -> Any:
@@ -253,13 +258,19 @@ POLICIES: dict[str, type] = {"round-robin": RoundRobin, "random": RandomChoice,
                              "p2c-kv": PowerOfTwoFreeKV}
 
 
-def make_policy(name: str, seed: int = 0) -> RoutingPolicy:
+def make_policy(name: str, seed: int = 0, slo_ttft_s: float | None = None) -> RoutingPolicy:
     """A policy by its CLI name: one of POLICIES, or `fleet` (the fleet router's own policy
-    with its default configuration, through `FleetPolicyAdapter`)."""
-    if name == "fleet":
+    with its default configuration, through `FleetPolicyAdapter`). `slo_ttft_s` is the
+    first-token objective the fleet policy and the oracle route for (default: the router's)."""
+    if name in ("fleet", "oracle"):
         from batcher.fleet import policy as router
 
-        cfg = router.PolicyConfig().validate()
+        cfg = router.PolicyConfig()
+        if slo_ttft_s is not None:
+            cfg.slo_ttft_s = slo_ttft_s
+        cfg.validate()
+        if name == "oracle":
+            return Oracle(seed, cfg)
         # the router hashes leading characters; a token is about `chars_per_token` of them
         return FleetPolicyAdapter(router.choose, router.Candidate, cfg, seed,
                                   key_tokens=int(cfg.affinity_chars / cfg.chars_per_token),

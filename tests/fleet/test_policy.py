@@ -91,6 +91,49 @@ def test_kv_is_a_fit_constraint_and_a_score_only_when_scarce():
     assert scarce > plenty == plenty2
 
 
+def test_a_request_late_everywhere_is_packed_where_it_costs_in_time_requests_nothing():
+    # 2,000-token prompts at 2,000 tokens/s: 1 s of prefill on an idle fast replica, 2 s on a
+    # half-speed one; the objective is 1 s, so this request misses it everywhere.
+    fast = cand("fast", prefill_rate=2000.0, step_s=0.02, prefill_tokens=400)
+    slow_idle = cand("slow-idle", prefill_rate=1000.0, step_s=0.04)
+    slow_busy = cand("slow-busy", prefill_rate=1000.0, step_s=0.04, prefill_tokens=1000,
+                     inflight=2)
+    # The least wait would be the fast replica (1.2 s + a step); the request goes to the
+    # busiest replica where it could never make 1 s anyway, keeping the fast one short.
+    assert picks([fast, slow_idle, slow_busy], tokens=2040, prompt=2000) == {"slow-busy": 200}
+    # ...but never more than late_extra_s above the least wait,
+    tight = PolicyConfig(late_extra_s=1.0).validate()  # 2.2 s: slow-idle's 2.04 s, not 3.8
+    rng = random.Random(0)
+    assert choose([fast, slow_idle, slow_busy], 2040, None, tight, rng,
+                  prompt_tokens=2000).replica_id == "slow-idle"
+    # nor onto a replica late on what it already has (how late it will be is unknown),
+    stalled = cand("slow-busy", prefill_rate=1000.0, step_s=0.04, prefill_tokens=1000,
+                   inflight=2, overdue_s=0.1)
+    assert picks([fast, slow_idle, stalled], tokens=2040, prompt=2000) == {"slow-idle": 200}
+    # and a request that can still meet the objective takes the least wait (0.24 s on the
+    # idle half-speed replica against 0.32 s behind the fast one's queue).
+    assert picks([fast, slow_idle, slow_busy], tokens=240, prompt=200) == {"slow-idle": 200}
+    # Without an objective the least predicted wait always wins.
+    off = PolicyConfig(slo_ttft_s=0).validate()
+    assert choose([fast, slow_idle, slow_busy], 2040, None, off, rng,
+                  prompt_tokens=2000).replica_id == "fast"
+
+
+def test_rendezvous_ranking_is_stable_and_spreads_keys():
+    ids = [f"10.0.0.{i}:8000" for i in range(16)]
+    owners = Counter(max(ids, key=lambda r: rendezvous_weight(f"prompt {k}", r))
+                     for k in range(1600))
+    assert len(owners) == 16 and max(owners.values()) < 2 * 1600 / 16
+    # Removing a replica moves only the keys it owned.
+    rest = ids[1:]
+    for k in range(200):
+        before = max(ids, key=lambda r: rendezvous_weight(f"prompt {k}", r))
+        after = max(rest, key=lambda r: rendezvous_weight(f"prompt {k}", r))
+        assert before == ids[0] or before == after
+    assert rendezvous_weight("k", "r") == rendezvous_weight("k", "r") != rendezvous_weight(
+        "k", "s")
+
+
 def test_ties_spread_at_random_and_prefer_free_kv():
     even = picks([cand(f"r{i}") for i in range(4)], n=400)
     assert set(even) == {"r0", "r1", "r2", "r3"} and min(even.values()) > 60
@@ -130,7 +173,7 @@ def test_prefix_affinity_is_stable_and_costs_at_most_a_bounded_wait():
 
 
 def test_sampling_a_subset_still_scores_the_preferred_replica():
-    cfg = PolicyConfig(choices=2).validate()
+    cfg = PolicyConfig(choices=2, sample_above=0).validate()
     rng = random.Random(6)
     cands = [cand(f"r{i}", prefill_tokens=100 * i) for i in range(16)]
     got = Counter(choose(cands, 16, None, cfg, rng).replica_id for _ in range(400))
