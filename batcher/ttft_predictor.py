@@ -311,7 +311,9 @@ class TtftPredictor:
             return None
         own = max(0, own_tokens) / rate
         by_prefill = self._prefill_s(backlog, priority, backlog.ahead(priority) + own_tokens)
-        by_slot = backlog.steps_to_slot(priority) * self.step_s + own
+        slot_steps = backlog.steps_to_slot(priority)
+        # NOTE: with a slot open now the prefill bound covers its own prompt already.
+        by_slot = slot_steps * self.step_s + own if slot_steps > 0 else 0.0
         return self.step_s + max(by_prefill, by_slot)
 
     def _prefill_s(self, backlog: Backlog, priority: str, tokens: float) -> float:
@@ -319,21 +321,23 @@ class TtftPredictor:
         decodes for at most its `steps_left` more steps, and the scheduler gives prefill more of
         a step with fewer decodes beside it. Streams queued ahead are counted as decoding
         throughout (they start as soon as they are prefilled)."""
-        queued = backlog.decoding_while_waiting(priority) - backlog.running
+        n = len(backlog.steps_left)
+        # Streams whose end is not known (none, from the scheduler) decode throughout too.
+        staying = max(0, backlog.decoding_while_waiting(priority) - backlog.running) + max(
+            0, backlog.running - n)
         elapsed = 0.0
         done_steps = 0
-        n = len(backlog.steps_left)
         for i, steps in enumerate(backlog.steps_left):  # ascending: streams end one by one
             span = (steps - done_steps) * self.step_s
             if span <= 0:
                 continue
-            rate = self.prefill_rate_with(n - i + queued) or 1.0
+            rate = self.prefill_rate_with(n - i + staying) or 1.0
             if tokens <= rate * span:
                 return elapsed + tokens / rate
             tokens -= rate * span
             elapsed += span
             done_steps = steps
-        return elapsed + tokens / (self.prefill_rate_with(max(0, queued)) or 1.0)
+        return elapsed + tokens / (self.prefill_rate_with(staying) or 1.0)
 
     def predict(self, now: float, backlog: Backlog, priority: str, own_tokens: int
                 ) -> float | None:
@@ -342,10 +346,12 @@ class TtftPredictor:
         return None if raw is None else raw * self.correction(now)
 
     def quiet_prefill_s(self, now: float, tokens: float) -> float | None:
-        """Predicted seconds to prefill `tokens` with no decodes beside them: how long a prompt
-        is in itself, whatever else the server is doing."""
-        rate = self.prefill_rate_with(0)
-        return None if rate is None else self.correction(now) * max(0.0, tokens) / rate
+        """Predicted seconds to prefill `tokens` at the best rate measured (as a rule, with no
+        decodes beside them): how long a prompt is in itself, whatever else the server is doing."""
+        rates = [t.value / sec.value for t, sec in self._by_rows.values() if sec.value > 0]
+        if not rates:
+            return None
+        return self.correction(now) * max(0.0, tokens) / max(rates)
 
     def drain_s(self, now: float, tokens: float) -> float | None:
         """Predicted seconds to prefill `tokens` (the Retry-After arithmetic)."""

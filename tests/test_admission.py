@@ -554,3 +554,53 @@ def test_a_request_with_only_decodes_ahead_is_checked() -> None:
     with pytest.raises(Rejected):  # 0.1 s + 100 tokens at 100/s = 1.1 s: over the limit
         adm.admit(acme, "interactive", 100, 10, Backlog(running=3))
     adm.admit(acme, "interactive", 100, 10, IDLE)  # alone on the server: admitted
+
+
+def test_prefill_speeds_up_as_running_streams_end() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    # Steps of 0.1 s: alone, prompts are read at 1000 tokens/s; beside one stream at 100.
+    for _ in range(10):
+        clock.advance(0.1)
+        adm.observe_step(0.1, 100, True, decode_rows=0)
+        clock.advance(0.1)
+        adm.observe_step(0.1, 10, True, decode_rows=1)
+    # The stream has 2 steps left: 20 tokens beside it (0.2 s), the other 80 alone (0.08 s), after
+    # the step in progress (0.1 s). Beside it all the way it would have been 1.1 s: refused.
+    t = adm.admit(acme, "interactive", 100, 10, Backlog(running=1, steps_left=(2,)))
+    assert t.predicted_ttft_s == pytest.approx(0.38)
+    with pytest.raises(Rejected):
+        adm.admit(acme, "interactive", 100, 10, Backlog(running=1, steps_left=(20,)))
+
+
+def test_a_stale_prefill_rate_is_passed_over_and_renewed_by_one_request() -> None:
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    for _ in range(5):  # alone, prompts are read at 1000 tokens/s
+        clock.advance(0.1)
+        adm.observe_step(0.1, 100, True, decode_rows=0)
+    for _ in range(10):  # a slow spell: 50 tokens/s beside two streams
+        clock.advance(0.2)
+        adm.observe_step(0.2, 10, True, decode_rows=2)
+    slow = Backlog(running=2, steps_left=(30, 30))
+    with pytest.raises(Rejected):  # 100 tokens at 50/s
+        adm.admit(acme, "interactive", 100, 10, slow)
+    # Then decodes only, for longer than a rate stays fresh: no step has read a prompt since, so
+    # the rate is old news; one request with nothing queued ahead is let in to renew it ...
+    for _ in range(25):
+        clock.advance(0.1)
+        adm.observe_step(0.1, 0, True, decode_rows=2)
+    assert adm.predictor.prefill_stale
+    t = adm.admit(acme, "interactive", 100, 10, slow)
+    assert not t.held_to_slo
+    # ... not a second one queued behind it.
+    with pytest.raises(Rejected):
+        adm.admit(acme, "interactive", 100, 10, Backlog(
+            running=2, waiting=1, waiting_interactive=1, ahead_interactive=100,
+            ahead_batch=100, steps_left=(30, 30)))
+    # A bucket measured recently is preferred over a stale one nearer the shape asked for.
+    for _ in range(5):
+        clock.advance(0.1)
+        adm.observe_step(0.1, 100, True, decode_rows=8)
+    assert not adm.predictor.prefill_stale
+    assert adm.predictor.prefill_rate_with(2) == pytest.approx(1000.0)
