@@ -41,7 +41,13 @@ def test_equal_replicas_never_worse_than_round_robin_and_near_the_oracle() -> No
     # the oracle, which sees each small pool's free blocks live (86.8% against 90.5%).
     pytest.param("--small-kv 2:150", marks=pytest.mark.xfail(
         strict=True, reason="more than 2 points behind the oracle on small KV pools")),
-    "--stall 3@8:5"])
+    "--stall 3@8:5",
+    # Known gap: overloaded for every policy (long prompts), round-robin's overloaded slow
+    # replicas leave the fast ones idle more often; the policy's p99 TTFT is far better but
+    # on eight replicas its goodput is below round-robin's (8.2% against 12.3%).
+    pytest.param("--slow-replicas 2:2 --input-median 2000 --output-median 40 --load 0.8",
+                 marks=pytest.mark.xfail(strict=True, reason="goodput below round-robin with "
+                                         "long prompts on half-speed replicas"))])
 def test_where_replicas_differ_it_beats_round_robin(flags: str) -> None:
     rr, fleet, oracle = compare(flags)
     better = (fleet["goodput"] >= rr["goodput"] + 0.05
