@@ -23,8 +23,9 @@ from typing import Any, Protocol
 from batcher.config import CacheConfig, SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
-from batcher.core.scheduler import RequestUpdate, Scheduler
+from batcher.core.scheduler import Scheduler
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
+from batcher.core.step_updates import RequestUpdate
 from batcher.engine_state import EngineSnapshot
 from batcher.request import Request, RequestStatus
 from batcher.request_registry import RequestRegistry, iter_stream

@@ -19,7 +19,7 @@ from prometheus_client import (
 )
 
 from batcher.core.outputs import SchedulerOutput
-from batcher.core.scheduler import SchedulerStats
+from batcher.core.step_updates import SchedulerStats
 from batcher.engine_state import EngineSnapshot
 from batcher.request import Priority
 from batcher.timings import PHASES, Timings

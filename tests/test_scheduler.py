@@ -13,7 +13,8 @@ from batcher.config import SchedulerConfig
 from batcher.core import kv_cache_manager
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
-from batcher.core.scheduler import RequestUpdate, Scheduler
+from batcher.core.scheduler import Scheduler
+from batcher.core.step_updates import RequestUpdate
 from batcher.request import Priority, Request, RequestStatus
 from batcher.sampling import SamplingParams
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from batcher.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
@@ -23,45 +22,12 @@ from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, To
 from batcher.core.refusals import DuplicateRequestId, EmptyPrompt, ExceedsContext, ExceedsKvCapacity
 from batcher.core.step_budget import PrefillAllowance, step_target
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
+from batcher.core.step_updates import RequestUpdate, SchedulerStats
+from batcher.core.stopping import stop_status, suppressed_tokens
 from batcher.request import Request, RequestStatus
 
 # Prompt positions one request scores (prompt logprobs) per step, at most.
 MAX_SCORED_CHUNK = 512
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one step produced for one request: new tokens (and logprobs), and its status after
-    them (`finished` once it stopped; its blocks are already freed then)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs | None]
-    status: RequestStatus
-    # With the first sampled token of a request that asked: its prompt's entries.
-    prompt_logprobs: list[TokenLogprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.status.finished
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.status.finish_reason
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Cumulative counters (metrics take differences)."""
-
-    preemptions: int = 0
-    prompt_tokens_computed: int = 0  # prompt positions run through the model, recompute included
-    generated_tokens: int = 0
-    steps: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_query_tokens: int = 0
-    spec_draft_tokens: int = 0  # tokens proposed by speculation and checked by the model
-    spec_accepted_tokens: int = 0  # of those, the ones the model agreed with
 
 
 def _running_key(req: Request) -> tuple[int, float]:
@@ -313,7 +279,7 @@ class Scheduler:
             if req.first_token_time is None:
                 now = self.clock() if now is None else now
                 req.first_token_time = now
-            status = self._check_stop(req, token)
+            status = stop_status(req, token, self.config.max_model_len)
             if status is not None:
                 self._free(req, status)
             update = RequestUpdate(req.request_id, [token], [lp], req.status)
@@ -403,7 +369,7 @@ class Scheduler:
             new_tokens.append(token)
             new_lps.append(lp)
             self.stats.generated_tokens += 1
-            status = self._check_stop(req, token)
+            status = stop_status(req, token, self.config.max_model_len)
             if status is not None:
                 break
         req.num_computed_tokens = min(seq.start_pos + len(kept), req.num_tokens - 1)
@@ -427,7 +393,7 @@ class Scheduler:
             sample=start + num_new == req.num_tokens,
             sampling=req.sampling,
             output_index=req.num_output_tokens,
-            suppress=self._suppressed(req),
+            suppress=suppressed_tokens(req),
             history=tuple(req.token_ids) if req.sampling.needs_history and start + num_new
             == req.num_tokens else (),
         )
@@ -443,29 +409,6 @@ class Scheduler:
             seq.token_ids = seq.token_ids + drafts  # a new list: the request's stays as it is
             seq.draft_token_ids = tuple(drafts)
         return seq
-
-    @staticmethod
-    def _suppressed(req: Request) -> tuple[int, ...]:
-        sp = req.sampling
-        if req.num_output_tokens >= sp.min_tokens:
-            return ()
-        eos = () if sp.ignore_eos else req.eos_token_ids
-        return tuple(eos) + tuple(sp.stop_token_ids)
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        """FINISHED_STOPPED on EOS (unless ignore_eos) or a stop token id, once more than
-        `min_tokens` were generated; else FINISHED_LENGTH at max_tokens or max_model_len.
-        NOTE: a stop token that is also the last allowed one reports "stop", the truer reason.
-        The sampler is expected to mask stop tokens below `min_tokens`; if it does not, such a
-        token is kept as an ordinary one."""
-        sp = req.sampling
-        if req.num_output_tokens > sp.min_tokens and (
-            (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
-        ):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         """The one exit: release the request's blocks and move it out of `running`/`waiting`.

@@ -1,0 +1,32 @@
+"""When a request stops: its stop tokens, the tokens held back until `min_tokens`, and its length
+limits. Pure functions of the request, shared by plain and speculative decoding."""
+
+from __future__ import annotations
+
+from batcher.request import Request, RequestStatus
+
+
+def suppressed_tokens(req: Request) -> tuple[int, ...]:
+    """Token ids the sampler must not pick yet: EOS (unless ignored) and stop token ids while
+    fewer than `min_tokens` were generated."""
+    sp = req.sampling
+    if req.num_output_tokens >= sp.min_tokens:
+        return ()
+    eos = () if sp.ignore_eos else req.eos_token_ids
+    return tuple(eos) + tuple(sp.stop_token_ids)
+
+
+def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """FINISHED_STOPPED on EOS (unless ignore_eos) or a stop token id, once more than
+    `min_tokens` were generated; else FINISHED_LENGTH at max_tokens or max_model_len; None to go
+    on. NOTE: a stop token that is also the last allowed one reports "stop", the truer reason.
+    The sampler is expected to mask stop tokens below `min_tokens`; if it does not, such a token
+    is kept as an ordinary one."""
+    sp = req.sampling
+    if req.num_output_tokens > sp.min_tokens and (
+        (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+    ):
+        return RequestStatus.FINISHED_STOPPED
+    if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
