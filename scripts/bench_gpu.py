@@ -16,14 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from bench_common import append_rows, load_workload  # noqa: E402
-from bench_engine import run_engine, run_hf_static  # noqa: E402
+from bench_common import append_rows, load_workload
+from bench_engine import run_engine, run_hf_static
 
-from batcher.core.outputs import ScheduledSeq, SchedulerOutput  # noqa: E402
-from batcher.models.loader import load_model  # noqa: E402
-from batcher.runtime.model_runner import ModelRunner  # noqa: E402
-from batcher.sampling import SamplingParams  # noqa: E402
-from batcher.tokenizer import load_tokenizer  # noqa: E402
+from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+from batcher.models.loader import load_model
+from batcher.runtime.model_runner import ModelRunner
+from batcher.sampling import SamplingParams
+from batcher.tokenizer import load_tokenizer
 
 
 def bandwidth_gbs() -> float:

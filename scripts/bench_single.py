@@ -19,14 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from bench_common import append_rows, load_workload  # noqa: E402
+from bench_common import append_rows, load_workload
 
-from batcher.config import CacheConfig, SchedulerConfig  # noqa: E402
-from batcher.engine import AsyncEngine  # noqa: E402
-from batcher.models.loader import load_model  # noqa: E402
-from batcher.request import Request  # noqa: E402
-from batcher.sampling import SamplingParams  # noqa: E402
-from batcher.tokenizer import load_tokenizer  # noqa: E402
+from batcher.config import CacheConfig, SchedulerConfig
+from batcher.engine import AsyncEngine
+from batcher.models.loader import load_model
+from batcher.request import Request
+from batcher.sampling import SamplingParams
+from batcher.tokenizer import load_tokenizer
 
 
 async def ours(loaded, tok, prompt: list[int], new: int) -> float:

@@ -25,7 +25,7 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], new_tokens: i
     sched = SchedulerOutput([ScheduledSeq(str(i), list(p), 0, tables[i], True, greedy)
                              for i, p in enumerate(prompts)])
     for step in range(new_tokens):
-        ids, positions, meta, idx, sample = runner.prepare(sched)
+        ids, positions, meta, idx, _sample = runner.prepare(sched)
         logits = runner.model(ids, positions, meta, runner.kv_caches, idx)
         if suppress:
             logits = logits.clone()

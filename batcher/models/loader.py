@@ -225,8 +225,8 @@ def _read_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[LlamaConfig, dict
         try:
             with safe_open(str(cached), framework="pt") as f:
                 cfg = _config_from_json(f.metadata()["config"])
-                return cfg, {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # a torn or stale cache file: rebuild it
+                return cfg, {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except Exception as exc:  # noqa: BLE001 (a torn or stale cache file: rebuild it)
             log.warning("ignoring unreadable weight cache %s: %s", cached.name, exc)
     cfg, state = gguf_weights.read_gguf(path)
     state = {k: v.to(dtype).contiguous() for k, v in state.items()}

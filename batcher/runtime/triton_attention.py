@@ -32,7 +32,7 @@ def _paged_decode_kernel(
     den = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     num_blocks = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
-    for b in range(0, num_blocks):
+    for b in range(num_blocks):
         blk = tl.load(tables_ptr + seq * stride_bt + b).to(tl.int64)
         smask = b * BLOCK_SIZE + s < ctx
         offs = blk * stride_kb + s[:, None] * stride_ks + kvh * stride_kh + d[None, :]

@@ -200,7 +200,7 @@ class Gateway:
             try:
                 async for ev in self.engine.generate(req):
                     merged.put_nowait((i, ev))
-            except Exception as exc:  # surfaced to the reader below
+            except Exception as exc:  # noqa: BLE001 (surfaced to the reader below)
                 merged.put_nowait((i, exc))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(job.requests)]
