@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batcher.config import CacheConfig, SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
-from batcher.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.core.step_updates import RequestUpdate
+from batcher.engine_events import EngineError, EngineEvent
 from batcher.engine_state import EngineSnapshot
+from batcher.model_thread import ModelThread
 from batcher.request import Request, RequestStatus
 from batcher.request_registry import RequestRegistry, iter_stream
 from batcher.sampling import SamplingParams
@@ -51,99 +49,6 @@ class Runner(Protocol):
     block_size: int
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
-
-
-class _ModelThread(Executor):
-    """One daemon worker thread for model steps.
-
-    Not a ThreadPoolExecutor: its workers are joined at interpreter exit, so a model call that
-    never returns (a wedged device or driver) would keep a stopped server alive forever. A daemon
-    thread is abandoned at exit instead.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
-                                      | None] = queue.SimpleQueue()
-        self._name = name
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        if self._closed:
-            raise RuntimeError("the model thread is shut down")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-            self._thread.start()
-        fut: Future[Any] = Future()
-        self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
-        return fut
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fut, fn, args = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 (handed to the awaiting step loop)
-                fut.set_exception(exc)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._closed = True
-        if cancel_futures:
-            with contextlib.suppress(queue.Empty):
-                while (job := self._jobs.get_nowait()) is not None:
-                    job[0].cancel()
-        self._jobs.put(None)
-        if wait and self._thread is not None:
-            self._thread.join()
-
-    def join(self, timeout: float) -> bool:
-        """Wait up to `timeout` s for the thread to end; whether it did. A process that exits
-        while this thread is still inside torch aborts ("terminate called ...")."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
-
-
-class EngineError(RuntimeError):
-    """The engine cannot serve: it failed (see `snapshot().error`) or is shutting down."""
-
-
-@dataclass(slots=True)
-class EngineEvent:
-    """A text/token delta for one request; the last one has `finish_reason` set (and `error`
-    when the reason is "error"), with the request's counts and timings."""
-
-    request_id: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    # On the first token's event of a request that asked: one entry per prompt token after
-    # the first.
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # stop | length | abort | error
-    error: str | None = None
-    stop_reason: str | None = None  # the stop string that matched
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    queue_wait: float | None = None
-    ttft: float | None = None
-    e2e: float | None = None
-    token_times: list[float] = field(default_factory=list)  # monotonic time of each token
-    priority: int = 0
-    times: EngineTimes | None = None  # the request's engine-side marks, on the final event
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def tpot(self) -> float | None:
-        t = self.token_times
-        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
 
 @dataclass(slots=True)
@@ -203,7 +108,7 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}
         self._preempted: set[str] = set()  # waiting again after a preemption
         self._wake = asyncio.Event()
-        self._executor = _ModelThread("batcher-model")
+        self._executor = ModelThread("batcher-model")
         self._task: asyncio.Task[None] | None = None
         self._error: str | None = None
         self._stopping = False

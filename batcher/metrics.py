@@ -25,7 +25,7 @@ from batcher.request import Priority
 from batcher.timings import PHASES, Timings
 
 if TYPE_CHECKING:  # the engine imports this module; its event type is only annotated here
-    from batcher.engine import EngineEvent
+    from batcher.engine_events import EngineEvent
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)

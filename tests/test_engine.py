@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine, EngineError
+from batcher.engine import AsyncEngine
+from batcher.engine_events import EngineError
 from batcher.request import Request
 from batcher.runtime.model_runner import ModelRunner
 from batcher.sampling import SamplingParams

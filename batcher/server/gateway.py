@@ -14,7 +14,8 @@ from typing import Any
 
 from batcher.admission import Admission, Rejected, Ticket
 from batcher.core.refusals import Refused
-from batcher.engine import AsyncEngine, EngineEvent
+from batcher.engine import AsyncEngine
+from batcher.engine_events import EngineEvent
 from batcher.engine_state import EngineSnapshot
 from batcher.http.errors import ApiError, invalid
 from batcher.metrics import Metrics

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from batcher.core.outputs import TokenLogprobs
 from batcher.core.refusals import DuplicateRequestId, Refused
-from batcher.engine import EngineError, EngineEvent
+from batcher.engine_events import EngineError, EngineEvent
 from batcher.http.errors import ApiError, invalid
 from batcher.http.listener import read_json
 from batcher.http.sse import DONE, SSE_HEADERS, sse_event

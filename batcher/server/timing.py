@@ -15,7 +15,7 @@ from batcher.metrics import Metrics, priority_label
 from batcher.timings import PhaseClock, Timings, split
 
 if TYPE_CHECKING:
-    from batcher.engine import EngineEvent
+    from batcher.engine_events import EngineEvent
     from batcher.server.gateway import Job
 
 

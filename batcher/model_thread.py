@@ -1,0 +1,65 @@
+"""The one worker thread that runs an engine's model steps."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+
+class ModelThread(Executor):
+    """One daemon worker thread for model steps.
+
+    Not a ThreadPoolExecutor: its workers are joined at interpreter exit, so a model call that
+    never returns (a wedged device or driver) would keep a stopped server alive forever. A daemon
+    thread is abandoned at exit instead.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+                                      | None] = queue.SimpleQueue()
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._closed:
+            raise RuntimeError("the model thread is shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+            self._thread.start()
+        fut: Future[Any] = Future()
+        self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 (handed to the awaiting step loop)
+                fut.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        if cancel_futures:
+            with contextlib.suppress(queue.Empty):
+                while (job := self._jobs.get_nowait()) is not None:
+                    job[0].cancel()
+        self._jobs.put(None)
+        if wait and self._thread is not None:
+            self._thread.join()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the thread to end; whether it did. A process that exits
+        while this thread is still inside torch aborts ("terminate called ...")."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
