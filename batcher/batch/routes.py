@@ -75,7 +75,8 @@ def parse_window(value: Any) -> float:
 
 def _limit(request: web.Request) -> int:
     raw = request.query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    # isascii: str.isdigit() also takes digits int() refuses ('²'), which would be a 500.
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise invalid(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
     return int(raw)
 
@@ -88,7 +89,7 @@ def _created(request: web.Request) -> CreatedBounds | None:
         raw = request.query.get(name)
         if raw is None:
             continue
-        if not raw.isdigit() or len(raw) > 12:
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
             raise invalid(f"'{name}' must be a Unix time in seconds", name)
         bounds[name.removeprefix("created_")] = int(raw)
     return CreatedBounds(**bounds) if bounds else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,9 @@ from typing import Any
 # Fields of file and batch objects that hold ids, rewritten on the way out (and in).
 ID_FIELDS = ("id", "input_file_id", "output_file_id", "error_file_id")
 MAX_ID_CHARS = 512
+# A replica's own ids (`file-<hex>`, `batch_<hex>`, `file-<hex>-output`): only these characters,
+# so an id the router forwards is one path segment on the replica, never `..` or a query.
+_INNER = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def encode(inner: str, owner: str) -> str:
@@ -40,7 +44,7 @@ def decode(router_id: str) -> tuple[str, str] | None:
     if not router_id or len(router_id) > MAX_ID_CHARS:
         return None
     inner, dot, tag = router_id.rpartition(".")
-    if not dot or not inner or not tag:
+    if not dot or not tag or not _INNER.fullmatch(inner):
         return None
     try:
         owner = base64.urlsafe_b64decode(tag + "=" * (-len(tag) % 4)).decode()

@@ -317,7 +317,9 @@ async def _list(request: web.Request, kind: str) -> web.Response:
     proxy = request.app[PROXY]
     q = request.query
     raw_limit = q.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
+    # isascii: str.isdigit() also takes digits int() refuses ('²'), which would be a 500.
+    digits = raw_limit.isascii() and raw_limit.isdigit()
+    if not digits or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
         raise invalid(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
     limit = int(raw_limit)
     order = q.get("order", "desc") if kind == "file" else "desc"

@@ -23,7 +23,10 @@ def test_ids_round_trip(owner: str) -> None:
 
 
 @pytest.mark.parametrize("bad", ["", "file-abc", "file-abc.", ".cjA", "file-abc.!!",
-                                 "file-abc.cjA=", "file-abc.cjA.", "x" * 600 + ".cjA"])
+                                 "file-abc.cjA=", "file-abc.cjA.", "x" * 600 + ".cjA",
+                                 # encode("..", "r0") and friends: the replica part is never a
+                                 # path of its own on the replica
+                                 "...cjA", "..cjA", "a/b.cjA", "x?y.cjA", "x\n.cjA"])
 def test_malformed_ids_name_no_replica(bad: str) -> None:
     assert batch_ids.decode(bad) is None
 

@@ -1,0 +1,111 @@
+"""The router's batch API in-process against a stub replica that records what it is asked:
+an id whose replica part is not a replica's own id shape (`..`, `.`) is a 404 that reaches no
+replica path, and list parameters that only look like numbers are 400s, not 500s, on router and
+replica alike. Milliseconds; `test_batch_router.py` runs the whole API against processes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from batcher.batch.routes import BATCH, BatchLimits, BatchService, add_routes
+from batcher.batch.store import BatchStore
+from batcher.fleet import batch_ids
+from batcher.fleet.context import RouterConfig, RouterContext
+from batcher.fleet.proxy import create_router_app
+from batcher.http.middleware import answer_errors
+from batcher.tenants import TenantConfig
+
+KEY = {"Authorization": "Bearer some-key"}
+HEALTH_PATHS = ("/health", "/v1/state", "/v1/probe")  # the router's health checker asks these
+
+
+def calls(seen: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """What the stub was asked apart from health checks."""
+    return [(m, p) for m, p in seen if not p.startswith(HEALTH_PATHS)]
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[tuple[TestServer, list[tuple[str, str]]]]:
+    """A replica that answers every path with an empty list and records (method, path)."""
+    seen: list[tuple[str, str]] = []
+
+    async def anything(request: web.Request) -> web.Response:
+        seen.append((request.method, request.raw_path))
+        return web.json_response({"object": "list", "data": [], "has_more": False})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield server, seen
+    await server.close()
+
+
+async def test_dot_segment_ids_reach_no_replica_path(aiohttp_client, stub) -> None:
+    server, seen = stub
+    ctx = RouterContext(RouterConfig())
+    ctx.registry.add_static(str(server.make_url("")).rstrip("/"), "r0")
+    client = await aiohttp_client(create_router_app(ctx))
+    for inner in ("..", ".", "a.b", "x%2F..", " "):
+        rid = batch_ids.encode(inner, "r0")
+        for method, path in (("GET", f"/v1/files/{rid}"), ("GET", f"/v1/files/{rid}/content"),
+                             ("DELETE", f"/v1/files/{rid}"),
+                             ("GET", f"/v1/batches/{rid}"),
+                             ("POST", f"/v1/batches/{rid}/cancel")):
+            resp = await client.request(method, path.replace("%", "%25"), headers=KEY)
+            body = await resp.json()
+            assert resp.status == 404, (inner, method, path, body)
+            assert body["error"]["code"] in ("file_not_found", "batch_not_found")
+        resp = await client.post("/v1/batches", headers=KEY, json={
+            "input_file_id": rid, "endpoint": "/v1/completions", "completion_window": "24h"})
+        assert resp.status == 404 and (await resp.json())["error"]["param"] == "input_file_id"
+    assert calls(seen) == []
+    # A well-formed id still reaches its replica, at the one path it names.
+    resp = await client.get(f"/v1/files/{batch_ids.encode('file-0a1b', 'r0')}", headers=KEY)
+    assert resp.status == 200 and calls(seen) == [("GET", "/v1/files/file-0a1b")]
+
+
+async def test_router_list_limit_that_int_refuses_is_a_400(aiohttp_client, stub) -> None:
+    server, seen = stub
+    ctx = RouterContext(RouterConfig())
+    ctx.registry.add_static(str(server.make_url("")).rstrip("/"), "r0")
+    client = await aiohttp_client(create_router_app(ctx))
+    for path in ("/v1/files", "/v1/batches"):
+        for limit in ("²", "1²", "٣", "0", "101", "-1", ""):
+            resp = await client.get(path, params={"limit": limit}, headers=KEY)
+            body = await resp.json()
+            assert resp.status == 400 and body["error"]["param"] == "limit", (limit, body)
+    assert calls(seen) == []
+
+
+async def test_replica_list_numbers_that_int_refuses_are_400s(aiohttp_client,
+                                                              tmp_path: Path) -> None:
+    tenant = TenantConfig(name="acme", key_sha256=(), tokens_per_minute=1e9, max_concurrent=4)
+
+    @web.middleware
+    async def as_tenant(request: web.Request, handler):
+        request["tenant"] = tenant
+        return await handler(request)
+
+    store = BatchStore(tmp_path)
+    app = web.Application(middlewares=[answer_errors, as_tenant])
+    add_routes(app)
+    # Listing reads only the store: no executor is started.
+    app[BATCH] = BatchService(store, None, BatchLimits())  # type: ignore[arg-type]
+    client = await aiohttp_client(app)
+    try:
+        for path in ("/v1/files", "/v1/batches"):
+            for name, value in (("limit", "²"), ("limit", "٣"), ("created_before", "²"),
+                                ("created_since", "1٣")):
+                resp = await client.get(path, params={name: value})
+                body = await resp.json()
+                assert resp.status == 400 and body["error"]["param"] == name, (name, body)
+            resp = await client.get(path, params={"limit": "5", "created_before": "9"})
+            assert resp.status == 200 and (await resp.json())["data"] == []
+    finally:
+        store.close()
