@@ -588,6 +588,12 @@ def test_bundled_model_prompt_logprobs(real: Server) -> None:
     assert all(len(t) <= 2 for t in lp.top_logprobs[1:]) and lp.top_logprobs[0] is None
     assert lp.tokens[-1] == word
     assert abs(lp.token_logprobs[-1] - first.choices[0].logprobs.token_logprobs[0]) < 0.05
+    # 64 choices of a 4,000-token prompt at 20 alternatives would hold millions of entries:
+    # refused before any work.
+    with pytest.raises(openai.BadRequestError) as err:
+        oc.completions.create(model="smollm2-135m", prompt=[[100] * 4000] * 4, n=16,
+                              max_tokens=0, echo=True, logprobs=20)
+    assert err.value.body["code"] == "prompt_logprobs_too_large"
 
 
 async def test_tokenize_and_models_through_the_router(aiohttp_client, tiny_fp32) -> None:

@@ -152,6 +152,32 @@ async def test_echo_with_logprobs_over_http(client) -> None:
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "max_tokens"
 
 
+async def test_prompt_logprobs_per_request_are_bounded(client) -> None:
+    """Entries are held until the answer is written: a request whose prompts x n x (1 + logprobs)
+    pass the bound is a 400 before any work, streamed or not; one within it is answered."""
+    from batcher.server.gateway import MAX_PROMPT_LOGPROB_ENTRIES
+
+    prompt = [100 + j % 4000 for j in range(400)]
+    entries = 4 * 16 * (len(prompt) - 1) * 21
+    assert entries > MAX_PROMPT_LOGPROB_ENTRIES  # a 20 KB body
+    for stream in (False, True):
+        body = {"prompt": [prompt] * 4, "n": 16, "echo": True, "logprobs": 20,
+                "max_tokens": 0, "stream": stream}
+        resp = await client.post("/v1/completions", json=body, headers=AUTH)
+        err = (await resp.json())["error"]
+        assert resp.status == 400 and err["param"] == "logprobs", err
+        assert err["code"] == "prompt_logprobs_too_large" and str(entries) in err["message"]
+    # Without prompt logprobs the same prompts are no concern of this bound.
+    resp = await client.post("/v1/completions", headers=AUTH, json={
+        "prompt": [prompt] * 4, "n": 16, "echo": True, "max_tokens": 1})
+    assert resp.status == 200
+    resp = await client.post("/v1/completions", headers=AUTH, json={
+        "prompt": [prompt[:20]] * 2, "n": 2, "echo": True, "logprobs": 20, "max_tokens": 0})
+    out = await resp.json()
+    assert resp.status == 200 and len(out["choices"]) == 4
+    assert all(len(c["logprobs"]["tokens"]) == 20 for c in out["choices"])
+
+
 def test_a_scoring_request_takes_bounded_chunks() -> None:
     """Each scored position is a row of logits, so a scoring request's chunk is capped."""
     from batcher.core.kv_cache_manager import KVCacheManager

@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 
 # prompts x n of one request: each is an engine request, and the queue bound counts requests.
 MAX_CHOICES = 64
+# Prompt logprobs (`echo` with `logprobs`) one request may ask for: scored prompt positions x
+# (1 + alternatives), over every choice. Each entry costs a few hundred bytes until the answer is
+# written, so without a bound 64 choices of a full-context prompt at 20 alternatives (11M entries)
+# would hold gigabytes for one small body. This allows a full 8,192-token prompt at 20
+# alternatives three times over, or 64 prompts of 4,000 tokens at one alternative.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 # Tokenize text this long in a worker thread so the event loop keeps answering.
 TOKENIZE_OFFLOAD_CHARS = 20_000
 
@@ -120,6 +126,15 @@ class Gateway:
         longest = max(len(p) for p in prompts)
         if not spec.max_tokens_given and spec.chat:
             spec.sampling.max_tokens = max(1, min(self.cfg.default_max_tokens, limit - longest))
+        k = spec.sampling.prompt_logprobs
+        if k is not None:
+            entries = sum(max(0, len(p) - 1) for p in prompts) * spec.n * (1 + k)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise invalid(f"prompt logprobs ('echo' with 'logprobs') are limited to "
+                              f"{MAX_PROMPT_LOGPROB_ENTRIES} entries per request (scored prompt "
+                              f"tokens x n x (1 + logprobs)); this one asks for {entries}: send "
+                              "fewer or shorter prompts, a smaller n or fewer logprobs",
+                              "logprobs", "prompt_logprobs_too_large")
         need = longest + spec.sampling.max_tokens
         if need > limit:
             raise ApiError(400, f"this model's context is {limit} tokens; the prompt has "
