@@ -179,13 +179,16 @@ async def upload_file(request: web.Request) -> web.StreamResponse:
                       None, "invalid_content_type")
     headers = _headers(request)
     target = None
-    for rep in proxy.upload_order()[:UPLOAD_CANDIDATES]:
+    asked = proxy.upload_order()[:UPLOAD_CANDIDATES]
+    disabled = 0  # candidates that said they have no batch API (not merely did not answer)
+    for rep in asked:
         with contextlib.suppress(Unreachable):
             if await proxy.serves_batches(rep, headers):
                 target = rep
                 break
+            disabled += proxy._capable.get(rep.replica_id, (True, 0.0))[0] is False
     if target is None:
-        if proxy.upload_order() and all(not c for c, _ in proxy._capable.values()):
+        if asked and disabled == len(asked):
             raise ApiError(404, "no replica behind this router serves the batch API (start "
                            "replicas with --data-dir)", code="batch_api_disabled")
         raise ApiError(503, "no replica that serves the batch API is ready", code="no_replica",

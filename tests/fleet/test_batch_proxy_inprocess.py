@@ -5,6 +5,7 @@ replica alike. Milliseconds; `test_batch_router.py` runs the whole API against p
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -109,3 +110,42 @@ async def test_replica_list_numbers_that_int_refuses_are_400s(aiohttp_client,
             assert resp.status == 200 and (await resp.json())["data"] == []
     finally:
         store.close()
+
+
+async def test_an_upload_no_replica_answered_is_a_503_not_a_404(aiohttp_client) -> None:
+    """Only replicas that said they have no batch API make the router's 404; one that did not
+    answer is a retryable 503."""
+    state = {"free_blocks": 10, "total_blocks": 10, "block_size": 16, "running": 0,
+             "waiting": 0, "version": "v1", "draining": False, "healthy": True}
+    upload = {"data": b"--X\r\n\r\n--X--\r\n",
+              "headers": {**KEY, "Content-Type": "multipart/form-data; boundary=X"}}
+
+    async def disabled(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "off", "type": "not_found_error",
+                                            "param": None, "code": "batch_api_disabled"}},
+                                 status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", disabled)
+    off = TestServer(app, host="127.0.0.1")
+    await off.start_server()
+    try:
+        ctx = RouterContext(RouterConfig())
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            gone = s.getsockname()[1]
+        ctx.registry.add_static(f"http://127.0.0.1:{gone}", "gone")
+        ctx.registry.observe("gone", state, ctx.clock())
+        client = await aiohttp_client(create_router_app(ctx))
+        resp = await client.post("/v1/files", **upload)
+        body = await resp.json()
+        assert resp.status == 503 and body["error"]["code"] == "no_replica", body
+        assert resp.headers["Retry-After"]
+        ctx.registry.remove("gone")
+        ctx.registry.add_static(str(off.make_url("")).rstrip("/"), "off")
+        ctx.registry.observe("off", state, ctx.clock())
+        resp = await client.post("/v1/files", **upload)
+        body = await resp.json()
+        assert resp.status == 404 and body["error"]["code"] == "batch_api_disabled", body
+    finally:
+        await off.close()
