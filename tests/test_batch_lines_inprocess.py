@@ -57,3 +57,29 @@ async def test_a_running_line_reports_its_prefill_and_steps_left(aiohttp_client,
     assert seen and all(0 <= x <= 200 for x in seen) and seen == sorted(seen, reverse=True)
     assert min(seen) < 200  # it counted down while decoding
     assert runner.steps_left("line-2") is None
+
+
+async def test_a_line_uses_the_served_tool_call_format(aiohttp_client, tiny_fp32) -> None:
+    """Under a format other than the default, a line with tools is rendered and parsed by it,
+    as the live endpoint does: the same prompt, the same answer."""
+    import copy
+
+    from batcher.server.tool_parsers import get_parser
+    from batcher.tokenizer import load_tokenizer
+    from tests.test_tool_parsers import QWEN_LIKE, WEATHER
+
+    tok = copy.copy(load_tokenizer())
+    tok.hf = copy.copy(tok.hf)
+    tok.hf.chat_template = QWEN_LIKE
+    client = await aiohttp_client(app_factory(tiny_fp32, tok, TENANTS)())
+    gw = client.server.app[GATEWAY]
+    gw.tool_parser = get_parser("hermes", tok.chat_template)  # as --tool-call-parser hermes
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    resp = await client.post("/v1/chat/completions", json=body, headers=auth(ALICE))
+    live = await resp.json()
+    assert resp.status == 200, live
+    result = await LineRunner(gw).run(TENANTS["alice"], "/v1/chat/completions", body, "line-t")
+    assert result.ok, result.body
+    assert result.body["usage"]["prompt_tokens"] == live["usage"]["prompt_tokens"]
+    assert result.body["choices"] == live["choices"]

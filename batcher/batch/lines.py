@@ -108,8 +108,10 @@ class LineRunner:
                         rid: str) -> LineResult:
         gw = self.gw
         handler = self._handlers[url]
+        # The served tool-call format, as the live endpoint reads it: a line's tools are
+        # rendered and its calls parsed by the same parser.
         spec = parse_generation(body, handler.chat, {gw.cfg.model_name},
-                                gw.tokenizer.vocab_size)
+                                gw.tokenizer.vocab_size, gw.tool_parser)
         if spec.stream:  # the input file is checked at upload; kept for the offline runner
             raise ApiError(400, "a batch request cannot stream", param="stream")
         # Whatever the line asks, it runs as batch work: it never competes with live traffic.
