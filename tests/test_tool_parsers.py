@@ -127,6 +127,38 @@ def test_a_reply_is_never_held_longer_than_it_may_open_a_call() -> None:
     assert not stray.called
 
 
+def test_a_long_object_is_read_once_not_once_per_token(monkeypatch) -> None:
+    """An object whose head is not first (arguments before the name, or no call at all) is held
+    until it closes; each token must scan only itself, or a long one costs quadratic time on
+    the event loop. Its head is looked for in a bounded prefix; past that it is sent whole."""
+    from batcher.server.tool_parsers import stream as stream_mod
+
+    read: list[int] = []
+    head_end = stream_mod._Call._head_end
+
+    def counted(self):  # characters this feed's scan reads
+        read.append(len(self.buf) - self.scanned)
+        return head_end(self)
+
+    monkeypatch.setattr(stream_mod._Call, "_head_end", counted)
+    value = "xyzw" * 5000
+    text = json.dumps({"arguments": {"city": value}, "name": "get_weather"})
+    stream = get_parser("generic").stream(TOOLS)
+    deltas = []
+    for i in range(0, len(text), 4):
+        deltas += stream.feed(text[i:i + 4])[1]
+    assert sum(read) == len(text)  # each character once (it was once per token each)
+    [call] = deltas
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": value}
+    # A head past the bounded prefix: the call still arrives, whole, when the object closes.
+    late = "{" + " " * stream_mod.HEAD_MAX_CHARS + '"name": "get_time", "arguments": {}}'
+    stream = get_parser("generic").stream(TOOLS)
+    deltas = [d for i in range(0, len(late), 3) for d in stream.feed(late[i:i + 3])[1]]
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+        ("get_time", "{}")]
+
+
 @pytest.mark.parametrize("fmt", sorted(PARSERS))
 def test_forced_calls_compile_to_grammars(fmt: str) -> None:
     parser = get_parser(fmt, "tools")

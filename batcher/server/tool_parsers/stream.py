@@ -22,30 +22,11 @@ if TYPE_CHECKING:
     from batcher.server.tool_parsers.base import ToolParser
 
 HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-
-
-def json_end(text: str, start: int = 0) -> int | None:
-    """The index just past the JSON object or array that opens at `start`, or None while it is
-    still open."""
-    depth, in_str, esc = 0, False, False
-    for j in range(start, len(text)):
-        ch = text[j]
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+# A head is looked for in this many leading characters of an object (a tool's name is at most 64
+# characters, each at most 6 escaped, plus the keys and spacing); an object whose head is not
+# there is sent whole when it closes. Each token then costs a bounded match, not a rescan of
+# everything generated so far.
+HEAD_MAX_CHARS = 512
 
 
 def delta(index: int, name: str | None = None, arguments: str = "") -> dict[str, Any]:
@@ -60,7 +41,7 @@ class _Call:
     """One call object being streamed: head (until the name and arguments key), args (the
     arguments value, forwarded as it comes), tail (to the object's closing brace)."""
 
-    __slots__ = ("buf", "depth", "esc", "in_str", "index", "started", "state")
+    __slots__ = ("buf", "depth", "esc", "in_str", "index", "scanned", "started", "state")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -69,20 +50,22 @@ class _Call:
         self.depth = 0
         self.in_str = self.esc = False
         self.started = False
+        self.scanned = 0  # head: how much of `buf` the brace scan has read
 
     def feed(self, text: str) -> tuple[list[dict[str, Any]], str | None]:
         """(deltas, the text after the object once it closed, else None)."""
         out: list[dict[str, Any]] = []
         if self.state == "head":
             self.buf += text
-            m = HEAD.match(self.buf)
+            m = HEAD.match(self.buf, 0, HEAD_MAX_CHARS)
             if m is None:
-                end = json_end(self.buf)
+                end = self._head_end()
                 if end is None:
                     return out, None
                 return self._whole(self.buf[:end]), self.buf[end:]
             out.append(delta(self.index, json.loads(f'"{m.group(1)}"')))
             self.state, text = "args", self.buf[m.end():]
+            self.depth, self.in_str, self.esc = 0, False, False  # the head scan's, not the args'
         if self.state == "args":
             frag, rest = self._args(text)
             if frag:
@@ -91,6 +74,31 @@ class _Call:
                 return out, None
             self.state, self.depth, text = "tail", 1, rest
         return out, self._tail(text)
+
+    def _head_end(self) -> int | None:
+        """The index just past the object that opens `buf` once it closed, else None; the
+        scan resumes where the previous feed stopped, so a long object is read once in all,
+        not once per token."""
+        buf = self.buf
+        for j in range(self.scanned, len(buf)):
+            ch = buf[j]
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return j + 1
+        self.scanned = len(buf)
+        return None
 
     def _whole(self, text: str) -> list[dict[str, Any]]:
         try:
