@@ -169,6 +169,37 @@ async def test_batch_completes_with_output_and_error_files(tmp_path: Path,
     assert rig.store.active_batches() == [] and list(rig.store.outputs(bid)) == []
 
 
+async def test_output_files_are_written_without_holding_every_answer(
+        tmp_path: Path, clock: list[float]) -> None:
+    """Answers go from the store to the files line by line: finalizing 16 MB of answers holds
+    a few buffers, not the whole output (a large batch's output can be gigabytes)."""
+    import tracemalloc
+
+    rig = Rig(tmp_path, FakeRunner(), FakeGate(), clock)  # not started: lines answered here
+    n, big = 128, "x" * (128 * 1024)
+    bid = rig.create(lines_file(n))
+    for i in range(n - 2):  # the last two never answered: the error file's unanswered lines
+        rig.store.record_result(bid, i, 200 if i % 4 else 400,
+                                orjson.dumps({"custom_id": f"c{i}", "big": big}), 1)
+    total = n * len(big)
+    tracemalloc.start()
+    try:
+        await rig.ex._finalize(rig.ex.batches[bid], "expired")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < total / 4, (peak, total)
+    rec = rig.store.batch(bid)
+    assert rec is not None and rec.status == "expired"
+    out, err = rig.read(rec.output_file_id), rig.read(rec.error_file_id)
+    assert [x["custom_id"] for x in out] == [f"c{i}" for i in range(n - 2) if i % 4]
+    assert all(x["big"] == big for x in out)
+    assert [x["custom_id"] for x in err] == [f"c{i}" for i in range(0, n - 2, 4)] + [
+        f"c{n - 2}", f"c{n - 1}"]
+    assert err[-1]["error"]["code"] == "batch_expired"
+    assert not list(tmp_path.rglob(".tmp-*"))  # nothing left behind
+
+
 async def test_refused_lines_run_again_later(tmp_path: Path, clock: list[float]) -> None:
     rig = Rig(tmp_path, FakeRunner(), FakeGate(), clock)
     await rig.ex.start()

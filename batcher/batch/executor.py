@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from batcher.batch.lines import Deferred, LineResult, output_line, unanswered_line
 from batcher.batch.metrics import BatchMetrics
@@ -36,6 +36,8 @@ TICK_S = 0.05
 # run again from the start, and it holds the interactive request back only that many steps.
 FINISH_STEPS = 2
 DEFAULT_LINE_MAX_TOKENS = 16
+# Output files are written through a buffer this large: few system calls on the event loop.
+_WRITE_BUFFER = 1 << 20
 # Refusals about the server's state (queue, SLO, drain), not a tenant's budget.
 SERVER_REFUSALS = frozenset({"queue_full", "queue_slo", "tpot_slo", "draining", "overloaded",
                              "embedding queue full", "shutting down", "engine_error"})
@@ -326,21 +328,26 @@ class BatchExecutor:
 
     # ending a batch ------------------------------------------------------------------------
     async def _finalize(self, b: _Batch, status: str) -> None:
-        """Write the output and error files and mark the batch `status`."""
-        answered: list[bytes] = []
-        errors: list[bytes] = []
+        """Write the output and error files and mark the batch `status`. Answers go to the
+        files as they are read, so a batch's output is never held in memory whole (50,000
+        lines with logprobs can be gigabytes)."""
+        sinks = {kind: _LineFile(self.store.temp_path()) for kind in ("output", "error")}
         unanswered = 0
-        for custom_id, code, output in self.store.outputs(b.id):
-            if output is None:
-                unanswered += 1
-                errors.append(unanswered_line(custom_id, *UNANSWERED.get(
-                    status, ("batch_failed", "the request did not run"))))
-            elif 200 <= code < 300:
-                answered.append(output)
-            else:
-                errors.append(output)
-        out = await self._write(b, "output", answered) if answered else None
-        err = await self._write(b, "error", errors) if errors else None
+        try:
+            for custom_id, code, output in self.store.outputs(b.id):
+                if output is None:
+                    unanswered += 1
+                    sinks["error"].add(unanswered_line(custom_id, *UNANSWERED.get(
+                        status, ("batch_failed", "the request did not run"))))
+                elif 200 <= code < 300:
+                    sinks["output"].add(output)
+                else:
+                    sinks["error"].add(output)
+            out = await self._adopt(b, "output", sinks["output"])
+            err = await self._adopt(b, "error", sinks["error"])
+        finally:
+            for sink in sinks.values():
+                sink.discard()
         rec = self.store.batch(b.id)
         failed = rec.failed + unanswered if rec is not None and unanswered else None
         if self.store.finish(b.id, status, out, err, failed):
@@ -349,18 +356,43 @@ class BatchExecutor:
         del self.batches[b.id]
         log.info("batch %s %s", b.id, status)
 
-    async def _write(self, b: _Batch, kind: str, lines: list[bytes]) -> FileRecord:
-        temp = self.store.temp_path()
-        size = await asyncio.to_thread(_write_lines, temp, lines)
+    async def _adopt(self, b: _Batch, kind: str, sink: _LineFile) -> FileRecord | None:
+        """The file `sink` wrote as the batch's `kind` file; None when it has no line."""
+        if not sink.size:
+            return None
+        await asyncio.to_thread(sink.close)
         # The ID derives from the batch's: a finalize repeated after a crash replaces the file.
-        return self.store.add_file(b.tenant, f"{b.id}_{kind}.jsonl", "batch_output", temp, size,
-                                   file_id=f"file-{b.id.removeprefix('batch_')}-{kind}")
+        return self.store.add_file(b.tenant, f"{b.id}_{kind}.jsonl", "batch_output", sink.path,
+                                   sink.size, file_id=f"file-{b.id.removeprefix('batch_')}-{kind}")
 
 
-def _write_lines(path: Path, lines: list[bytes]) -> int:
-    data = b"".join(line + b"\n" for line in lines)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return len(data)
+class _LineFile:
+    """An output file written line by line, opened on its first line; `close` makes it durable
+    (the store then renames it into place), `discard` removes what was not adopted."""
+
+    __slots__ = ("f", "path", "size")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.f: BinaryIO | None = None
+        self.size = 0
+
+    def add(self, line: bytes) -> None:
+        if self.f is None:  # closed by `close` or `discard`
+            self.f = open(self.path, "wb", buffering=_WRITE_BUFFER)
+        self.f.write(line)
+        self.f.write(b"\n")
+        self.size += len(line) + 1
+
+    def close(self) -> None:
+        assert self.f is not None
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        self.f = None
+
+    def discard(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+        self.path.unlink(missing_ok=True)  # gone already once adopted (renamed)
