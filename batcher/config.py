@@ -32,6 +32,11 @@ class SchedulerConfig:
     # the upper bound, and a step with no decodes gives prefill all of it.
     prefill_budget: str = "time"
     slo_tpot_s: float | None = None  # the target of a step carrying decodes, when set
+    # When set, an interactive prompt not yet answered gets at least the chunks that finish it
+    # by `ttft_pace` of this SLO after its arrival, whatever the time target above allows: the
+    # streams' per-token target yields to a first token that would otherwise come too late.
+    slo_ttft_s: float | None = None
+    ttft_pace: float = 0.5
     max_step_slowdown: float = 1.5  # else: this times the step's decode-only time
     # Tokens the first prefill of a step gets when the time target leaves room for none: 2, the
     # smallest multi-token chunk (deep into a long prompt on a CPU every token of a chunk costs
@@ -55,6 +60,10 @@ class SchedulerConfig:
             raise ValueError(f"prefill_budget must be one of {PREFILL_BUDGETS}")
         if self.slo_tpot_s is not None and not 0 < self.slo_tpot_s < float("inf"):
             raise ValueError("slo_tpot_s must be a positive number of seconds")
+        if self.slo_ttft_s is not None and not 0 < self.slo_ttft_s < float("inf"):
+            raise ValueError("slo_ttft_s must be a positive number of seconds")
+        if not 0 < self.ttft_pace <= 1:
+            raise ValueError("ttft_pace must be in (0, 1]")
         if not 1.0 <= self.max_step_slowdown < float("inf"):
             raise ValueError("max_step_slowdown must be >= 1")
         if self.min_prefill_chunk < 1:

@@ -63,6 +63,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConf
                             max_model_len=args.max_model_len,
                             prefill_budget=args.prefill_budget,
                             slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
+                            slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                             max_step_slowdown=args.max_step_slowdown,
                             min_prefill_chunk=args.min_prefill_chunk,
                             speculative=args.speculative,

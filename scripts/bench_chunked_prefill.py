@@ -35,10 +35,13 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 from bench_common import append_rows, load_workload, pct
 
+from batcher.serve_args import DEFAULT_SLO_TTFT_MS
+
+# "time" is `batcher serve`'s default: the time budget, first tokens paced to the default TTFT SLO.
 CASES = {
     "fixed": {"prefill_budget": "fixed"},
-    "time": {},
-    "time-slo100": {"slo_tpot_s": 0.1},
+    "time": {"slo_ttft_s": DEFAULT_SLO_TTFT_MS / 1000},
+    "time-slo100": {"slo_tpot_s": 0.1, "slo_ttft_s": DEFAULT_SLO_TTFT_MS / 1000},
 }
 STREAMS = 8
 STEADY_TOKENS = 30

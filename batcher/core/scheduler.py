@@ -20,7 +20,7 @@ from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.ngram_proposer import NgramProposer, can_speculate
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from batcher.core.refusals import DuplicateRequestId, EmptyPrompt, ExceedsContext, ExceedsKvCapacity
-from batcher.core.step_budget import PrefillAllowance, step_target
+from batcher.core.step_budget import PrefillAllowance, deadline_chunk, step_target
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.core.step_updates import RequestUpdate, SchedulerStats
 from batcher.core.stopping import stop_status, suppressed_tokens
@@ -164,7 +164,7 @@ class Scheduler:
             elif budget > decodes_left:
                 num_new = self._chunk(req, req.num_computed_tokens, budget - decodes_left)
                 if allowance is not None:
-                    num_new = allowance.chunk(req.num_computed_tokens, num_new)
+                    num_new = self._paced(req, req.num_computed_tokens, num_new, allowance)
                     if num_new == 0:
                         i += 1
                         continue
@@ -207,7 +207,7 @@ class Scheduler:
             if allowance is not None:
                 # NOTE: the time target is spent: the head waits for the next step, and the
                 # requests behind it with it (strict order, as below).
-                num_new = allowance.chunk(num_hit, num_new)
+                num_new = self._paced(req, num_hit, num_new, allowance)
                 if num_new == 0:
                     break
             if not self.kv.allocate_slots(req, num_new, computed):
@@ -327,6 +327,22 @@ class Scheduler:
         if target is None:
             return None
         return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)
+
+    def _paced(self, req: Request, num_computed: int, limit: int,
+               allowance: PrefillAllowance) -> int:
+        """The chunk the time target allows, raised to what the request's first-token deadline
+        needs (an interactive prompt not yet answered, under a TTFT SLO; see step_budget)."""
+        num_new = allowance.chunk(num_computed, limit)
+        slo = self.config.slo_ttft_s
+        if slo is None or req.first_token_time is not None or req.priority > 0:
+            return num_new
+        since = self.clock() - req.arrival_time
+        remaining = req.num_prompt_tokens - num_computed
+        if allowance.seconds_alone_at(num_computed, remaining, limit) > slo - since:
+            return num_new  # late even at the whole budget: the streams keep their target
+        need = deadline_chunk(remaining, self.config.ttft_pace * slo - since, allowance.target_s,
+                              limit)
+        return max(num_new, need)
 
     def _chunk(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute for `req` this step: the rest of it, capped by the budget and, for a

@@ -24,7 +24,14 @@ the scheduler asks for the largest chunk whose predicted step time stays within 
   overrun`: the 90th percentile of measured / predicted over recent mixed steps): a fit of the
   mean leaves about half the steps over whatever it is sized to, and streams feel the slow steps;
 - with no decodes in the step there is no time target: prefill gets the whole token budget, and
-  TTFT is as short as the hardware allows.
+  TTFT is as short as the hardware allows;
+- a first token has a deadline too (`deadline_chunk`): with a TTFT SLO, a prompt not yet
+  answered gets at least its remainder spread over the steps left before its pace point (a
+  share of the SLO after its arrival). Short prompts then need a few tokens a step on top of
+  what the streams' target allows, instead of waiting at two tokens a step for seconds. A
+  prompt that cannot be done within the SLO even at the whole token budget is late anyway: it
+  gets only the streams' target, so the streams are not stalled for a first token that misses
+  regardless.
 """
 
 from __future__ import annotations
@@ -75,7 +82,28 @@ class PrefillAllowance:
         self.shape = self.shape.plus(num_tokens, start_pos, self.block_size)
         self.booked += 1
 
+    def seconds_alone_at(self, start_pos: int, remaining: int, limit: int) -> float:
+        """Predicted seconds to compute `remaining` prompt tokens from `start_pos` in chunks of
+        `limit` beside this step's decodes: the soonest the prompt can be done."""
+        if remaining <= 0 or limit <= 0:
+            return 0.0
+        step = self.model.predict(self.shape.plus(min(limit, remaining), start_pos,
+                                                  self.block_size))
+        return -(-remaining // limit) * step
+
     @property
     def predicted_s(self) -> float:
         """The step's predicted time with what was booked."""
         return self.model.predict(self.shape)
+
+
+def deadline_chunk(remaining: int, time_left_s: float, step_s: float, limit: int) -> int:
+    """Tokens a prompt with `remaining` tokens to compute must get this step to be done within
+    `time_left_s`, one chunk per step of `step_s` seconds: the remainder spread evenly over the
+    steps left, all of it when at most one is left; never more than `limit`."""
+    if remaining <= 0 or limit <= 0:
+        return 0
+    steps = int(time_left_s / step_s) if step_s > 0 else 0
+    if steps <= 1:
+        return min(remaining, limit)
+    return min(limit, -(-remaining // steps))

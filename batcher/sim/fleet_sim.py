@@ -100,6 +100,9 @@ class FleetSim:
 
     def _build_replicas(self, cfg: FleetConfig, model: StepModel) -> list[SimReplica]:
         sc = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        if cfg.admission:
+            # As `batcher serve` does: the scheduler paces first tokens to the same TTFT SLO.
+            sc.slo_ttft_s = cfg.slo_ttft
         reps = []
         for i in range(cfg.replicas):
             factor = cfg.speed_factor(i)
