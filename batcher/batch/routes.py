@@ -27,6 +27,9 @@ PURPOSES = ("batch",)
 MAX_FILENAME_CHARS = 255
 MAX_LIST_LIMIT = 100  # files and batches per page, as OpenAI's API
 MAX_METADATA_KEYS = 16
+# A form field other than the file ('purpose'): read whole, so bounded (the body's own limit is
+# the file's).
+MAX_FIELD_BYTES = 1024
 _WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_WINDOW_S = 7 * 86400
@@ -129,7 +132,7 @@ async def upload_file(request: web.Request) -> web.Response:
                 if not isinstance(part, BodyPartReader):
                     raise invalid("nested multipart bodies are not accepted", None)
                 if part.name == "purpose":
-                    purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
+                    purpose = await _field(part)
                 elif part.name == "file":
                     if temp is not None:
                         raise invalid("send one 'file' per upload", "file")
@@ -157,6 +160,17 @@ async def upload_file(request: web.Request) -> web.Response:
         if temp is not None:
             temp.unlink(missing_ok=True)
     return json_response(rec.to_openai())
+
+
+async def _field(part: BodyPartReader) -> str:
+    """A small form field's text; a 400 once it passes MAX_FIELD_BYTES."""
+    data = bytearray()
+    while chunk := await part.read_chunk(_CHUNK):
+        data += chunk
+        if len(data) > MAX_FIELD_BYTES:
+            raise invalid(f"the '{part.name}' field is longer than {MAX_FIELD_BYTES} bytes",
+                          part.name)
+    return part.decode(bytes(data)).decode("utf-8", "replace").strip()
 
 
 async def _save(part: BodyPartReader, path: Path, limit: int) -> int:

@@ -6,11 +6,12 @@ replica alike. Milliseconds; `test_batch_router.py` runs the whole API against p
 from __future__ import annotations
 
 import socket
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from aiohttp import web
+from aiohttp import FormData, web
 from aiohttp.test_utils import TestServer
 
 from batcher.batch.routes import BATCH, BatchLimits, BatchService, add_routes
@@ -84,8 +85,9 @@ async def test_router_list_limit_that_int_refuses_is_a_400(aiohttp_client, stub)
     assert calls(seen) == []
 
 
-async def test_replica_list_numbers_that_int_refuses_are_400s(aiohttp_client,
-                                                              tmp_path: Path) -> None:
+def replica_app(store: BatchStore) -> web.Application:
+    """The replica's batch routes alone, every caller one tenant. Uploads and lists read only
+    the store: no executor is started."""
     tenant = TenantConfig(name="acme", key_sha256=(), tokens_per_minute=1e9, max_concurrent=4)
 
     @web.middleware
@@ -93,12 +95,16 @@ async def test_replica_list_numbers_that_int_refuses_are_400s(aiohttp_client,
         request["tenant"] = tenant
         return await handler(request)
 
-    store = BatchStore(tmp_path)
-    app = web.Application(middlewares=[answer_errors, as_tenant])
+    app = web.Application(middlewares=[answer_errors, as_tenant], client_max_size=1 << 30)
     add_routes(app)
-    # Listing reads only the store: no executor is started.
     app[BATCH] = BatchService(store, None, BatchLimits())  # type: ignore[arg-type]
-    client = await aiohttp_client(app)
+    return app
+
+
+async def test_replica_list_numbers_that_int_refuses_are_400s(aiohttp_client,
+                                                              tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    client = await aiohttp_client(replica_app(store))
     try:
         for path in ("/v1/files", "/v1/batches"):
             for name, value in (("limit", "²"), ("limit", "٣"), ("created_before", "²"),
@@ -149,3 +155,39 @@ async def test_an_upload_no_replica_answered_is_a_503_not_a_404(aiohttp_client) 
         assert resp.status == 404 and body["error"]["code"] == "batch_api_disabled", body
     finally:
         await off.close()
+
+
+async def test_a_huge_purpose_field_is_a_400_not_read_whole(aiohttp_client,
+                                                             tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    client = await aiohttp_client(replica_app(store))
+    line = (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+            b'"body": {"model": "m", "prompt": "hi"}}\n')
+    huge = 8 << 20
+
+    async def body():  # streamed in 64 KiB pieces: the client holds none of it
+        yield (b'--X\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n')
+        for _ in range(huge >> 16):
+            yield b"b" * (1 << 16)
+        yield (b'\r\n--X\r\nContent-Disposition: form-data; name="file"; '
+               b'filename="in.jsonl"\r\n\r\n' + line + b"\r\n--X--\r\n")
+
+    try:
+        tracemalloc.start()
+        try:
+            resp = await client.post("/v1/files", data=body(), headers={
+                "Content-Type": "multipart/form-data; boundary=X"})
+            out = await resp.json()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert resp.status == 400 and out["error"]["param"] == "purpose", out
+        assert peak < huge / 4, peak  # refused as it streams in, never held whole
+        form = FormData()
+        form.add_field("purpose", " batch\n")
+        form.add_field("file", line, filename="in.jsonl")
+        resp = await client.post("/v1/files", data=form)
+        body = await resp.json()
+        assert resp.status == 200 and body["purpose"] == "batch", body
+    finally:
+        store.close()
