@@ -1,7 +1,9 @@
-"""The router's batch API in-process against a stub replica that records what it is asked:
+"""The batch API in-process. The router against a stub replica that records what it is asked:
 an id whose replica part is not a replica's own id shape (`..`, `.`) is a 404 that reaches no
-replica path, and list parameters that only look like numbers are 400s, not 500s, on router and
-replica alike. Milliseconds; `test_batch_router.py` runs the whole API against processes."""
+replica path, list parameters that only look like numbers are 400s, not 500s (on the replica
+too), and an upload no replica answered is a 503. The replica's routes alone: a huge form field
+is refused as it streams in. Milliseconds; `test_batch_router.py` runs the whole API against
+processes."""
 
 from __future__ import annotations
 
