@@ -378,8 +378,9 @@ class _LineFile:
         self.size = 0
 
     def add(self, line: bytes) -> None:
-        if self.f is None:  # closed by `close` or `discard`
-            self.f = open(self.path, "wb", buffering=_WRITE_BUFFER)
+        if self.f is None:
+            # Open across many `add` calls; closed by `close` or `discard`.
+            self.f = open(self.path, "wb", buffering=_WRITE_BUFFER)  # noqa: SIM115
         self.f.write(line)
         self.f.write(b"\n")
         self.size += len(line) + 1
