@@ -18,7 +18,7 @@ from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_budget import PrefillAllowance
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
-from batcher.request import Request
+from batcher.request import Priority, Request
 from batcher.sampling import SamplingParams
 
 BS = 16
@@ -381,3 +381,64 @@ def test_overrun_is_a_quantile_of_recent_mixed_steps() -> None:
     for _ in range(80):
         model.observe(mixed, 5 * model.predict(mixed))
     assert model.overrun() == 1.5  # capped: past it the fit itself must follow
+
+
+def row_priced(shape: StepShape) -> float:
+    """As measured on the bundled model on one CPU thread: a step's fixed cost is most of it,
+    and a prefill token costs as much as a decode row."""
+    return 0.04 + 4e-3 * (shape.decode_rows + shape.prefill_tokens) + 0.3 * shape.prefill_attn / 1e6
+
+
+def short_prompt_beside_streams(slo_ttft_s: float | None) -> tuple[Sim, float]:
+    """Two streams decode, then a 150-token prompt arrives; returns the sim and its TTFT."""
+    sim = Sim(SchedulerConfig(64, 320, 4096, slo_ttft_s=slo_ttft_s), formula=row_priced)
+    for i in range(2):
+        sim.add(f"s{i}", 100, 400)
+    sim.run_until(lambda: all(len(sim.token_times[f"s{i}"]) >= 60 for i in range(2)))
+    sim.add("short", 150, 2)
+    arrival = sim.now
+    sim.run_until(lambda: bool(sim.token_times["short"]))
+    return sim, sim.token_times["short"][0] - arrival
+
+
+def test_a_first_token_is_paced_to_the_ttft_slo() -> None:
+    """Beside two streams the time target leaves a short prompt a few tokens a step, and its
+    first token comes after seconds; under a TTFT SLO it comes within the SLO."""
+    _, ttft_unpaced = short_prompt_beside_streams(None)
+    sim, ttft = short_prompt_beside_streams(1.0)
+    assert ttft_unpaced > 1.0, ttft_unpaced  # the case pacing exists for
+    # Paced to half the SLO; the step-time model, fitted on decode steps so far, underprices
+    # the first chunks, and the other half of the SLO is the margin for that.
+    assert ttft <= 1.0 and ttft < 0.4 * ttft_unpaced, (ttft, ttft_unpaced)
+    # The streams still decode every step while it is read.
+    last = sim.token_times["s0"]
+    assert all(b - a < 0.5 for a, b in itertools.pairwise(last))
+
+
+def test_a_prompt_late_even_at_the_whole_budget_keeps_the_streams_target() -> None:
+    """A 2000-token prompt cannot be read within a 0.3 s SLO whatever it is given: pacing it
+    would stall the streams for a first token that misses anyway, so they keep their target."""
+    sim = Sim(SchedulerConfig(64, 320, 4096, slo_ttft_s=0.3))
+    arrival = streams_then_long_prompt(sim)
+    mixed = [(out, t) for out, t, _ in sim.steps[arrival:] if prefill_of(out, "long") > 0]
+    assert len(mixed) == len(sim.steps[arrival:]) > 8  # small chunks, one every step
+    for out, seconds in mixed:
+        streams = [s for s in out.seqs if s.is_decode and s.request_id != "long"]
+        steady = sim.steady(8, max(s.start_pos + 1 for s in streams))
+        assert seconds <= 1.5 * steady * 1.1, (seconds, steady)
+
+
+def test_batch_priority_is_not_paced() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096, slo_ttft_s=1.0), formula=row_priced)
+    for i in range(2):
+        sim.add(f"s{i}", 100, 400)
+    sim.run_until(lambda: all(len(sim.token_times[f"s{i}"]) >= 60 for i in range(2)))
+    ids = [(i * 31) % 4000 + 10 for i in range(150)]
+    req = Request("b", ids, SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=sim.now,
+                  priority=Priority.BATCH)
+    sim.sched.add_request(req)
+    sim.token_times["b"] = []
+    arrival = sim.now
+    sim.run_until(lambda: bool(sim.token_times["b"]))
+    _, ttft_unpaced = short_prompt_beside_streams(None)
+    assert sim.now - arrival == pytest.approx(ttft_unpaced, rel=0.2)

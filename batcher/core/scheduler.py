@@ -340,8 +340,10 @@ class Scheduler:
         remaining = req.num_prompt_tokens - num_computed
         if allowance.seconds_alone_at(num_computed, remaining, limit) > slo - since:
             return num_new  # late even at the whole budget: the streams keep their target
-        need = deadline_chunk(remaining, self.config.ttft_pace * slo - since, allowance.target_s,
-                              limit)
+        left = self.config.ttft_pace * slo - since
+        need = deadline_chunk(remaining, left, allowance.target_s, limit)
+        # Steps that carry the needed chunk are longer than the target: size it again on them.
+        need = deadline_chunk(remaining, left, allowance.step_with(num_computed, need), limit)
         return max(num_new, need)
 
     def _chunk(self, req: Request, num_computed: int, budget: int) -> int:

@@ -87,9 +87,11 @@ class PrefillAllowance:
         `limit` beside this step's decodes: the soonest the prompt can be done."""
         if remaining <= 0 or limit <= 0:
             return 0.0
-        step = self.model.predict(self.shape.plus(min(limit, remaining), start_pos,
-                                                  self.block_size))
-        return -(-remaining // limit) * step
+        return -(-remaining // limit) * self.step_with(start_pos, min(limit, remaining))
+
+    def step_with(self, start_pos: int, num_tokens: int) -> float:
+        """Predicted seconds of this step with one more chunk of `num_tokens` from `start_pos`."""
+        return self.model.predict(self.shape.plus(num_tokens, start_pos, self.block_size))
 
     @property
     def predicted_s(self) -> float:
