@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from batcher.server.tool_parsers.spec import ToolSpec, call_id
 
-if TYPE_CHECKING:
-    from batcher.server.tool_parsers.base import ToolParser
+
+class Splitter(Protocol):
+    """What the stream needs of a format (`ToolParser.split`): of reply text not yet shown, what
+    can be shown now and where the call region begins."""
+
+    def split(self, pending: str, spec: ToolSpec, started: bool, final: bool
+              ) -> tuple[str, int | None]: ...
+
 
 HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 # A head is looked for in this many leading characters of an object (a tool's name is at most 64
@@ -166,7 +172,7 @@ class ToolStream:
 
     __slots__ = ("calls", "current", "parser", "pending", "region", "spec", "started")
 
-    def __init__(self, parser: ToolParser, spec: ToolSpec) -> None:
+    def __init__(self, parser: Splitter, spec: ToolSpec) -> None:
         self.parser = parser
         self.spec = spec
         self.pending = ""  # reply text held back while it may still open a call
