@@ -156,7 +156,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "in ms: a request is admitted only when its predicted TTFT is within 85%% of it (batch "
       "within half of it; less while delivered first tokens come late), otherwise refused at "
       "once with 503 + Retry-After; also the goodput "
-      "threshold. The default keeps an interactive client's wait for its first token bounded "
+      "threshold; the scheduler also paces each interactive prompt to be read within half "
+      "of it (more prefill a step than --max-step-slowdown allows, when needed and "
+      "achievable). The default keeps an interactive client's wait for its first token bounded "
       "on a server started with no flags, instead of letting the queue (--max-waiting) grow "
       "to minutes; 0 turns the check off (the queue is then bounded only by count) "
       "(default: %(default)g)")
