@@ -88,16 +88,9 @@ class _Call:
         buf = self.buf
         for j in range(self.scanned, len(buf)):
             ch = buf[j]
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "{[":
+            if self._in_string(ch):
+                continue
+            if ch in "{[":
                 self.depth += 1
             elif ch in "}]":
                 self.depth -= 1
@@ -105,6 +98,22 @@ class _Call:
                     return j + 1
         self.scanned = len(buf)
         return None
+
+    def _in_string(self, ch: str) -> bool:
+        """Advance the JSON string state by `ch`; whether `ch` belongs to a string (its quotes
+        included), so a bracket in it is no structure."""
+        if self.in_str:
+            if self.esc:
+                self.esc = False
+            elif ch == "\\":
+                self.esc = True
+            elif ch == '"':
+                self.in_str = False
+            return True
+        if ch == '"':
+            self.in_str = True
+            return True
+        return False
 
     def _whole(self, text: str) -> list[dict[str, Any]]:
         try:
@@ -124,18 +133,12 @@ class _Call:
                 if ch.isspace():
                     continue
                 self.started = True
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
-                    if self.depth == 0:  # a string value ends here
-                        return text[:j + 1], text[j + 1:]
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "{[":
+            was_in_str = self.in_str
+            if self._in_string(ch):
+                if was_in_str and not self.in_str and self.depth == 0:
+                    return text[:j + 1], text[j + 1:]  # a string value ends here
+                continue
+            if ch in "{[":
                 self.depth += 1
             elif ch in "}]" and self.depth > 0:
                 self.depth -= 1
@@ -147,16 +150,9 @@ class _Call:
 
     def _tail(self, text: str) -> str | None:
         for j, ch in enumerate(text):
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "{[":
+            if self._in_string(ch):
+                continue
+            if ch in "{[":
                 self.depth += 1
             elif ch in "}]":
                 self.depth -= 1
