@@ -66,6 +66,9 @@ async def test_kill9_with_requests_in_flight():
             while done[0] < 150 or (await replica_view(s, rt, "r0"))["router_inflight"] < 6:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
+            # A few decode steps more, so the streams just routed there have sent tokens (a
+            # stream killed before its first token is retried whole, which tells nothing here).
+            await asyncio.sleep(0.1)
             victim.signal(signal.SIGKILL)
             results = await asyncio.gather(*tasks)
 
