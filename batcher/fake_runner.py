@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
-from batcher.core.spec_verify import collapse
+from batcher.core.spec_verify import run_by_rule
 
 FAULTS = ("none", "hang", "crash", "slow", "error")
 _FIRST_TOKEN = 300  # skip special and byte tokens so the text is plain
@@ -70,15 +70,7 @@ class FakeRunner:
             elif self.fault == "error":
                 raise RuntimeError("injected model fault")
         time.sleep(seconds)
-        tokens: list[int] = []
-        for s in sched.seqs:
-            if s.sample:
-                # One row per drafted position too (`core/spec_verify`), the last row otherwise.
-                first = s.num_tokens - 1 - len(s.draft_token_ids)
-                tokens += [self.next_token(s.token_ids[j], s.start_pos + j)
-                           for j in range(first, s.num_tokens)]
-        ids, kept, lps = collapse(sched.seqs, tokens, [None] * len(tokens))
-        return RunnerOutput(ids, kept, lps)
+        return run_by_rule(sched.seqs, self.next_token)
 
 
 def build_fake_engine(args, sched, cache, metrics):

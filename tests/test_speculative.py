@@ -13,7 +13,7 @@ from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.ngram_proposer import NgramProposer, can_speculate
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from batcher.core.scheduler import Scheduler
-from batcher.core.spec_verify import accepted, collapse, verify_rows
+from batcher.core.spec_verify import accepted, collapse, run_by_rule, verify_rows
 from batcher.request import Request
 from batcher.sampling import SamplingParams
 
@@ -113,14 +113,7 @@ class CycleModel:
         return 10 + (token + 1) % self.period
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        tokens: list[int] = []
-        for s in sched.seqs:
-            if s.sample:
-                first = s.num_tokens - 1 - len(s.draft_token_ids)
-                tokens += [self.next_token(s.token_ids[j], s.start_pos + j)
-                           for j in range(first, s.num_tokens)]
-        ids, kept, lps = collapse(sched.seqs, tokens, [None] * len(tokens))
-        return RunnerOutput(ids, kept, lps)
+        return run_by_rule(sched.seqs, self.next_token)
 
 
 def run_core(reqs: list[Request], model: CycleModel, num_blocks: int = 64,

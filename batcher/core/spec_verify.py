@@ -14,10 +14,10 @@ draw from p restricted to y != x, renormalised: the rejection rule for a determi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from batcher.core.outputs import ScheduledSeq
+from batcher.core.outputs import RunnerOutput, ScheduledSeq
 
 
 def verify_rows(seq: ScheduledSeq) -> list[ScheduledSeq]:
@@ -62,3 +62,18 @@ def collapse(seqs: Sequence[ScheduledSeq], tokens: Sequence[int], logprobs: Sequ
         row += n
     assert row == len(tokens), (row, len(tokens))
     return ids, kept, kept_lps
+
+
+def run_by_rule(seqs: Sequence[ScheduledSeq], next_token: Callable[[int, int], int]
+                ) -> RunnerOutput:
+    """A runner's output when each sampled position's token is `next_token(input token,
+    position)` (fake and test runners): one row per drafted position, the last row otherwise,
+    then the agreeing prefix kept by `collapse`."""
+    tokens: list[int] = []
+    for s in seqs:
+        if s.sample:
+            first = s.num_tokens - 1 - len(s.draft_token_ids)
+            tokens += [next_token(s.token_ids[j], s.start_pos + j)
+                       for j in range(first, s.num_tokens)]
+    ids, kept, lps = collapse(seqs, tokens, [None] * len(tokens))
+    return RunnerOutput(ids, kept, lps)
