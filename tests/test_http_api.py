@@ -341,7 +341,8 @@ async def test_every_response_carries_request_id_and_state(server: Server,
     async with session.post(server.url + C, json=completion(stream=True)) as resp:
         assert resp.status == 200
         assert resp.headers["X-Request-Id"]
-        replica_state(resp)
+        # A stream's headers leave with its first token and say so: this request is running.
+        assert replica_state(resp)["running"] >= 1
         events = [ev async for ev in sse_events(resp)]
     assert events[-1] == DONE
 

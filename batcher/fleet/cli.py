@@ -45,7 +45,7 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
       "routes for: a request predicted to miss it on every replica is packed onto a replica "
       "too slow for it, keeping the others' queues short; 0 turns this off "
       "(default: %(default)s)")
-    a("--late-extra-ms", type=float, default=5000.0, help="predicted extra wait such a request "
+    a("--late-extra-ms", type=float, default=10000.0, help="predicted extra wait such a request "
       "may get at most (default: %(default)s)")
     a("--max-attempts", type=int, default=3, help="attempts per request (default: %(default)s)")
     a("--retry-ratio", type=float, default=0.1, help="retries allowed per request in the "

@@ -66,7 +66,7 @@ class PolicyConfig:
     choices: int = 0  # candidates scored in a pool over `sample_above`; 0 = every one
     sample_above: int = 64  # pools up to this size are always scored whole
     slo_ttft_s: float = 1.0  # the first-token objective; 0 = least predicted wait only
-    late_extra_s: float = 5.0  # extra wait a request that misses the objective anyway may get
+    late_extra_s: float = 10.0  # extra wait a request that misses the objective anyway may get
     seqs_per_step: float = 8.0  # running sequences that double the time a prefill takes
     kv_scarce_s: float = 2.0  # wait added as free KV after the request goes headroom -> 0
     chars_per_token: float = 4.0

@@ -215,12 +215,14 @@ class GenerationHandler:
         """Status and headers once the first event is in, then one SSE chunk per event; the
         deadline, the engine's failure and the client's disconnect each end it explicitly."""
         rid = request["request_id"]
-        resp = web.StreamResponse(headers={
-            **SSE_HEADERS, "X-Request-Id": rid, "X-Replica-State": request["state_header"]()})
+        resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": rid})
         events = self.gw.events(job)
         try:
             async with asyncio.timeout(spec.timeout) as deadline:
                 first = await self._first_event(events)
+                # The headers leave now: the state they carry is the replica's now, not at
+                # admission (a router routes the next requests on it).
+                resp.headers["X-Replica-State"] = request["state_header"]()
                 await resp.prepare(request)
                 base = {"id": self.prefix + rid, "object": self.object + ".chunk"
                         if self.chat else self.object, "created": now_s(), "model": spec.model}

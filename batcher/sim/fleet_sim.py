@@ -196,7 +196,13 @@ class FleetSim:
 
     def _on_token(self, tm: Timing, now: float) -> None:
         rec: Record = tm.owner  # type: ignore[assignment]
-        self.views[rec.replica].load.token(rec.index, now)
+        view = self.views[rec.replica]
+        first = rec.index in view.load.pending
+        view.load.token(rec.index, now)
+        if first and self.cfg.piggyback:
+            # A stream's headers leave with its first token and carry the replica's state
+            # then (`X-Replica-State`), as the fleet router reads it.
+            view.update(self.replicas[rec.replica], now, now)
 
     # arrivals, heartbeats, sweeps, samples -------------------------------------------------
     def _on_arrive(self, t: float, a: object) -> None:
@@ -343,8 +349,6 @@ class FleetSim:
     def _complete(self, tm: Timing, t: float, rep: SimReplica) -> None:
         rec = self._merge(tm)
         self.views[rep.index].done(rec.index)
-        if self.cfg.piggyback:
-            self.views[rep.index].update(rep, t, t)
         self._end(rec, t, "ok")
 
     def _end(self, rec: Record, t: float, outcome: str) -> None:

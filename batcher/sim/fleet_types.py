@@ -57,7 +57,7 @@ class FleetConfig:
     stale_after: float = 3.0
     eject_on_refused: bool = True  # a refused connection takes the replica out at once
     reservations: bool = True
-    piggyback: bool = False
+    piggyback: bool = True  # the router reads the state on every answer's headers
     fit_check: bool = True
     max_waiting: int = 64
     # Replicas admit as `batcher serve` does (`Admission`: predicted TTFT within `slo_ttft`, one

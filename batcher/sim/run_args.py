@@ -75,7 +75,9 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
       "reach the router (default: %(default)s)")
     a("--stale-after", type=float, default=3.0, help="seconds without a heartbeat before "
       "the router stops routing to a replica (default: %(default)s)")
-    a("--piggyback", action="store_true", help="responses refresh the router's view")
+    a("--piggyback", action=argparse.BooleanOptionalAction, default=True,
+      help="each stream's first answer refreshes the router's view of its replica, as the "
+      "fleet router reads `X-Replica-State` (default: on)")
     a("--no-eject", action="store_true", help="keep routing to a replica that refused a "
       "connection until its heartbeats go stale")
     a("--no-reservations", action="store_true", help="the router forgets what it sent")
