@@ -40,8 +40,8 @@ def test_equal_replicas_never_worse_than_round_robin_and_near_the_oracle() -> No
     # Overloaded for every policy: 1,000-token prompts meet a 1 s first token only on an idle
     # full-speed replica. Measured in steady state (round-robin's queues on the slow replicas
     # grow for the whole run; over the first 20 s they have not yet).
-    "--slow-replicas 2:2 --input-median 2000 --output-median 40 --load 0.8 "
-    "--duration 60 --warmup 10"])
+    ("--slow-replicas 2:2 --input-median 2000 --output-median 40 --load 0.8 "
+    "--duration 60 --warmup 10")])
 def test_where_replicas_differ_it_beats_round_robin(flags: str) -> None:
     rr, fleet, oracle = compare(flags)
     better = (fleet["goodput"] >= rr["goodput"] + 0.05
