@@ -3,7 +3,11 @@
 # bundled GGUF file, alternating, in one run; prints both rows and the ratio and appends them to
 # BENCHMARKS.md.
 #
-#   scripts/bench_peers.sh [--build-only] [--rounds N] [--workload FILE]
+#   scripts/bench_peers.sh [--build-only] [--rounds N] [--workload FILE] [--single N]
+#
+# --single N: one stream instead (a closed loop of one user, N requests of a 100-token prompt and
+# 128 greedy tokens each), the issue of a laptop user; the verdict is then output tok/s against
+# a target of 0.75x llama-server's.
 #
 # llama-server is built from the llama.cpp tree vendored in the llama-cpp-python sdist (about
 # 4 minutes on 2 cores) and cached under .cache/peers/. Environment: PYTHON (default .venv/bin/python),
@@ -24,11 +28,13 @@ ARGS="$*"
 ROUNDS=1
 BUILD_ONLY=0
 WORKLOAD="$ROOT/workloads/chat64.json"
+SINGLE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --build-only) BUILD_ONLY=1 ;;
     --rounds) ROUNDS="$2"; shift ;;
     --workload) WORKLOAD="$2"; shift ;;
+    --single) SINGLE="$2"; shift ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -62,8 +68,16 @@ build_llama_server
 "$BIN" --version 2>&1 | head -n 2 || true
 [ "$BUILD_ONLY" = 1 ] && exit 0
 
-GGUF="$("$PY" -c "from batcher.models.bundled import smollm2_gguf_path; print(smollm2_gguf_path())")"
+GGUF="$("$PY" -c "from batcher.bundled import smollm2_gguf_path; print(smollm2_gguf_path())")"
 OUT="$ROOT/bench_out/peers"
+if [ "$SINGLE" -gt 0 ]; then
+  LOAD=(--synthetic --input-median 100 --input-spread 0 --output-median 128 --output-spread 0
+        --arrivals closed --concurrency 1 --num-requests "$SINGLE" --seed 0)
+  NP=1
+else
+  LOAD=(--workload "$WORKLOAD")
+  NP=16
+fi
 mkdir -p "$OUT"
 PIDS=()
 stop_all() {
@@ -89,12 +103,12 @@ wait_ready() {  # URL, pid, seconds
 
 # One server at a time: both would fight over the same 2 cores otherwise.
 run_llama() {  # round
-  "$BIN" -m "$GGUF" --host 127.0.0.1 --port "$PEER_PORT" -np 16 -cb -c 16384 -t 2 -tb 2 \
+  "$BIN" -m "$GGUF" --host 127.0.0.1 --port "$PEER_PORT" -np "$NP" -cb -c 16384 -t 2 -tb 2 \
     --no-cache-prompt >"$OUT/llama-server.log" 2>&1 &
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$PEER_PORT/health" "${PIDS[-1]}" 120
   "$PY" -m batcher.bench.cli --base-url "http://127.0.0.1:$PEER_PORT" \
-    --workload "$WORKLOAD" --warmup 1 --no-metrics --label "llama-server -np 16 (round $1)" \
+    "${LOAD[@]}" --warmup 1 --no-metrics --label "llama-server -np $NP (round $1)" \
     --server-pid "${PIDS[-1]}" --wait-quiet "$QUIET" --out "$OUT/llama-$1"
   stop_all
 }
@@ -106,7 +120,7 @@ run_batcher() {  # round
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$BATCHER_PORT/ready" "${PIDS[-1]}" 300
   "$PY" -m batcher.bench.cli --base-url "http://127.0.0.1:$BATCHER_PORT" \
-    --workload "$WORKLOAD" --warmup 1 --label "batcher serve (round $1)" \
+    "${LOAD[@]}" --warmup 1 --label "batcher serve${BATCHER_ARGS:+ $BATCHER_ARGS} (round $1)" \
     --server-pid "${PIDS[-1]}" --wait-quiet "$QUIET" --out "$OUT/batcher-$1"
   stop_all
 }
@@ -118,4 +132,7 @@ for round in $(seq 1 "$ROUNDS"); do
   run_batcher "$round"
 done
 
-"$PY" -m batcher.bench.peers "$OUT" --rounds "$ROUNDS" --command "scripts/bench_peers.sh $ARGS"
+MODE=()
+[ "$SINGLE" -gt 0 ] && MODE=(--single)
+"$PY" -m batcher.bench.peers "$OUT" --rounds "$ROUNDS" "${MODE[@]}" \
+  --command "${BATCHER_ARGS:+BATCHER_ARGS=\"$BATCHER_ARGS\" }scripts/bench_peers.sh $ARGS"
