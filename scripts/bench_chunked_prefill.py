@@ -6,8 +6,11 @@ throughput old vs new: every case in its own process, interleaved (A, B, C, A, B
 Part 1: 8 streams decode (the first 8 chat64 prompts, greedy, ignore_eos); once each has 30
 tokens a ~2k-token prompt arrives. Per case: the streams' steady gap between tokens (median before
 the arrival), their p99 and worst gap from the arrival to the long prompt's first token, and that
-prompt's TTFT. Cases: `--prefill-budget fixed` (the old fixed 320-token budget), the default
-(`time`, 1.5x the decode-only step) and `--slo-tpot-ms 100`.
+prompt's TTFT, and the floor under any time target: the streams' own decode-only step at the
+context of the slowest steps. Cases: `--prefill-budget fixed` (the old fixed 320-token budget),
+the default (`time`, 1.5x the decode-only step) and `--slo-tpot-ms 100`. `--stream-prompt N`
+cuts the streams' prompts to N tokens: their decode step then stays under a TPOT SLO that
+whole-prompt streams exceed on their own.
 Part 2: chat64 all at t=0 through the engine (`scripts/bench_engine.py`'s run), fixed vs time.
 
 `--fit-clock cpu` feeds the engine's step-time model each step's model-thread CPU seconds instead
@@ -93,7 +96,21 @@ def engine_for(loaded, tok, **sched):
     return engine
 
 
-async def streams_case(loaded, tok, sched: dict, long_len: int) -> dict:
+def steady_at_ctx(steps: list[tuple[object, float]]):
+    """The streams' steady (decode-only) step as a function of their context: a straight line
+    through their decode-only steps before the prompt arrived and after its first token (a
+    decode row's cost grows with the context it reads)."""
+    import numpy as np
+
+    ctx = np.array([sh.decode_ctx for sh, _ in steps], dtype=float)
+    sec = np.array([c for _, c in steps])
+    if np.ptp(ctx) == 0:
+        return lambda _c: float(np.median(sec))
+    slope, icept = np.polyfit(ctx, sec, 1)
+    return lambda c: float(icept + slope * c)
+
+
+async def streams_case(loaded, tok, sched: dict, long_len: int, stream_prompt: int = 0) -> dict:
     from batcher.request import Request
     from batcher.sampling import SamplingParams
 
@@ -109,7 +126,8 @@ async def streams_case(loaded, tok, sched: dict, long_len: int) -> dict:
 
     async def stream(i: int) -> None:
         sp = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
-        async for ev in engine.generate(Request(f"s{i}", work[i]["prompt_ids"], sp)):
+        prompt = work[i]["prompt_ids"][-stream_prompt:] if stream_prompt else work[i]["prompt_ids"]
+        async for ev in engine.generate(Request(f"s{i}", prompt, sp)):
             times[i] += [time.perf_counter()] * len(ev.token_ids)
             if done.is_set() or ev.finished:
                 break  # leaving aborts the stream
@@ -132,11 +150,14 @@ async def streams_case(loaded, tok, sched: dict, long_len: int) -> dict:
     while min(len(t) - c for t, c in zip(times, counts)) < STEADY_AFTER:
         await asyncio.sleep(0.005)
     cpu_steps = engine.cpu.steps
-    cpu_during = [c for _, c in cpu_steps[cpu0:cpu0 + steps]]
-    cpu_steady = [c for sh, c in cpu_steps[:cpu0]
-                  if sh.decode_rows == STREAMS and not sh.prefill_tokens]
-    cpu_after = [c for sh, c in cpu_steps[cpu0 + steps:]
-                 if sh.decode_rows == STREAMS and not sh.prefill_tokens]
+    during_steps = cpu_steps[cpu0:cpu0 + steps]
+    cpu_during = [c for _, c in during_steps]
+    steady_before = [(sh, c) for sh, c in cpu_steps[:cpu0]
+                     if sh.decode_rows == STREAMS and not sh.prefill_tokens]
+    steady_after = [(sh, c) for sh, c in cpu_steps[cpu0 + steps:]
+                    if sh.decode_rows == STREAMS and not sh.prefill_tokens]
+    cpu_steady = [c for _, c in steady_before]
+    cpu_after = [c for _, c in steady_after]
     done.set()
     await asyncio.gather(*tasks)
     model = engine.step_time_model
@@ -149,12 +170,17 @@ async def streams_case(loaded, tok, sched: dict, long_len: int) -> dict:
             elif b <= first:
                 during.append(b - a)
     base = statistics.median(steady)
-    # Each step against the steady step at its streams' context: interpolated between the
-    # decode-only steps before the prompt arrived and after its first token.
-    before, after = statistics.median(cpu_steady), statistics.median(cpu_after)
-    n = len(cpu_during)
-    at_ctx = [c / (before + (after - before) * (i + 0.5) / n) for i, c in enumerate(cpu_during)]
+    # Each step against the steady step at its streams' context: a line through the decode-only
+    # steps before the prompt arrived and after its first token, read at the step's context.
+    steady_at = steady_at_ctx(steady_before + steady_after)
+    at_ctx = [c / steady_at(sh.decode_ctx) for sh, c in during_steps]
+    after = statistics.median(cpu_after)
+    # The floor under any time target: the streams' own decode-only step at the context of the
+    # slowest steps while the prompt was read (a TPOT SLO under it cannot be met by any chunk).
+    slowest = sorted(during_steps, key=lambda x: x[1])[-max(1, len(during_steps) // 100):]
+    floor = max(steady_at(sh.decode_ctx) for sh, _ in slowest)
     return {"cpu_after_ms": after * 1e3, "cpu_ctx_p50_x": statistics.median(at_ctx),
+            "cpu_floor_ms": floor * 1e3,
             "cpu_ctx_p99_x": pct(at_ctx, 99), "cpu_during_p99_ms": pct(cpu_during, 99) * 1e3,
             "steady_ms": base * 1e3, "steady_p99_x": pct(steady, 99) / base,
             "p50_x": statistics.median(during) / base, "p99_ms": pct(during, 99) * 1e3,
@@ -201,7 +227,7 @@ def one(args: argparse.Namespace) -> None:
     loaded, tok = load(args.dtype)
     sched = CASES[args.case]
     if args.part == "streams":
-        res = asyncio.run(streams_case(loaded, tok, sched, args.long))
+        res = asyncio.run(streams_case(loaded, tok, sched, args.long, args.stream_prompt))
     else:
         res = asyncio.run(chat64_case(loaded, tok, sched, args.chat64))
     print("RESULT " + json.dumps(res), flush=True)
@@ -213,7 +239,7 @@ def one(args: argparse.Namespace) -> None:
 def child(args: argparse.Namespace, part: str, case: str) -> dict:
     cmd = [sys.executable, __file__, "--one", "--part", part, "--case", case, "--long",
            str(args.long), "--chat64", str(args.chat64), "--dtype", args.dtype,
-           "--fit-clock", args.fit_clock]
+           "--fit-clock", args.fit_clock, "--stream-prompt", str(args.stream_prompt)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     load_before = os.getloadavg()[0]
@@ -238,6 +264,10 @@ def main() -> None:
                     help="what the engine's step-time model is fed: each step's wall seconds "
                          "(as in serving) or its model-thread CPU seconds (as on a core of its "
                          "own; for a shared machine)")
+    ap.add_argument("--stream-prompt", type=int, default=0,
+                    help="the streams' prompts cut to their last N tokens (0: whole, ~400): "
+                         "shorter streams decode faster, so a TPOT SLO under their whole-prompt "
+                         "decode step can be reached")
     ap.add_argument("--cases", default=",".join(CASES),
                     help="streams cases to run, comma-separated (fixed is the TTFT reference)")
     ap.add_argument("--no-append", action="store_true")
@@ -270,19 +300,22 @@ def main() -> None:
                          f"{r['cpu_steady_ms']:.0f}", f"{r['cpu_p50_x']:.2f}x",
                          f"{r['cpu_p99_x']:.2f}x", f"{r['cpu_after_ms']:.0f}",
                          f"{r['cpu_ctx_p50_x']:.2f}x", f"{r['cpu_ctx_p99_x']:.2f}x",
-                         f"{r['cpu_during_p99_ms']:.0f}", f"{r['cpu_ttft_s']:.1f}",
+                         f"{r['cpu_during_p99_ms']:.0f}", f"{r['cpu_floor_ms']:.0f}",
+                         f"{r['cpu_ttft_s']:.1f}",
                          f"{r['cpu_ttft_s'] / ref[i]['cpu_ttft_s']:.2f}", str(r["steps"])])
     text = ""
     if not args.no_append:
         text = append_rows(
-            f"Chunked prefill: {STREAMS} streams + a {args.long}-token prompt arriving, "
+            f"Chunked prefill: {STREAMS} streams"
+            f"{f' (last {args.stream_prompt} prompt tokens)' if args.stream_prompt else ''}"
+            f" + a {args.long}-token prompt arriving, "
             f"prefill budget fixed vs time-sized, {args.dtype}, step-time model fed "
             f"{args.fit_clock} time, interleaved",
             ["case", "round", "load avg", "wall: steady gap ms", "steady p99 / steady",
              "p50 gap / steady", "p99 gap / steady", "long TTFT s", "TTFT vs fixed",
              "CPU: steady step ms", "p50 step / steady", "p99 step / steady",
              "steady after ms", "p50 / steady at ctx", "p99 / steady at ctx", "p99 step ms",
-             "TTFT s", "TTFT vs fixed", "steps to 1st token"], rows,
+             "decode-only floor ms", "TTFT s", "TTFT vs fixed", "steps to 1st token"], rows,
             notes="Each case in its own process, cases interleaved round by round on a machine "
                   "shared with other work (load avg at each start); ratios compare the same "
                   "round. Wall: the streams' gaps between tokens as a client sees them; steady = "
@@ -292,9 +325,13 @@ def main() -> None:
                   "what they cost on a core of their own; steady = the median 8-stream "
                   "decode-only step before the prompt arrived, steady after = the same once "
                   "its first token is out (the streams' contexts grew meanwhile); 'at ctx' "
-                  "divides each step by the steady step interpolated between the two, the "
-                  "steady step at its streams' context; TTFT = the sum of the steps to the "
-                  "first token.")
+                  "divides each step by the steady step at its streams' context (a line "
+                  "through the decode-only steps before and after, by context); decode-only "
+                  "floor = that steady step at the context of the slowest 1% of steps, the "
+                  "least any step carrying the streams costs (a TPOT SLO under it cannot be "
+                  "met by any chunk size); TTFT = the sum of the steps to the first token."
+                  + (f" Streams' prompts cut to their last {args.stream_prompt} tokens."
+                     if args.stream_prompt else ""))
     if args.chat64:
         crow = []
         for case, runs in chat.items():

@@ -344,34 +344,36 @@ def test_a_burst_of_arrivals_keeps_its_throughput() -> None:
     assert time_ttft <= 1.5 * fixed_ttft
 
 
-def test_noisy_steps_stay_within_the_target_at_a_high_quantile_not_only_on_average() -> None:
-    """Step times scatter around any fit (on a shared CPU by 10-20%). Sized to the target itself,
-    about half the mixed steps would run over it; sized to the target over the fit's recent
-    overrun, nine in ten stay within it, and the prompt still moves every step."""
+@pytest.mark.parametrize("seed", [5, 8])
+def test_noisy_steps_stay_within_the_target_at_a_high_quantile_not_only_on_average(
+        seed: int) -> None:
+    """Step times scatter around any fit (on a shared CPU by ~5%, with rare steps 10-15% over).
+    Sized to the target itself, about half the mixed steps would run over it; sized to the
+    target over the 90th percentile of the fit's recent overrun, 4-10% still do; over the 99th,
+    at most 2% do, and the prompt still moves every step."""
     import random
 
-    rng = random.Random(5)
+    rng = random.Random(seed)
 
     def noisy(shape: StepShape) -> float:
-        return cpu_like(shape) * rng.lognormvariate(0.0, 0.12)
+        return cpu_like(shape) * rng.lognormvariate(0.0, 0.06)
 
     sim = Sim(SchedulerConfig(64, 320, 4096), formula=noisy, context_read_s=2e-3)
     arrival = streams_then_long_prompt(sim)
-    mixed = sim.steps[arrival:]
-    assert all(prefill_of(out, "long") >= 2 for out, _, _ in mixed)
-    # Over their target: 4-9% of the steps here (seeds 5-7); 43-51% sized to the target itself.
-    over = sum(seconds > target for _, seconds, target in mixed)
-    assert len(mixed) > 50 and over <= 0.15 * len(mixed), (over, len(mixed))
+    mixed = [(out, t, target) for out, t, target in sim.steps[arrival:] if target is not None]
+    assert all(prefill_of(out, "long") >= 2 for out, _, _ in mixed[:-1])  # the last: the rest
+    # Steps whose chunk the target sized (more than the minimum chunk, which a step gets even
+    # when nothing fits): 0-1.9% over it here (seeds 5-12), 4-10% at the 90th percentile.
+    sized = [(seconds, target) for out, seconds, target in mixed if prefill_of(out, "long") > 2]
+    over = sum(seconds > target for seconds, target in sized)
+    assert len(sized) > 30 and over <= 0.025 * len(sized), (over, len(sized))
     assert 1.0 < sim.model.overrun() <= 1.5
 
 
-def test_overrun_is_a_quantile_of_recent_mixed_steps() -> None:
+def test_overrun_is_a_quantile_of_recent_steps_with_decodes() -> None:
     model = OnlineStepTimeModel()
     decode = StepShape(8, 256)
     mixed = decode.plus(32, 500)
-    for _ in range(20):
-        model.observe(decode, model.predict(decode))  # decode-only steps do not count
-    assert model.overrun() == 1.0
     for _ in range(7):
         model.observe(mixed, 1.2 * model.predict(mixed))
     assert model.overrun() == 1.0  # too few seen yet
@@ -381,6 +383,27 @@ def test_overrun_is_a_quantile_of_recent_mixed_steps() -> None:
     for _ in range(80):
         model.observe(mixed, 5 * model.predict(mixed))
     assert model.overrun() == 1.5  # capped: past it the fit itself must follow
+    # Decode-only steps sample the machine's scatter too: a window of them sets the margin the
+    # first chunks after a quiet spell get; a prefill-only step (no target applies) does not.
+    for _ in range(200):
+        model.observe(decode, 1.1 * model.predict(decode))
+        model.observe(StepShape().plus(64, 0), 3.0)
+    assert 1.0 < model.overrun() <= 1.1
+
+
+def test_one_slow_step_does_not_set_the_margin_two_do() -> None:
+    """The overrun is a high quantile of recent mixed steps but never the single largest: one
+    stall (or a first step the fit had not learned yet) would otherwise shrink every chunk for
+    the next hundred steps."""
+    model = OnlineStepTimeModel()
+    mixed = StepShape(8, 256).plus(32, 500)
+    for _ in range(40):
+        model.observe(mixed, model.predict(mixed))
+    assert model.overrun() < 1.02
+    model.observe(mixed, 1.4 * model.predict(mixed))
+    assert model.overrun() < 1.02
+    model.observe(mixed, 1.4 * model.predict(mixed))
+    assert model.overrun() > 1.3
 
 
 def row_priced(shape: StepShape) -> float:

@@ -21,7 +21,7 @@ the scheduler asks for the largest chunk whose predicted step time stays within 
   at long context: every chunk attends over its whole context, so at 2k tokens of context a
   16-token chunk costs most of a steady decode step on a CPU;
 - chunks are sized to the target divided by the model's recent overrun (`OnlineStepTimeModel.
-  overrun`: the 90th percentile of measured / predicted over recent mixed steps): a fit of the
+  overrun`: the 99th percentile of measured / predicted over recent steps): a fit of the
   mean leaves about half the steps over whatever it is sized to, and streams feel the slow steps;
 - with no decodes in the step there is no time target: prefill gets the whole token budget, and
   TTFT is as short as the hardware allows;
@@ -63,7 +63,7 @@ class PrefillAllowance:
     min_chunk: int
     block_size: int = 16
     booked: int = 0  # chunks booked so far
-    # What chunks are sized to: the target over the model's recent overrun of mixed steps, so
+    # What chunks are sized to: the target over the model's recent overrun of steps, so
     # that most steps, not only the average one, stay within the target.
     plan_s: float = field(init=False)
 
