@@ -42,6 +42,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     quantization: str = "none"
+    # Quantized steps with more rows than this use a dense copy of the quantized weights; 0: no
+    # copy (packed kernels at every size: less memory, slower large steps).
+    quantized_dense_above: int = 8
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     torch_threads: int | None = None  # None: the cgroup CPU quota, else all cores
@@ -57,6 +60,8 @@ class EngineConfig:
                               ("speculative", SPECULATIVE_METHODS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.quantized_dense_above < 0:
+            raise ValueError(f"quantized_dense_above must be >= 0, got {self.quantized_dense_above}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "torch_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -60,7 +60,8 @@ def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
     from batcher.models.loader import load_model
 
     lm = load_model(args.model, dtype=args.dtype, device=args.device,
-                    quantization=args.quantization)
+                    quantization=args.quantization,
+                    dense_above=args.quantized_dense_above or None)
     sched.max_model_len = min(args.max_model_len, lm.config.max_position_embeddings)
     if lm.device.type == "cuda":  # a GPU step takes far more work than a CPU one
         sched.max_num_seqs = args.max_num_seqs or CUDA_MAX_NUM_SEQS

@@ -55,10 +55,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       help="weight-only quantization of the decoder layers on the CPU (int8 per row, int4 in "
       "groups of 32), run by packed kernels for steps of up to 8 rows and by a dense copy of "
       "the quantized weights above that. Measured on the bundled model: a batch-1 decode step "
-      "about 2x (int4) or 1.4x (int8) faster, held-out perplexity within 1%% (int4) or 2%% (int8), "
-      "about 25-35%% more resident memory (the dense copy). none is the default because it keeps "
-      "outputs identical to the checkpoint and uses the least memory; int4 is the choice for "
-      "one stream on a CPU (BENCHMARKS.md) (default: %(default)s)")
+      "about 2x (int4) or 1.4x (int8) faster, held-out perplexity within 1%% (int4) or 2%% (int8). "
+      "int4 takes a GGUF file's Q4_1 blocks as stored (the bundled model's perplexity is then "
+      "unchanged) and holds about as much resident memory as none with its dense copy, a "
+      "quarter less without it (--quantized-dense-above 0); int8 holds more. none is the "
+      "default because it keeps outputs identical to the checkpoint (int4 rounds differently "
+      "and changes greedy choices at near-ties); int4 is the choice for one stream on a CPU (BENCHMARKS.md) (default: %(default)s)")
+    a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
+      metavar="ROWS", help="with --quantization int8/int4, steps of more than ROWS rows use a "
+      "dense copy of the quantized weights; 0 keeps no copy, the packed kernels run every "
+      "step. Measured on the bundled model with int4: no copy holds about 200 MiB less "
+      "resident memory and makes a batch-32 decode step about 1.8x slower (batch 1 runs the "
+      "packed kernels either way); keep the copy for batches, drop it when memory is short "
+      "(BENCHMARKS.md) (default: %(default)s)")
     a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
     a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,

@@ -17,7 +17,9 @@ import sys
 import threading
 import time
 
-KINDS = ("none", "int8", "int4")
+# "int4-nocopy": int4 without the dense copy (--quantized-dense-above 0): packed kernels at every
+# batch size.
+KINDS = ("none", "int8", "int4", "int4-nocopy")
 BATCHES = (1, 32)
 
 
@@ -25,7 +27,9 @@ def _one(kind: str, steps: int) -> dict[str, float]:
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
 
-    lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu", quantization=kind)
+    quant, _, variant = kind.partition("-")
+    lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu", quantization=quant,
+                    **({"dense_above": None} if variant == "nocopy" else {}))
     runner = ModelRunner(lm, num_blocks=32 * 8, block_size=16)
     out: dict[str, float] = {}
     threading.Thread(target=_steps, args=(runner, steps, out)).start()  # joined below
@@ -77,7 +81,7 @@ def main() -> None:
     for k in KINDS:
         row = "  ".join(f"batch {b}: {best[k][f'b{b}']:6.1f} ms "
                         f"(x{best[k][f'b{b}'] / best['none'][f'b{b}']:.2f})" for b in BATCHES)
-        print(f"{k:5s} {row}  RSS {best[k]['rss_mib']:.0f} MiB")
+        print(f"{k:11s} {row}  RSS {best[k]['rss_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Read a Llama-architecture GGUF file into a config and dense tensors in Hugging Face names."""
+"""Read a Llama-architecture GGUF file into a config and tensors in Hugging Face names: dense
+(dequantized), or Q4_1 matrices kept in their blocks for the int4 kernels."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,8 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+Q4_1_GROUP = 32  # weights per Q4_1 block
+_ROWS_PER_SLICE = 4096  # rows dequantized at a time
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 
@@ -33,14 +37,96 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+@dataclass(slots=True)
+class Q4_1Blocks:
+    """One Q4_1 weight as stored in the file, not yet decoded: rows of 20-byte blocks, each a
+    float16 scale d, a float16 minimum m and 32 4-bit values q (low nibbles are the block's first
+    16, high nibbles its last 16), so w = q * d + m. raw: uint8 [N, K / 32 * 20], a view into the
+    file. `rotary_heads` set: the rows are in GGUF's rotary order and are put back on unpacking."""
+
+    raw: np.ndarray
+    rotary_heads: int | None = None
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (q int32 in [0, 15] [N, K], scale fp32 [N, K / 32], minimum fp32 [N, K / 32])."""
+        n = self.raw.shape[0]
+        blocks = torch.from_numpy(np.array(self.raw)).reshape(n, -1, 20)  # own copy
+        scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+        lo = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+        packed = blocks[..., 4:]
+        q = torch.empty((n, packed.shape[1], Q4_1_GROUP), dtype=torch.int32)
+        q[..., :16] = packed & 15
+        q[..., 16:] = packed >> 4
+        q = q.reshape(n, -1)
+        if self.rotary_heads is not None:
+            q, scale, lo = (unpermute_rotary(t, self.rotary_heads) for t in (q, scale, lo))
+        return q, scale, lo
+
+    def dense(self) -> torch.Tensor:
+        """The weight as fp32 [N, K]."""
+        q, scale, lo = self.unpack()
+        n, k = q.shape
+        return (q.reshape(n, -1, Q4_1_GROUP).float() * scale[..., None]
+                + lo[..., None]).reshape(n, k)
+
+
 def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    """The config and every tensor dequantized to fp32, in Hugging Face names."""
+    cfg, dense, _ = read_gguf_q4(path, keep_q4_1=False)
+    return cfg, dense
+
+
+def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.float32
+                 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Q4_1Blocks]]:
+    """The config, the tensors dequantized to `dtype` and, with `keep_q4_1`, the Q4_1 matrices
+    left in their blocks (their bytes stay in the file's mapping until unpacked), both in
+    Hugging Face names."""
+    from gguf import GGMLQuantizationType, GGUFReader
 
     try:
         reader = GGUFReader(str(path))
     except Exception as exc:
         raise ModelLoadError(f"cannot read GGUF file {path.name}: {exc}") from exc
+    cfg = _config(reader)
+    dense: dict[str, torch.Tensor] = {}
+    q4: dict[str, Q4_1Blocks] = {}
+    for t in reader.tensors:
+        base, _, kind = t.name.rpartition(".")
+        parts = base.split(".")
+        if parts[0] == "blk":
+            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+        elif base in _TOP_NAMES:
+            hf = f"{_TOP_NAMES[base]}.{kind}"
+        else:
+            continue
+        heads = (cfg.num_heads if base.endswith("attn_q") else
+                 cfg.num_kv_heads if base.endswith("attn_k") else None)
+        if (keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1
+                and len(t.data.shape) == 2):
+            q4[hf] = Q4_1Blocks(t.data, heads)
+            continue
+        w = _dequantize(t.data, t.tensor_type, dtype)
+        dense[hf] = w if heads is None else unpermute_rotary(w, heads)
+    return cfg, dense, q4
+
+
+def _dequantize(data: np.ndarray, kind, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor in `dtype`, dequantized a slice of rows at a time so that the fp32 intermediates
+    of a large table (the embeddings) never exist whole."""
+    from gguf.quants import dequantize
+
+    first = dequantize(data[:_ROWS_PER_SLICE], kind)
+    if data.ndim < 2 or data.shape[0] <= _ROWS_PER_SLICE:
+        return torch.from_numpy(np.array(first, dtype=np.float32)).to(dtype)  # own copy
+    out = torch.empty((data.shape[0], *first.shape[1:]), dtype=dtype)
+    out[:_ROWS_PER_SLICE] = torch.from_numpy(np.asarray(first, dtype=np.float32))
+    for start in range(_ROWS_PER_SLICE, data.shape[0], _ROWS_PER_SLICE):
+        part = dequantize(data[start:start + _ROWS_PER_SLICE], kind)
+        out[start:start + part.shape[0]] = torch.from_numpy(np.asarray(part, dtype=np.float32))
+    return out
+
+
+def _config(reader) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
@@ -50,7 +136,7 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=int(_field(reader, "llama.vocab_size", 0)) or
         len(_field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
@@ -65,21 +151,3 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
     )
-    state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        base, _, kind = t.name.rpartition(".")
-        parts = base.split(".")
-        if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
-        elif base in _TOP_NAMES:
-            hf = f"{_TOP_NAMES[base]}.{kind}"
-        else:
-            continue
-        arr = dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # own, writable copy
-        if base.endswith("attn_q"):
-            w = unpermute_rotary(w, heads)
-        elif base.endswith("attn_k"):
-            w = unpermute_rotary(w, kv_heads)
-        state[hf] = w
-    return cfg, state

@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,8 +24,9 @@ import torch
 from batcher.bundled import smollm2_gguf_path
 from batcher.models import gguf_weights
 from batcher.models.errors import ModelLoadError
+from batcher.models.gguf_int4 import load_int4_gguf
 from batcher.models.llama import LlamaConfig, LlamaModel
-from batcher.runtime.quant import QUANTIZATIONS, quantize_model
+from batcher.runtime.quant import QUANTIZATIONS, QUANTIZED_LINEARS, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +78,15 @@ def cache_dir() -> Path:
 
 def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "auto",
                device: str | None = "auto", seed: int = 0, quantization: str = "none",
-               dense_above: int | None = DENSE_ABOVE_ROWS) -> LoadedModel:
+               dense_above: int | None = DENSE_ABOVE_ROWS,
+               int4_via_dense: bool = False) -> LoadedModel:
     """Load `source` (a name, a .gguf path or a Hugging Face folder) onto `device` in `dtype`.
     `quantization` int8/int4 packs the decoder layers' linears (CPU only); steps with more than
-    `dense_above` rows use a dense copy of the quantized weights (None: no copy)."""
+    `dense_above` rows use a dense copy of the quantized weights (None: no copy). int4 from a
+    GGUF file takes its Q4_1 blocks as they are; `int4_via_dense` instead dequantizes the whole
+    model and re-quantizes it (the slower, larger load, kept to compare the two)."""
     start = time.perf_counter()
+    quantization_done = False
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if quantization not in QUANTIZATIONS:
@@ -101,19 +108,51 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
             cfg, state = _read_hf_folder(path)
             name = path.name
         elif path.suffix == ".gguf":
-            cfg, state = _read_gguf_cached(path, dt)
             name = DEFAULT_MODEL if source == DEFAULT_MODEL else path.stem
+            if quantization == "int4" and not int4_via_dense:
+                # Straight from the file's Q4_1 blocks: no dense model, no weight cache.
+                cfg, model = _load_int4_gguf(path, dt, dense_above, name)
+                quantization_done = True
+            else:
+                cfg, state = _read_gguf_cached(path, dt)
         else:
             raise ModelLoadError(f"not a model folder or a .gguf file: {source}")
         tok_src = path
-        model = _build(cfg, state, dt, dev)
-    try:
-        quantize_model(model, quantization, dense_above)
-    except ValueError as exc:  # a shape the packed kernels cannot take
-        raise ModelLoadError(f"cannot quantize {name} to {quantization}: {exc}") from exc
+        if not quantization_done:
+            model = _build(cfg, state, dt, dev)
+            del state  # the dense tensors the model does not hold (quantized below)
+    if not quantization_done:
+        try:
+            quantize_model(model, quantization, dense_above)
+        except ValueError as exc:  # a shape the packed kernels cannot take
+            raise ModelLoadError(f"cannot quantize {name} to {quantization}: {exc}") from exc
+    release_free_memory()
     took = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
     return LoadedModel(name, model, cfg, dt, dev, tok_src, took, quantization)
+
+
+def _load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None, name: str
+                    ) -> tuple[LlamaConfig, LlamaModel]:
+    try:
+        cfg, model, direct = load_int4_gguf(path, dtype, dense_above)
+    except ValueError as exc:  # a shape the packed kernels cannot take
+        raise ModelLoadError(f"cannot quantize {name} to int4: {exc}") from exc
+    log.info("int4: %d of %d linears taken from Q4_1 blocks as stored", direct,
+             len(QUANTIZED_LINEARS) * cfg.num_layers)
+    return cfg, model
+
+
+def release_free_memory() -> None:
+    """Hand the heap pages freed by loading back to the OS. glibc keeps freed blocks below its
+    mmap threshold (which rises to 32 MiB as large tensors are freed) in the heap, so a load that
+    made and dropped dense tensors would otherwise stay resident at its peak."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
 
 
 def tiny_config() -> LlamaConfig:

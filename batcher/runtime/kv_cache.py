@@ -3,13 +3,16 @@ head_dim], and how many blocks a memory budget buys."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Protocol
 
+import numpy as np
 import torch
 
 # Without a budget on the CPU, take this much (bounded by a quarter of physical memory).
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
+_ALIGN = 64  # bytes
 
 
 class KVShape(Protocol):
@@ -29,9 +32,25 @@ class KVShape(Protocol):
 def allocate_kv_cache(cfg: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    # zeros, not empty: pages are touched now rather than faulted in during the first steps.
+    if device.type == "cpu":
+        return [(lazy_zeros(shape, dtype), lazy_zeros(shape, dtype))
+                for _ in range(cfg.num_layers)]
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose memory becomes resident page by page as it is first written.
+    numpy's zeros come from calloc, which maps fresh zero pages for a large block instead of
+    writing them (torch.zeros writes every byte). So the KV pool costs resident memory for the
+    blocks in use, not for the budget: the default budget is far more than one conversation
+    needs. The cost moves to first writes, a page fault per 4 KiB of new K/V (measured
+    in BENCHMARKS.md, "Resident memory")."""
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = size * math.prod(shape)
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN  # the kernels' vector loads like 64-byte alignment
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
 def default_kv_budget(device: torch.device, gpu_memory_utilization: float = 0.9) -> int:

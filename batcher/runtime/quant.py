@@ -55,7 +55,6 @@ class PackedLinear(nn.Module):
         if kind not in ("int8", "int4"):
             raise ValueError(f"unknown quantization {kind!r}")
         w = linear.weight.detach()
-        dtype = w.dtype
         self.kind = kind
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(),
@@ -64,23 +63,47 @@ class PackedLinear(nn.Module):
         if kind == "int8":
             q, scale = quantize_int8(w)
             self.register_buffer("qweight", q)
-            self.register_buffer("scales", scale.to(dtype))
+            self.register_buffer("scales", scale.to(w.dtype))
             approx = q.float() * scale[:, None]
+            # The dense copy holds the quantized values, so both paths compute the same function.
+            self.dense = None if dense_above is None else approx.to(w.dtype).contiguous()
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, "
                                  f"got {self.in_features}")
-            q, scale, lo = quantize_int4(w)
-            self.register_buffer(
-                "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-            # The kernel's convention: w = (q - 8) * scale + zero, so zero = lo + 8 * scale;
-            # laid out [K / group, N, 2].
-            zero = lo + 8.0 * scale
-            self.register_buffer("scales", torch.stack([scale, zero], dim=-1)
-                                 .transpose(0, 1).contiguous().to(dtype))
-            approx = dequantize_int4(q, scale, lo)
+            self._pack_int4(*quantize_int4(w), w.dtype)
+
+    @classmethod
+    def from_int4(cls, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                  dtype: torch.dtype, dense_above: int | None,
+                  bias: torch.Tensor | None = None) -> PackedLinear:
+        """A layer from weights already in int4 groups of 32 (w ~ q * scale + lo; q int32 in
+        [0, 15] [N, K], scale and lo [N, K / 32]), such as a GGUF file's Q4_1 blocks: no dense
+        weight is made unless the layer keeps a dense copy."""
+        n, k = q.shape
+        if k % INT4_GROUP or scale.shape != (n, k // INT4_GROUP) or lo.shape != scale.shape:
+            raise ValueError(f"int4 groups of {INT4_GROUP} do not fit weight {tuple(q.shape)} "
+                             f"with scales {tuple(scale.shape)}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.kind = "int4"
+        self.in_features, self.out_features = k, n
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.dense_above = dense_above
+        self._pack_int4(q, scale, lo, dtype)
+        return self
+
+    def _pack_int4(self, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                   dtype: torch.dtype) -> None:
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # The kernel's convention: w = (q - 8) * scale + zero, so zero = lo + 8 * scale;
+        # laid out [K / group, N, 2].
+        zero = lo.float() + 8.0 * scale.float()
+        self.register_buffer("scales", torch.stack([scale.float(), zero], dim=-1)
+                             .transpose(0, 1).contiguous().to(dtype))
         # The dense copy holds the quantized values, so both paths compute the same function.
-        self.dense = None if dense_above is None else approx.to(dtype).contiguous()
+        self.dense = (None if self.dense_above is None else
+                      dequantize_int4(q, scale.float(), lo.float()).to(dtype).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.dense_above:

@@ -1,0 +1,171 @@
+"""int4 loaded straight from a GGUF file's Q4_1 blocks: the packed layers compute exactly the
+weights the file stores (what the dense loader dequantizes them to), fused and with GGUF's rotary
+row order undone, on a small file written here and, with `-m benchmark`, the bundled model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from batcher.engine_config import EngineConfig
+from batcher.models.llama import LlamaModel
+from batcher.models.loader import load_model
+from batcher.runtime.quant import PackedLinear
+from batcher.serve_args import add_serve_args
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 4500
+
+
+def _permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Hugging Face row order -> GGUF's (what a converter writes)."""
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path: Path, not_q4_1: tuple[str, ...] = ()) -> Path:
+    """A seeded random 2-layer Llama: decoder linears in Q4_1 (those named in `not_q4_1` in
+    Q8_0), the embedding table in Q8_0 (more rows than one dequantized slice), norms in F32."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    w.add_eos_token_id(2)
+
+    def add(name: str, t: np.ndarray, kind: GGMLQuantizationType) -> None:
+        t = t.astype(np.float32)
+        if kind == GGMLQuantizationType.F32:
+            w.add_tensor(name, t)
+        else:
+            w.add_tensor(name, quantize(t, kind), raw_dtype=kind)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return rng.standard_normal((rows, cols)) / cols ** 0.5
+
+    add("token_embd.weight", mat(VOCAB, HIDDEN), GGMLQuantizationType.Q8_0)
+    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), GGMLQuantizationType.F32)
+    d = HIDDEN // HEADS
+    for n in range(LAYERS):
+        shapes = {"attn_q": (HEADS * d, HIDDEN), "attn_k": (KV_HEADS * d, HIDDEN),
+                  "attn_v": (KV_HEADS * d, HIDDEN), "attn_output": (HIDDEN, HEADS * d),
+                  "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
+                  "ffn_down": (HIDDEN, INTER)}
+        for part, (rows, cols) in shapes.items():
+            t = mat(rows, cols)
+            if part in ("attn_q", "attn_k"):
+                t = _permute_rotary(t, HEADS if part == "attn_q" else KV_HEADS)
+            name = f"blk.{n}.{part}.weight"
+            add(name, t, GGMLQuantizationType.Q8_0 if name in not_q4_1
+                else GGMLQuantizationType.Q4_1)
+        for norm in ("attn_norm", "ffn_norm"):
+            add(f"blk.{n}.{norm}.weight", 1 + 0.1 * rng.standard_normal(HIDDEN),
+                GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _own_weight_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The dense loader caches what it dequantizes; these files are the tests' own.
+    monkeypatch.setenv("BATCHER_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf")
+
+
+def _linears(model: LlamaModel, layer: int) -> dict[str, torch.nn.Module]:
+    block = model.layers[layer]
+    return {"qkv": block.self_attn.qkv_proj, "o": block.self_attn.o_proj,
+            "gate_up": block.mlp.gate_up_proj, "down": block.mlp.down_proj}
+
+
+def assert_computes_the_files_weights(source: str, layers: list[int]) -> None:
+    """fp32: every int4 layer taken from Q4_1 blocks equals the dense loader's linear (the file's
+    blocks dequantized by the gguf package, rotary rows undone, fused) to rounding."""
+    direct = load_model(source, dtype="float32", device="cpu", quantization="int4",
+                        dense_above=None).model
+    dense = load_model(source, dtype="float32", device="cpu").model
+    gen = torch.Generator().manual_seed(1)
+    for n in layers:
+        for name, packed in _linears(direct, n).items():
+            ref = _linears(dense, n)[name]
+            assert isinstance(packed, PackedLinear) and packed.dense is None, name
+            x = torch.randn(3, ref.in_features, generator=gen)
+            want = ref(x)
+            torch.testing.assert_close(packed(x), want, rtol=1e-4,
+                                       atol=1e-4 * want.abs().max().item())
+    torch.testing.assert_close(direct.embed_tokens.weight, dense.embed_tokens.weight)
+    torch.testing.assert_close(direct.norm.weight, dense.norm.weight)
+    assert direct.lm_head.weight is direct.embed_tokens.weight  # tied, as in the file
+
+
+def test_int4_from_q4_1_blocks_computes_the_files_weights(gguf_file: Path) -> None:
+    assert_computes_the_files_weights(str(gguf_file), list(range(LAYERS)))
+
+
+def test_a_fused_linear_with_a_part_not_in_q4_1_is_quantized_from_dense(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "mixed.gguf", not_q4_1=("blk.1.attn_v.weight",))
+    direct = load_model(str(path), dtype="float32", device="cpu", quantization="int4",
+                        dense_above=None).model
+    dense = load_model(str(path), dtype="float32", device="cpu").model
+    packed, ref = direct.layers[1].self_attn.qkv_proj, dense.layers[1].self_attn.qkv_proj
+    assert isinstance(packed, PackedLinear)
+    x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(2))
+    want = ref(x)
+    # Re-quantized to int4 from the dense weights: close to them, not equal.
+    err = (packed(x) - want).abs().max().item()
+    assert 0 < err <= 0.15 * want.abs().max().item()
+    # The other layer's blocks were all Q4_1 and are taken as stored.
+    torch.testing.assert_close(direct.layers[0].self_attn.qkv_proj(x),
+                               dense.layers[0].self_attn.qkv_proj(x), rtol=1e-4, atol=1e-4)
+
+
+def test_the_dense_copy_computes_what_the_packed_kernel_does(gguf_file: Path) -> None:
+    model = load_model(str(gguf_file), dtype="bfloat16", device="cpu", quantization="int4",
+                       dense_above=2).model
+    lin = model.layers[0].mlp.gate_up_proj
+    assert isinstance(lin, PackedLinear) and lin.dense is not None
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    by_rows = torch.cat([lin(x[i:i + 2]) for i in range(0, 4, 2)] + [lin(x[4:])])  # kernel
+    whole = lin(x)  # 5 rows > 2: the dense copy
+    torch.testing.assert_close(whole.float(), by_rows.float(), rtol=3e-2,
+                               atol=3e-2 * whole.abs().max().item())
+    no_copy = load_model(str(gguf_file), dtype="bfloat16", device="cpu", quantization="int4",
+                         dense_above=None).model.layers[0].mlp.gate_up_proj
+    held = sum(b.numel() * b.element_size() for b in no_copy.buffers())
+    assert no_copy.dense is None and held < INTER * 2 * HIDDEN * 2 / 3  # under a third of bf16
+
+
+def test_quantized_dense_above_flag_and_config() -> None:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).quantized_dense_above == EngineConfig().quantized_dense_above == 8
+    assert p.parse_args(["--quantized-dense-above", "0"]).quantized_dense_above == 0
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantized-dense-above", "-1"])
+    with pytest.raises(ValueError, match="quantized_dense_above"):
+        EngineConfig(quantized_dense_above=-1).validate()
+
+
+@pytest.mark.benchmark
+def test_bundled_model_int4_from_q4_1_blocks_computes_the_files_weights() -> None:
+    # Two loads of the bundled model in fp32 (~15 s on a loaded 2-core machine).
+    assert_computes_the_files_weights("smollm2-135m", [0, 29])
