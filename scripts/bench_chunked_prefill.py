@@ -173,12 +173,18 @@ async def streams_case(loaded, tok, sched: dict, long_len: int, stream_prompt: i
     # Each step against the steady step at its streams' context: a line through the decode-only
     # steps before the prompt arrived and after its first token, read at the step's context.
     steady_at = steady_at_ctx(steady_before + steady_after)
-    at_ctx = [c / steady_at(sh.decode_ctx) for sh, c in during_steps]
+    # The streams' context in each step: the longest decode row's, except in a step whose
+    # prompt chunk was a single token (priced, and shaped, as a decode row at the prompt's
+    # context): there, the step before's.
+    ctxs: list[int] = []
+    for sh, _ in during_steps:
+        ctxs.append(sh.decode_ctx if sh.decode_rows == STREAMS or not ctxs else ctxs[-1])
+    at_ctx = [c / steady_at(x) for (_, c), x in zip(during_steps, ctxs, strict=True)]
     after = statistics.median(cpu_after)
     # The floor under any time target: the streams' own decode-only step at the context of the
     # slowest steps while the prompt was read (a TPOT SLO under it cannot be met by any chunk).
-    slowest = sorted(during_steps, key=lambda x: x[1])[-max(1, len(during_steps) // 100):]
-    floor = max(steady_at(sh.decode_ctx) for sh, _ in slowest)
+    order = sorted(range(len(during_steps)), key=lambda i: during_steps[i][1])
+    floor = max(steady_at(ctxs[i]) for i in order[-max(1, len(order) // 100):])
     return {"cpu_after_ms": after * 1e3, "cpu_ctx_p50_x": statistics.median(at_ctx),
             "cpu_floor_ms": floor * 1e3,
             "cpu_ctx_p99_x": pct(at_ctx, 99), "cpu_during_p99_ms": pct(cpu_during, 99) * 1e3,
