@@ -254,7 +254,9 @@ class OnlineStepTimeModel:
         from step to step (uncorrelated with the chunk's size or the steps before it), so only a
         margin as wide as the scatter's tail keeps the tail in. Measured on the bundled model on
         a shared CPU, the 90th percentile left the slowest 1% of steps 10-15% over the target;
-        the 99th costs a prompt about 20% more steps. Decode-only steps count too: they sample
+        the 99th keeps them within it, for 1.2-2.7x the steps to a long prompt's first token
+        (chunks of 4-10 tokens instead of 6-14 beside 8 streams; more steps the noisier the
+        machine, whose scatter the margin follows). Decode-only steps count too: they sample
         the same machine's scatter, so the first chunks after a quiet spell (no prefill for a
         while) already get a margin instead of none; once prompts are read, mixed steps fill the
         window, and a bias of the fit on them (the linear features cannot express everything)
