@@ -71,8 +71,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
     a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,
-      help="KV cache budget, e.g. 1GiB (default: 2GiB on "
-      "CPU, at most a quarter of RAM; free GPU memory x 0.9 on CUDA)")
+      help="KV cache budget, e.g. 1GiB; on a CPU the pool becomes resident memory only as "
+      "its blocks are first written (default: 2GiB on CPU, at most a quarter of RAM; free GPU "
+      "memory x 0.9 on CUDA)")
     a("--num-blocks", type=positive_int, default=_E.num_blocks,
       help="KV blocks (overrides --kv-cache-memory; "
       "default: sized from --kv-cache-memory)")
