@@ -46,6 +46,18 @@ CASES = {
     "time": {"slo_ttft_s": DEFAULT_SLO_TTFT_MS / 1000},
     "time-slo100": {"slo_tpot_s": 0.1, "slo_ttft_s": DEFAULT_SLO_TTFT_MS / 1000},
 }
+
+
+def case_config(name: str) -> dict | None:
+    """A case's scheduler settings: one of CASES, or `time-sloN` (`--slo-tpot-ms N`); None for
+    an unknown name."""
+    if name in CASES:
+        return CASES[name]
+    if name.startswith("time-slo") and name[8:].isdigit() and int(name[8:]) > 0:
+        return {"slo_tpot_s": int(name[8:]) / 1000, "slo_ttft_s": DEFAULT_SLO_TTFT_MS / 1000}
+    return None
+
+
 STREAMS = 8
 STEADY_TOKENS = 30
 STEADY_AFTER = 15  # tokens per stream after the prompt's first token, to measure steady again
@@ -231,7 +243,7 @@ def one(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(args.threads)
     loaded, tok = load(args.dtype)
-    sched = CASES[args.case]
+    sched = case_config(args.case)
     if args.part == "streams":
         res = asyncio.run(streams_case(loaded, tok, sched, args.long, args.stream_prompt))
     else:
@@ -275,7 +287,8 @@ def main() -> None:
                          "shorter streams decode faster, so a TPOT SLO under their whole-prompt "
                          "decode step can be reached")
     ap.add_argument("--cases", default=",".join(CASES),
-                    help="streams cases to run, comma-separated (fixed is the TTFT reference)")
+                    help="streams cases to run, comma-separated (fixed is the TTFT reference; "
+                         "time-sloN: --slo-tpot-ms N)")
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--part", default="streams", help=argparse.SUPPRESS)
@@ -285,8 +298,9 @@ def main() -> None:
         one(args)
         return
     cases = args.cases.split(",")
-    if "fixed" not in cases or not set(cases) <= set(CASES):
-        raise SystemExit(f"--cases: a subset of {','.join(CASES)} that includes fixed")
+    if "fixed" not in cases or any(case_config(c) is None for c in cases):
+        raise SystemExit(f"--cases: a subset of {','.join(CASES)} or time-sloN (N ms) that "
+                         "includes fixed")
     streams: dict[str, list[dict]] = {c: [] for c in cases}
     chat: dict[str, list[dict]] = {"fixed": [], "time": []}
     for _ in range(args.rounds):
