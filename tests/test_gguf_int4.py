@@ -1,6 +1,7 @@
 """int4 loaded straight from a GGUF file's Q4_1 blocks: the packed layers compute exactly the
 weights the file stores (what the dense loader dequantizes them to), fused and with GGUF's rotary
-row order undone, on a small file written here and, with `-m benchmark`, the bundled model."""
+row order undone; and the header reader agrees with the gguf package's. On a small file written
+here and, with `-m benchmark`, the bundled model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from batcher.engine_config import EngineConfig
+from batcher.models.errors import ModelLoadError
+from batcher.models.gguf_file import GGUFFile, StringArray
 from batcher.models.llama import LlamaModel
 from batcher.models.loader import load_model
 from batcher.runtime.quant import PackedLinear
@@ -44,6 +47,9 @@ def write_gguf(path: Path, not_q4_1: tuple[str, ...] = ()) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(VOCAB)
     w.add_eos_token_id(2)
+    # Metadata arrays as a tokenizer's: strings (stepped over by our reader) and numbers.
+    w.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(VOCAB)])
+    w.add_array("tokenizer.ggml.token_type", [1] * VOCAB)
 
     def add(name: str, t: np.ndarray, kind: GGMLQuantizationType) -> None:
         t = t.astype(np.float32)
@@ -117,6 +123,41 @@ def assert_computes_the_files_weights(source: str, layers: list[int]) -> None:
     assert direct.lm_head.weight is direct.embed_tokens.weight  # tied, as in the file
 
 
+def assert_reads_as_the_gguf_package_does(path: Path) -> None:
+    from gguf import GGUFReader
+
+    ours, theirs = GGUFFile(path), GGUFReader(str(path))
+    keys = {k for k in theirs.fields if not k.startswith("GGUF.")}  # its header pseudo-fields
+    assert set(ours.fields) == keys
+    for key in keys:
+        want, got = theirs.fields[key].contents(), ours.fields[key]
+        if isinstance(got, StringArray):
+            assert len(got) == len(want), key
+        elif isinstance(got, np.ndarray):
+            assert got.tolist() == list(want), key
+        else:
+            assert got == want, key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.tensor_type, a.data.shape, a.data.dtype) == (b.tensor_type, b.data.shape,
+                                                                b.data.dtype), a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_header_reader_agrees_with_the_gguf_package(gguf_file: Path) -> None:
+    assert_reads_as_the_gguf_package_does(gguf_file)
+
+
+def test_a_truncated_file_is_a_load_error(gguf_file: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_file.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="past the end"):
+        load_model(str(cut), dtype="float32", device="cpu", quantization="int4")
+    cut.write_bytes(b"GGUF" + b"\0" * 3)
+    with pytest.raises(ModelLoadError, match="cannot read GGUF"):
+        load_model(str(cut), dtype="float32", device="cpu", quantization="int4")
+
+
 def test_int4_from_q4_1_blocks_computes_the_files_weights(gguf_file: Path) -> None:
     assert_computes_the_files_weights(str(gguf_file), list(range(LAYERS)))
 
@@ -163,6 +204,13 @@ def test_quantized_dense_above_flag_and_config() -> None:
         p.parse_args(["--quantized-dense-above", "-1"])
     with pytest.raises(ValueError, match="quantized_dense_above"):
         EngineConfig(quantized_dense_above=-1).validate()
+
+
+@pytest.mark.benchmark
+def test_bundled_model_header_reads_as_the_gguf_package_does() -> None:
+    from batcher.bundled import smollm2_gguf_path
+
+    assert_reads_as_the_gguf_package_does(smollm2_gguf_path())  # ~5 s: the package's reader
 
 
 @pytest.mark.benchmark

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from batcher.models.errors import ModelLoadError
+from batcher.models.gguf_file import GGUFFile
 from batcher.models.llama import LlamaConfig
 
 _LAYER_NAMES = {
@@ -24,9 +25,8 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -81,11 +81,11 @@ def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.
     """The config, the tensors dequantized to `dtype` and, with `keep_q4_1`, the Q4_1 matrices
     left in their blocks (their bytes stay in the file's mapping until unpacked), both in
     Hugging Face names."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:
+        reader = GGUFFile(path)
+    except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read GGUF file {path.name}: {exc}") from exc
     cfg = _config(reader)
     dense: dict[str, torch.Tensor] = {}
@@ -126,7 +126,7 @@ def _dequantize(data: np.ndarray, kind, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _config(reader) -> LlamaConfig:
+def _config(reader: GGUFFile) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
