@@ -90,26 +90,27 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 class RotaryTables:
-    """cos/sin for every position up to max_len, built once; indexed per step by positions."""
+    """cos/sin for every position up to max_len, built once in the layout `apply_rope` reads, so
+    a step only indexes them: halves repeated, and sin's first half negated (the sign of the
+    rotate-half convention)."""
 
     def __init__(self, cfg: LlamaConfig, max_len: int, device: torch.device, dtype: torch.dtype):
         t = torch.arange(max_len, dtype=torch.float64)
         freqs = torch.outer(t, rope_inv_freq(cfg))  # [max_len, head_dim / 2]
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos = torch.cat((cos, cos), -1).to(device=device, dtype=dtype)  # [max_len, head_dim]
+        self.sin = torch.cat((-sin, sin), -1).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> cos, sin: [T, 1, head_dim] (halves repeated, the rotate-half layout)
-        cos = self.cos.index_select(0, positions)
-        sin = self.sin.index_select(0, positions)
-        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
+        # -> cos, sin: [T, 1, head_dim]
+        return (self.cos.index_select(0, positions).unsqueeze(1),
+                self.sin.index_select(0, positions).unsqueeze(1))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; rotate-half convention (Hugging Face layout)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x: [T, heads, head_dim]; rotate-half convention (Hugging Face layout): x * cos +
+    # [-x2, x1] * sin. `sin` carries the minus (RotaryTables), so the halves only swap: one roll.
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -119,10 +120,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as the reference does, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in fp32 as the reference does, then cast back before the weight (its order of
+        # rounding in bf16). F.rms_norm runs the same fp32 steps in one call from Python.
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -142,10 +142,12 @@ class Attention(nn.Module):
                 ) -> torch.Tensor:
         # x: [T, hidden]
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        # Q and K heads lie side by side in the fused projection: one RoPE call rotates both.
+        qk_end = self.q_size + self.kv_size
+        qk = apply_rope(qkv[:, :qk_end].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_end:].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta)  # [T, heads * head_dim]
         return self.o_proj(out)
 
