@@ -2,7 +2,8 @@
 
 - `smollm2-135m` (default): the bundled GGUF, dequantized to dense tensors (cached as safetensors
   in the user's cache folder after the first load, keyed by the file's hash and the dtype), or any
-  other Llama-architecture `.gguf` path;
+  other Llama-architecture `.gguf` path; with int4, its Q4_1 matrices are packed as stored
+  (`gguf_int4`), no dense model is made;
 - a local Hugging Face folder (`config.json` + `*.safetensors` + tokenizer files);
 - `tiny`: a seeded random-weight model (2 layers, hidden 64, GQA) using the bundled tokenizer.
 """
