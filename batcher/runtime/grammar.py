@@ -15,6 +15,7 @@ cache need nothing else.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from batcher.core.outputs import ScheduledSeq
@@ -76,8 +76,13 @@ class GrammarMasks:
             tok = self._tokenizer
             self._ll = getattr(tok, "_llguidance", None)
             if self._ll is None:
-                self._ll = llguidance.hf.from_tokenizer(tok.hf, n_vocab=tok.vocab_size,
-                                                        eos_token=list(tok.eos_token_ids))
+                # From the Rust tokenizer's JSON, as llguidance.hf does, but without importing
+                # transformers (whose memory the server otherwise does without).
+                backend = copy.copy(tok.hf.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                self._ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=tok.vocab_size,
+                                                  eos_token=list(tok.eos_token_ids))
                 tok._llguidance = self._ll
         return self._ll
 
