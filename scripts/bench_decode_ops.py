@@ -4,7 +4,8 @@ paged attention left eager, and optionally this tree's model file vs an earlier 
 (quantization, variant) runs in its own process, interleaved round by round; loading on the main
 thread and stepping on a fresh one, as the engine does. Appends a table to BENCHMARKS.md.
 
-Usage: python scripts/bench_decode_ops.py [--rounds 2] [--steps 16] [--against REV] [--no-append]
+Usage: python scripts/bench_decode_ops.py [--rounds 2] [--steps 16] [--threads N] [--against REV]
+       [--no-append]
 """
 
 from __future__ import annotations
