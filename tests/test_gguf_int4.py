@@ -17,7 +17,7 @@ from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_file import GGUFFile, StringArray
 from batcher.models.llama import LlamaModel
 from batcher.models.loader import load_model
-from batcher.runtime.quant import PackedLinear
+from batcher.runtime.quant import Int8Embedding, PackedLinear
 from batcher.serve_args import add_serve_args
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 4500
@@ -118,9 +118,25 @@ def assert_computes_the_files_weights(source: str, layers: list[int]) -> None:
             want = ref(x)
             torch.testing.assert_close(packed(x), want, rtol=1e-4,
                                        atol=1e-4 * want.abs().max().item())
-    torch.testing.assert_close(direct.embed_tokens.weight, dense.embed_tokens.weight)
     torch.testing.assert_close(direct.norm.weight, dense.norm.weight)
-    assert direct.lm_head.weight is direct.embed_tokens.weight  # tied, as in the file
+    # Tied in the file; with no dense copies the table is one per-row int8 copy, shared.
+    assert_int8_table_matches(direct, dense.embed_tokens.weight)
+
+
+def assert_int8_table_matches(model: LlamaModel, table: torch.Tensor) -> None:
+    """The embedding and the LM head read one int8 table, each row within half a step of its
+    per-row scale of `table`, and the head computes x @ table.T to that precision."""
+    emb, head = model.embed_tokens, model.lm_head
+    assert isinstance(emb, Int8Embedding) and isinstance(head, PackedLinear)
+    assert emb.qweight is head.qweight and emb.scales is head.scales  # one copy
+    ids = torch.arange(table.shape[0])
+    rows = emb(ids).float()
+    step = table.float().abs().amax(dim=1, keepdim=True) / 127
+    assert ((rows - table.float()).abs() <= step / 2 + 1e-6).all()
+    x = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(4)).to(rows.dtype)
+    torch.testing.assert_close(head(x).float(), x.float() @ rows.T, rtol=1e-3, atol=1e-3)
+    want = x.float() @ table.float().T
+    assert (head(x).float() - want).abs().max() <= 0.02 * want.abs().max()
 
 
 def assert_reads_as_the_gguf_package_does(path: Path) -> None:
@@ -184,6 +200,7 @@ def test_the_dense_copy_computes_what_the_packed_kernel_does(gguf_file: Path) ->
                        dense_above=2).model
     lin = model.layers[0].mlp.gate_up_proj
     assert isinstance(lin, PackedLinear) and lin.dense is not None
+    assert model.lm_head.weight is model.embed_tokens.weight  # with the copies, the table stays
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     by_rows = torch.cat([lin(x[i:i + 2]) for i in range(0, 4, 2)] + [lin(x[4:])])  # kernel
     whole = lin(x)  # 5 rows > 2: the dense copy

@@ -12,7 +12,7 @@ from torch import nn
 
 from batcher.engine_config import EngineConfig
 from batcher.models.errors import ModelLoadError
-from batcher.models.loader import load_model
+from batcher.models.loader import DENSE_ABOVE_ROWS, load_model
 from batcher.runtime.model_runner import ModelRunner
 from batcher.runtime.quant import PackedLinear, dequantize_int4, quantize_int4, quantize_int8
 from batcher.serve_args import add_serve_args
@@ -84,9 +84,10 @@ def test_int4_refuses_a_width_not_divisible_by_its_group():
         PackedLinear(_linear(64, 48, False, torch.float32), "int4", None)
 
 
-def _runner(kind: str, source: str = "tiny", dtype: str = "bfloat16") -> ModelRunner:
-    return ModelRunner(load_model(source, dtype=dtype, device="cpu", quantization=kind),
-                       num_blocks=64, block_size=16)
+def _runner(kind: str, source: str = "tiny", dtype: str = "bfloat16",
+            dense_above: int | None = DENSE_ABOVE_ROWS) -> ModelRunner:
+    return ModelRunner(load_model(source, dtype=dtype, device="cpu", quantization=kind,
+                                  dense_above=dense_above), num_blocks=64, block_size=16)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -112,6 +113,20 @@ def test_bundled_model_quality_gate():
     agree, ppl, ppl_ref = quality(quant, ref, tok, 16, tuple(ref.loaded.config.eos_token_ids))
     assert abs(math.log(ppl / ppl_ref)) <= PPL_BOUND[kind], (ppl, ppl_ref)
     assert agree >= AGREEMENT_BOUND[kind], agree
+
+
+@pytest.mark.benchmark
+def test_bundled_model_quality_gate_without_dense_copies():
+    """int4 with no dense copies (`--quantized-dense-above 0`): the tied embedding table and LM
+    head are one int8 table as well; the same bounds hold (~1 min on 2 cores)."""
+    from batcher.runtime.quant import Int8Embedding
+
+    ref, quant = _runner("none", "smollm2-135m"), _runner("int4", "smollm2-135m", dense_above=None)
+    assert isinstance(quant.model.embed_tokens, Int8Embedding)
+    tok = load_tokenizer(ref.loaded.tokenizer_source)
+    agree, ppl, ppl_ref = quality(quant, ref, tok, 16, tuple(ref.loaded.config.eos_token_ids))
+    assert abs(math.log(ppl / ppl_ref)) <= PPL_BOUND["int4"], (ppl, ppl_ref)
+    assert agree >= AGREEMENT_BOUND["int4"], agree
 
 
 def test_quantization_flag_and_config():

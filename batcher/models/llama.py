@@ -196,7 +196,7 @@ class LlamaModel(nn.Module):
 
     def rotary(self) -> RotaryTables:
         if self._rope is None:
-            w = self.embed_tokens.weight
+            w = self.norm.weight  # dense in the model's dtype even when the table is quantized
             self._rope = RotaryTables(self.config, self.config.max_position_embeddings,
                                       w.device, w.dtype)
         return self._rope

@@ -74,6 +74,21 @@ class PackedLinear(nn.Module):
             self._pack_int4(*quantize_int4(w), w.dtype)
 
     @classmethod
+    def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> PackedLinear:
+        """A layer from per-row int8 weights (w ~ q * scale; q int8 [N, K], scale [N]), with no
+        dense copy."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.kind = "int8"
+        self.out_features, self.in_features = q.shape
+        self.bias = None
+        self.dense_above = None
+        self.dense = None
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scale.to(dtype))
+        return self
+
+    @classmethod
     def from_int4(cls, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
                   dtype: torch.dtype, dense_above: int | None,
                   bias: torch.Tensor | None = None) -> PackedLinear:
@@ -135,3 +150,41 @@ def quantize_model(model: nn.Module, kind: str, dense_above: int | None = None) 
             raise ValueError("weight-only quantization runs on the CPU only")
         setattr(parent, name, PackedLinear(child, kind, dense_above))
     return len(targets)
+
+
+class Int8Embedding(nn.Module):
+    """Embedding rows dequantized on lookup from a per-row int8 table: the same `qweight` and
+    `scales` tensors as the tied LM head's `PackedLinear`, so the table exists once."""
+
+    def __init__(self, head: PackedLinear) -> None:
+        super().__init__()
+        if head.kind != "int8":
+            raise ValueError("the embedding shares an int8 head's table")
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.register_buffer("qweight", head.qweight)
+        self.register_buffer("scales", head.scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, ids).to(self.scales.dtype)
+        return rows * self.scales.index_select(0, ids)[:, None]
+
+    def extra_repr(self) -> str:
+        return f"int8, {self.num_embeddings}, {self.embedding_dim}"
+
+
+def quantize_tied_table(model: nn.Module, rows_per_slice: int = 4096) -> None:
+    """Replace a tied embedding table and LM head (`model.embed_tokens`, `model.lm_head`) with one
+    per-row int8 table: the head runs the packed int8 kernel on it, the embedding dequantizes only
+    the rows it looks up. Half of the 16-bit table's bytes; quantized a slice of rows at a time,
+    so no fp32 copy of the whole table is made."""
+    w = model.embed_tokens.weight.detach()
+    if model.lm_head.weight is not model.embed_tokens.weight:
+        raise ValueError("the embedding table and the LM head are not tied")
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    for start in range(0, w.shape[0], rows_per_slice):
+        q[start:start + rows_per_slice], scale[start:start + rows_per_slice] = quantize_int8(
+            w[start:start + rows_per_slice])
+    head = PackedLinear.from_int8(q, scale, w.dtype)
+    model.lm_head = head
+    model.embed_tokens = Int8Embedding(head)
