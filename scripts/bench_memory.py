@@ -28,8 +28,9 @@ READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 BLOCK_SIZE = 16
 PEER_BINARIES = (ROOT / ".cache/peers/llama-server", ROOT / ".cache/peers/build/bin/llama-server")
+# What `batcher serve` imports before it loads anything: its modules and the whole command line.
 IMPORT_SERVER = ("import batcher.serve, batcher.models.loader, batcher.runtime.model_runner, "
-                 "batcher.tokenizer")
+                 "batcher.tokenizer, batcher.cli; batcher.cli.build_parser()")
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from batcher.bench import plots, sweep
+from batcher.bench import sweep
 from batcher.bench.arrivals import KINDS, Arrivals, drive
 from batcher.bench.client import ENDPOINTS, ClientConfig, RequestResult, first_model, send_request
 from batcher.bench.common import DEFAULT_WORKLOAD, append_rows
@@ -231,6 +231,10 @@ def write_run(out: Path, label: str, args: argparse.Namespace, arr: Arrivals,
                  f"{summary['mismatched'][:3]}\n")
     (out / "report.md").write_text(f"# {label}\n\n{arr.describe()}\n\n{text}")
     if plot:
+        # matplotlib is imported only to plot: `batcher serve` builds this parser too and
+        # would otherwise hold it (about 30 MiB) for its whole life.
+        from batcher.bench import plots
+
         plots.plot_cdfs({label: reqs}, out / "cdf.png", summary["slo_ttft_ms"],
                         summary["slo_tpot_ms"])
         plots.plot_timeline(reqs, server, out / "timeline.png", label)
@@ -322,6 +326,8 @@ async def _sweep(args: argparse.Namespace, session: aiohttp.ClientSession, cfg: 
                "goodput capacity: below the lowest rate tried")
     (out / "sweep.md").write_text(markdown_table(rows) + "\n" + verdict + "\n")
     if not args.no_plots:
+        from batcher.bench import plots
+
         plots.plot_goodput(points, cap, out / "goodput_vs_rate.png")
     print(verdict + f"\nsweep: {out}/sweep.json, sweep.md")
     if args.append_benchmarks:
