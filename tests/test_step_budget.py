@@ -392,9 +392,8 @@ def test_overrun_is_a_quantile_of_recent_steps_with_decodes() -> None:
 
 
 def test_one_slow_step_does_not_set_the_margin_two_do() -> None:
-    """The overrun is a high quantile of recent mixed steps but never the single largest: one
-    stall (or a first step the fit had not learned yet) would otherwise shrink every chunk for
-    the next hundred steps."""
+    """The overrun is a high quantile of recent steps but never the single largest: one stall
+    would otherwise shrink every chunk for the next hundred steps."""
     model = OnlineStepTimeModel()
     mixed = StepShape(8, 256).plus(32, 500)
     for _ in range(40):
@@ -403,7 +402,8 @@ def test_one_slow_step_does_not_set_the_margin_two_do() -> None:
     model.observe(mixed, 1.4 * model.predict(mixed))
     assert model.overrun() < 1.02
     model.observe(mixed, 1.4 * model.predict(mixed))
-    assert model.overrun() > 1.3
+    # Two do, measured against the fit as it is after them (it has moved toward them).
+    assert model.overrun() > 1.1
 
 
 def row_priced(shape: StepShape) -> float:
@@ -465,3 +465,19 @@ def test_batch_priority_is_not_paced() -> None:
     sim.run_until(lambda: bool(sim.token_times["b"]))
     _, ttft_unpaced = short_prompt_beside_streams(None)
     assert sim.now - arrival == pytest.approx(ttft_unpaced, rel=0.2)
+
+
+def test_the_margin_returns_once_the_fit_has_learned_a_slower_machine() -> None:
+    """Every step suddenly twice as slow: the fit takes a few steps to follow, and those steps
+    ran up to 2x over what it predicted then. Against the fit as it is now they are ordinary,
+    so the margin does not stay at its cap for a whole window after the fit caught up."""
+    model = OnlineStepTimeModel()
+    mixed = StepShape(8, 256).plus(32, 500)
+    truth = model.predict(mixed)
+    for _ in range(60):
+        model.observe(mixed, truth)
+    assert model.overrun() < 1.02
+    for _ in range(30):
+        model.observe(mixed, 2 * truth)
+    assert abs(model.predict(mixed) / (2 * truth) - 1) < 0.05  # the fit has followed
+    assert model.overrun() < 1.1

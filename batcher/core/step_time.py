@@ -25,7 +25,6 @@ machine it runs on (a Kalman filter over the coefficients, see its docstring).
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,8 +207,13 @@ class OnlineStepTimeModel:
                 clip_sigma)
         self._all = _KalmanFit(*args)
         self._decode = _KalmanFit(*args)
-        # Measured / predicted (before the step was learned from) of recent steps with decodes.
-        self._ratios: deque[float] = deque(maxlen=_OVERRUN_WINDOW)
+        # Recent steps with decodes: [1, features] rows, measured seconds, decode-only or not;
+        # `overrun` scores them against the fit as it is now.
+        self._rows = np.zeros((_OVERRUN_WINDOW, len(_TYPICAL)))  # intercept + features
+        self._seconds = np.zeros(_OVERRUN_WINDOW)
+        self._decode_only = np.zeros(_OVERRUN_WINDOW, dtype=bool)
+        self._kept = 0  # steps kept so far (the ring holds the last _OVERRUN_WINDOW)
+        self._overrun: dict[float, float] = {}  # by quantile, until the next observation
 
     @property
     def num_observations(self) -> int:
@@ -235,9 +239,13 @@ class OnlineStepTimeModel:
             return
         features = shape.features(self.knot)
         if shape.decode_rows:
-            predicted = self.predict(shape)
-            if predicted > 0:
-                self._ratios.append(seconds / predicted)
+            i = self._kept % _OVERRUN_WINDOW
+            self._rows[i, 0] = 1.0
+            self._rows[i, 1:] = features
+            self._seconds[i] = seconds
+            self._decode_only[i] = shape.prefill_tokens == 0
+            self._kept += 1
+        self._overrun.clear()
         self._all.update(features, seconds)
         if shape.prefill_tokens == 0:
             self._decode.update(features, seconds)
@@ -245,7 +253,7 @@ class OnlineStepTimeModel:
     def overrun(self, quantile: float = 0.99) -> float:
         """How far steps carrying decodes (the steps a time target applies to) lately ran over
         their prediction: the `quantile` of measured / predicted over the last hundred or so,
-        each predicted before it was learned from; 1.0 until a few were seen, at most 1.5.
+        each predicted by the fit as it is now; 1.0 until a few were seen, at most 1.5.
 
         A fit of the mean leaves about half the steps over any time target it sizes chunks to,
         and a step's time varies around the fit (a neighbour's cache traffic, the chunk's exact
@@ -261,14 +269,29 @@ class OnlineStepTimeModel:
         while) already get a margin instead of none; once prompts are read, mixed steps fill the
         window, and a bias of the fit on them (the linear features cannot express everything)
         is absorbed at any scale."""
-        ratios = self._ratios
-        if len(ratios) < _MIN_OVERRUN_STEPS:
+        got = self._overrun.get(quantile)
+        if got is not None:
+            return got
+        n = min(self._kept, _OVERRUN_WINDOW)
+        if n < _MIN_OVERRUN_STEPS:
             return 1.0
-        ranked = sorted(ratios)
-        # NOTE: never the single largest ratio: one step of a fit still learning (or one stall)
-        # would set the margin for the next hundred steps; two such steps do.
-        q = ranked[min(len(ranked) - 2, int(quantile * len(ranked)))]
-        return min(_MAX_OVERRUN, max(1.0, q))
+        # Each kept step against the fit as it is now (vectorised: once per step, not per
+        # chunk asked for). Scored against the fit of its own time instead, the few steps a
+        # fit takes to learn a change (a slower machine) would read as overruns of up to 2x
+        # and hold the margin at its cap for a whole window after the fit caught up.
+        rows, seconds = self._rows[:n], self._seconds[:n]
+        predicted = rows @ self._all.theta
+        if self._decode.n >= _MIN_DECODE_STEPS:
+            predicted = np.where(self._decode_only[:n], rows @ self._decode.theta, predicted)
+        ranked = np.sort(seconds[predicted > 0] / predicted[predicted > 0])
+        if len(ranked) < _MIN_OVERRUN_STEPS:
+            return 1.0
+        # NOTE: never the single largest ratio: one stall would set the margin for the next
+        # hundred steps; two such steps do.
+        q = float(ranked[min(len(ranked) - 2, int(quantile * len(ranked)))])
+        got = min(_MAX_OVERRUN, max(1.0, q))
+        self._overrun[quantile] = got
+        return got
 
     def max_chunk(self, target_s: float, shape: StepShape, start_pos: int, limit: int,
                   block_size: int = 16) -> int:
