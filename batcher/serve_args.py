@@ -64,7 +64,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
       metavar="ROWS", help="with --quantization int8/int4, steps of more than ROWS rows use a "
       "dense copy of the quantized weights; 0 keeps no copy, the packed kernels run every "
-      "step. Measured on the bundled model with int4: no copy holds about 200 MiB less "
+      "step, and a tied embedding table and LM head (int4 from a GGUF) are one int8 table too. "
+      "Measured on the bundled model with int4: no copy holds about 200 MiB less "
       "resident memory and makes a batch-32 decode step about 1.8x slower (batch 1 runs the "
       "packed kernels either way); keep the copy for batches, drop it when memory is short "
       "(BENCHMARKS.md) (default: %(default)s)")
