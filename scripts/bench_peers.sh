@@ -11,7 +11,9 @@
 #
 # llama-server is built from the llama.cpp tree vendored in the llama-cpp-python sdist (about
 # 4 minutes on 2 cores) and cached under .cache/peers/. Environment: PYTHON (default .venv/bin/python),
-# PEER_PORT (18290), BATCHER_PORT (18291), BATCHER_ARGS (extra `batcher serve` flags), QUIET
+# PEER_PORT (18290), BATCHER_PORT (18291), BATCHER_ARGS (extra `batcher serve` flags; default
+# --slo-ttft-ms 0: llama-server admits everything, so batcher's SLO admission, which refuses most of
+# 64 requests arriving at once, is off for a like-for-like throughput comparison), QUIET
 # (seconds each run may wait for an idle machine first, default 300). Each row records the CPU
 # other processes used during it; contended rounds are left out of the ratio when clean ones exist.
 set -euo pipefail
@@ -24,6 +26,7 @@ BIN="$CACHE/llama-server"
 PEER_PORT="${PEER_PORT:-18290}"
 BATCHER_PORT="${BATCHER_PORT:-18291}"
 QUIET="${QUIET:-300}"
+BATCHER_ARGS="${BATCHER_ARGS---slo-ttft-ms 0}"
 ARGS="$*"
 ROUNDS=1
 BUILD_ONLY=0
