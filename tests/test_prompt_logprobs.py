@@ -28,8 +28,11 @@ async def score_prompts(loaded, prompts: list[list[int]], num_blocks: int = 256,
                  ) -> tuple[list[list[TokenLogprobs]], AsyncEngine]:
     tok = load_tokenizer()
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=16)
+    # A fixed token budget: chunks (and so the preemption the chunked run needs) do not depend
+    # on how fast this machine's steps happen to be.
     engine = AsyncEngine(runner, tok, SchedulerConfig(max_num_seqs=16,
-                                                      max_num_batched_tokens=budget),
+                                                      max_num_batched_tokens=budget,
+                                                      prefill_budget="fixed"),
                          debug_checks=True)
     await engine.start()
 
