@@ -76,6 +76,16 @@ def study_grid(quick: bool) -> list[tuple[str, int, float, str, bool]]:
     return grid
 
 
+def _shown_path(path: str) -> str:
+    """`path` as the table records it: relative to a checkout when it is the packaged model, so
+    the recorded commands name no machine's folders."""
+    root = Path(__file__).resolve().parent.parent.parent
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return path
+
+
 def run_routing_study(step_model: str, out_dir: str, quick: bool = False,
                       replicas: int | None = None) -> int:
     """Run the grid (only the rows of `replicas` replicas when given) and print the table."""
@@ -85,14 +95,15 @@ def run_routing_study(step_model: str, out_dir: str, quick: bool = False,
     lines = ["| scenario | replicas | beat s | " + " | ".join(
         f"{p} goodput / p99 TTFT" for p in POLICIES) + " | verdict |",
         "|---|---|---|" + "---|" * (len(POLICIES) + 1)]
+    shown = _shown_path(step_model)
     for name, n, hb, flags, differ in grid:
         # NOTE: the simulator's cost grows with the fleet; 256 replicas run a shorter window
         dur = "--duration 20 --warmup 4" if n <= 32 else "--duration 12 --warmup 4"
-        cmd = (f"--replicas {n} {dur} --heartbeat-interval {hb} --step-model {step_model} "
-               f"{flags}")
-        res = {p: run_one(f"{cmd} --policy {p}") for p in POLICIES}
+        cmd = f"--replicas {n} {dur} --heartbeat-interval {hb} --step-model {{}} {flags}"
+        res = {p: run_one(f"{cmd.format(step_model)} --policy {p}") for p in POLICIES}
         v = verdict(res, differ)
-        rows.append({"scenario": name, "replicas": n, "heartbeat_interval": hb, "flags": cmd,
+        rows.append({"scenario": name, "replicas": n, "heartbeat_interval": hb,
+                     "flags": cmd.format(shown),
                      "verdict": v, **{p: res[p] for p in POLICIES}})
         cells = " | ".join(f"{res[p]['goodput']:.1%} / {res[p]['ttft_p99']:.2f} s"
                            for p in POLICIES)
