@@ -314,8 +314,11 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 
 # structured outputs ----------------------------------------------------------------------------
+# NOTE: bounded, so a sampled answer always closes within the tests' max_tokens (an unbounded
+# integer can run on for as long as the sampler keeps picking digits)
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer"}},
+                                           "age": {"type": "integer", "minimum": 0,
+                                                   "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
 
 
