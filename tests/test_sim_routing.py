@@ -24,8 +24,16 @@ def run(flags: str, policy: str) -> dict:
     return FleetSim(cfg, model, shape, arrivals).run().summary
 
 
-def compare(flags: str) -> tuple[dict, dict, dict]:
-    return run(flags, "round-robin"), run(flags, "fleet"), run(flags, "oracle")
+def compare(flags: str, seeds: int = 1) -> tuple[dict, dict, dict]:
+    """Round-robin, the router's policy and the oracle on the same arrivals; with `seeds` > 1
+    goodput and p99 TTFT are means over seeds 0.. (a run here is about 200 requests, so one
+    run's goodput is about 2 points either way)."""
+    out = []
+    for policy in ("round-robin", "fleet", "oracle"):
+        runs = [run(f"{flags} --seed {s}", policy) for s in range(seeds)]
+        mean = {k: sum(r[k] for r in runs) / seeds for k in ("goodput", "ttft_p99")}
+        out.append({**runs[0], **mean})
+    return out[0], out[1], out[2]
 
 
 def test_equal_replicas_never_worse_than_round_robin_and_near_the_oracle() -> None:
@@ -43,7 +51,9 @@ def test_equal_replicas_never_worse_than_round_robin_and_near_the_oracle() -> No
     ("--slow-replicas 2:2 --input-median 2000 --output-median 40 --load 0.8 "
     "--duration 60 --warmup 10")])
 def test_where_replicas_differ_it_beats_round_robin(flags: str) -> None:
-    rr, fleet, oracle = compare(flags)
+    # NOTE: two small pools of eight make the gap to the oracle about a point and a half on
+    # average but up to three on one seed, so that row is judged on three
+    rr, fleet, oracle = compare(flags, seeds=3 if "small-kv" in flags else 1)
     better = (fleet["goodput"] >= rr["goodput"] + 0.05
               or fleet["ttft_p99"] <= 0.7 * rr["ttft_p99"])
     assert better, (rr["goodput"], fleet["goodput"], rr["ttft_p99"], fleet["ttft_p99"])

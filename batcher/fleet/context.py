@@ -158,14 +158,17 @@ class RouterContext:
             load.state_seen(rep.state_at)
             # the registry's effective_free / effective_waiting, one pass over the reservations
             unreflected = rep.unreflected()
-            out.append(Candidate(rep.replica_id,
-                                 st.free_blocks - sum(r.blocks for r in unreflected),
+            # the state's free blocks, less what was sent since and what the router's own
+            # streams there grew since, plus what those that ended since held
+            free = (st.free_blocks - sum(r.blocks for r in unreflected)
+                    - load.kv_since // max(1, st.block_size))
+            out.append(Candidate(rep.replica_id, min(st.total_blocks, free),
                                  st.total_blocks, st.block_size,
                                  st.waiting + len(unreflected), st.version,
                                  fresh=not reg.suspect(rep, now), running=st.running,
                                  inflight=load.inflight,
                                  others=load.others(st.running, st.waiting),
-                                 prefill_tokens=load.prefill_tokens,
+                                 prefill_tokens=load.prefill_ahead(st.unserved_prefill_tokens),
                                  overdue_s=load.overdue_s(now),
                                  prefill_rate=load.prefill_rate, step_s=load.step_s))
         return out

@@ -11,6 +11,12 @@ few seconds old. So per replica it keeps (no I/O, every method takes `now`):
   there when it was sent (as `policy.predicted_wait` applies it) / time to this first token; a
   time-decayed mean, so a slower machine shows up within a few requests;
 - `step_s`: seconds per decode step, from the gaps between a stream's tokens;
+- `prefill_ahead(reported_unserved)`: `prefill_tokens`, capped for the attempts the last report
+  could include by the prompt tokens it showed still unserved;
+- `kv_since`: KV tokens the router's own attempts there grew (their streamed tokens) since the
+  replica measured its last state, less what those that ended since held (prompt + tokens), so
+  free blocks follow the streams between reports: without it a small pool looks fuller than it
+  is after requests end and emptier than it is while long answers grow;
 - `others(running, waiting)`: what the replica's last report shows beyond the router's own
   requests it could include (those sent before it was measured, still in flight or ended
   since): other routers' work. Without this a report a second old double counts the router's
@@ -48,6 +54,8 @@ class _Started:
     first: float
     last: float
     tokens: int = 1
+    prompt: int = 0
+    reported: int = 0  # tokens it had when the last state seen was measured (-1: sent after)
 
 
 @dataclass(slots=True)
@@ -66,6 +74,7 @@ class ReplicaLoad:
     last_token: float = float("-inf")  # when any attempt there last got a token
     unreflected: int = 0  # attempts in flight sent after that measurement
     ended_since: int = 0  # attempts sent before it that have ended since
+    kv_since: int = 0  # KV tokens the router's own attempts freed (<0) or grew since it
 
     def state_seen(self, measured_at: float) -> None:
         """The replica reported a state measured at `measured_at`."""
@@ -74,12 +83,25 @@ class ReplicaLoad:
         self.state_at = measured_at
         self.unreflected = sum(1 for t in self.sent_at.values() if t >= measured_at)
         self.ended_since = 0
+        self.kv_since = 0
+        for key, st in self.started.items():
+            st.reported = st.tokens if self.sent_at.get(key, measured_at) < measured_at else -1
 
     def others(self, running: int, waiting: int) -> int:
         """Sequences in the last report beyond the router's own requests it could include:
         other routers' work."""
         mine = self.inflight - self.unreflected + self.ended_since
         return max(0, running + waiting - mine)
+
+    def prefill_ahead(self, reported_unserved: int) -> int:
+        """Prompt tokens of the router's attempts without a first token still to prefill, as
+        well as it can tell: all of them, but those the last report could include are at most
+        the prompt tokens it showed unserved (chunked prefill is under way there; the report's
+        own count is exact, the router's is an estimate made at sending)."""
+        if not self.pending:
+            return 0
+        since = sum(p.prompt for p in self.pending.values() if p.sent >= self.state_at)
+        return min(self.prefill_tokens, since + max(0, reported_unserved))
 
     def overdue_s(self, now: float) -> float:
         """How much longer than predicted the oldest request without a first token has waited,
@@ -110,6 +132,8 @@ class ReplicaLoad:
         if st is not None:
             st.last = now
             st.tokens += count
+            if st.reported >= 0:
+                self.kv_since += count
             return
         p = self.pending.pop(key, None)
         if p is None:
@@ -121,7 +145,11 @@ class ReplicaLoad:
                 sample = min(max(sample, self.prefill_rate / SAMPLE_CLAMP),
                              self.prefill_rate * SAMPLE_CLAMP)
             self.prefill_rate = _ewma(self.prefill_rate, sample)
-        self.started[key] = _Started(now, now, count)
+        sent = self.sent_at.get(key, now)
+        self.started[key] = _Started(now, now, count, p.prompt,
+                                     0 if sent < self.state_at else -1)
+        if sent < self.state_at:
+            self.kv_since += count
 
     def done(self, key: Hashable) -> None:
         """Attempt `key` ended (finished, failed or cancelled)."""
@@ -136,5 +164,7 @@ class ReplicaLoad:
         if p is not None:
             self.prefill_tokens -= p.prompt
         st = self.started.pop(key, None)
+        if st is not None and st.reported >= 0:  # the state counted it: its KV is free now
+            self.kv_since -= st.prompt + st.tokens
         if st is not None and st.tokens > 2 and st.last > st.first:
             self.step_s = _ewma(self.step_s, (st.last - st.first) / (st.tokens - 1))

@@ -105,6 +105,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    "(default: the current directory; docs/img in a checkout for the docs)")
     s.add_argument("--replicas", type=int, default=None, help="routing: only the rows of this "
                    "fleet size")
+    s.add_argument("--seeds", type=int, default=None, help="routing: runs per cell, seeds 0.., "
+                   "averaged (default: 3 with --quick, else 1)")
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -148,7 +150,8 @@ def run_sim(args: argparse.Namespace) -> int:
     if args.name == "routing":
         from batcher.sim.routing_study import run_routing_study
 
-        return run_routing_study(args.step_model, args.out_dir, args.quick, args.replicas)
+        return run_routing_study(args.step_model, args.out_dir, args.quick, args.replicas,
+                                 args.seeds)
     from batcher.sim.studies import run_study
 
     return run_study(args.name, args.step_model, args.out_dir, args.quick)

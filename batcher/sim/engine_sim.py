@@ -114,6 +114,13 @@ class SimReplica:
         return len(self.scheduler.waiting)
 
     @property
+    def unserved_prefill_tokens(self) -> int:
+        """Prompt tokens accepted but not yet run through the model (`EngineSnapshot`'s)."""
+        s = self.scheduler
+        return (sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+                + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running))
+
+    @property
     def fresh(self) -> bool:
         return self.alive
 

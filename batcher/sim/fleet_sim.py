@@ -217,7 +217,8 @@ class FleetSim:
         rep = self.replicas[a]  # type: ignore[index]
         if rep.alive:
             self._push(t + self.cfg.heartbeat_delay, BEAT_RECV,
-                       (a, t, (rep.free_blocks, rep.running, rep.waiting)))
+                       (a, t, (rep.free_blocks, rep.running, rep.waiting,
+                                  rep.unserved_prefill_tokens)))
         self._push(t + self.cfg.heartbeat_interval, BEAT, a)
 
     def _on_beat_recv(self, t: float, a: object) -> None:

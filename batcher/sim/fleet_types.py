@@ -117,6 +117,7 @@ class View:
         "received_at",
         "replica_id",
         "reported_free",
+        "reported_unserved",
         "reported_waiting",
         "reserved",
         "running",
@@ -133,12 +134,15 @@ class View:
         self.fresh = True
         self.load = ReplicaLoad()
 
-    def update(self, rep: SimReplica | tuple[int, int, int], measured: float, now: float) -> None:
+    def update(self, rep: SimReplica | tuple[int, int, int, int], measured: float,
+               now: float) -> None:
         if isinstance(rep, SimReplica):
-            self.reported_free, self.running, self.reported_waiting = (
-                rep.free_blocks, rep.running, rep.waiting)
+            (self.reported_free, self.running, self.reported_waiting,
+             self.reported_unserved) = (rep.free_blocks, rep.running, rep.waiting,
+                                        rep.unserved_prefill_tokens)
         else:
-            self.reported_free, self.running, self.reported_waiting = rep
+            (self.reported_free, self.running, self.reported_waiting,
+             self.reported_unserved) = rep
         # requests sent since this state was measured and still in flight (the registry's
         # `unreflected`): the state cannot show them yet
         self.measured_at, self.received_at, self.reserved = measured, now, 0
@@ -148,7 +152,8 @@ class View:
 
     @property
     def free_blocks(self) -> int:
-        return self.reported_free - self.reserved
+        return min(self.total_blocks, self.reported_free - self.reserved
+                   - self.load.kv_since // self.block_size)
 
     @property
     def waiting(self) -> int:
@@ -169,7 +174,7 @@ class View:
 
     @property
     def prefill_tokens(self) -> int:
-        return self.load.prefill_tokens
+        return self.load.prefill_ahead(self.reported_unserved)
 
     @property
     def prefill_rate(self) -> float | None:

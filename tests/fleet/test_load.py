@@ -122,3 +122,39 @@ def test_round_robin_routing_ignores_load() -> None:
     ctx = _router("round-robin")
     ctx.begin(ctx.registry.get("a"), 600, prompt_tokens=500)
     assert [ctx.pick(600, None, set(), 500).replica_id for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_kv_since_follows_the_routers_own_streams_between_reports() -> None:
+    load = ReplicaLoad()
+    load.sent("a", 100, now=0.0)
+    load.token("a", now=0.2)
+    load.state_seen(0.3)  # the report holds a: 100 prompt + 1 token
+    assert load.kv_since == 0
+    load.sent("b", 50, now=0.4)  # sent after the report: the registry reserves its blocks
+    load.token("a", now=0.5, count=9)  # a grew 9 tokens the report does not show
+    load.token("b", now=0.6, count=3)  # b's growth is in its reservation, not here
+    assert load.kv_since == 9
+    load.done("a")  # the report counted a: all it held (100 + 10) is free now
+    assert load.kv_since == 9 - 110
+    load.done("b")
+    assert load.kv_since == 9 - 110
+    load.state_seen(1.0)  # a new report shows all of it
+    assert load.kv_since == 0
+    load.sent("c", 20, now=1.1)
+    load.state_seen(1.2)  # c was pending when measured: its first tokens are growth
+    load.token("c", now=1.3, count=2)
+    assert load.kv_since == 2
+
+
+def test_candidates_free_blocks_follow_the_routers_own_streams() -> None:
+    ctx = _router()  # both report 1,000 of 1,000 blocks free (16 tokens each), measured at 100
+    a = ctx.registry.get("a")
+    ctx.clock = lambda: 99.0
+    att = ctx.begin(a, 64 * 16, stream=True, prompt_tokens=32 * 16)  # sent before the report
+    ctx.clock = lambda: 100.0
+    assert ctx.candidates(100.0)[0].free_blocks == 1000  # the report shows it already
+    for _ in range(16 * 4):  # its stream grows 4 blocks the report does not show
+        ctx.progress(att, 100.5)
+    assert ctx.candidates(100.5)[0].free_blocks == 1000 - 4
+    ctx.end(att)  # it ended: what it held (32 + 4 blocks) is free, up to the pool's size
+    assert ctx.candidates(100.6)[0].free_blocks == 1000
