@@ -158,3 +158,18 @@ def test_candidates_free_blocks_follow_the_routers_own_streams() -> None:
     assert ctx.candidates(100.5)[0].free_blocks == 1000 - 4
     ctx.end(att)  # it ended: what it held (32 + 4 blocks) is free, up to the pool's size
     assert ctx.candidates(100.6)[0].free_blocks == 1000
+
+
+def test_prefill_ahead_is_capped_by_what_the_report_shows_unserved() -> None:
+    load = ReplicaLoad()
+    assert load.prefill_ahead(500) == 0  # nothing of the router's own waits there
+    load.sent("a", 1000, now=0.0)
+    load.sent("b", 400, now=0.1)
+    load.state_seen(0.2)  # measured with 300 prompt tokens still unserved: a is mostly read
+    load.sent("c", 200, now=0.3)  # after the report: counted whole
+    assert load.prefill_tokens == 1600
+    assert load.prefill_ahead(300) == 300 + 200
+    assert load.prefill_ahead(5000) == 1600  # never more than the router's own count
+    load.token("a", now=0.4)
+    load.token("b", now=0.5)
+    assert load.prefill_ahead(300) == 200
