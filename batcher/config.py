@@ -38,6 +38,11 @@ class SchedulerConfig:
     slo_ttft_s: float | None = None
     ttft_pace: float = 0.5
     max_step_slowdown: float = 1.5  # else: this times the step's decode-only time
+    # Requests that all arrived within this many seconds of each other are one burst: while
+    # more of them wait to start than decode, prefill gets the whole token budget (the
+    # streams are the burst's first, and the batch they are about to share fills at once
+    # instead of a chunk a step). 0 = off.
+    burst_window_s: float = 1.0
     # Tokens the first prefill of a step gets when the time target leaves room for none: 2, the
     # smallest multi-token chunk (deep into a long prompt on a CPU every token of a chunk costs
     # a sizeable share of a decode step, so a larger minimum breaks the target on its own).
@@ -66,6 +71,8 @@ class SchedulerConfig:
             raise ValueError("ttft_pace must be in (0, 1]")
         if not 1.0 <= self.max_step_slowdown < float("inf"):
             raise ValueError("max_step_slowdown must be >= 1")
+        if not 0.0 <= self.burst_window_s < float("inf"):
+            raise ValueError("burst_window_s must be >= 0")
         if self.min_prefill_chunk < 1:
             raise ValueError("min_prefill_chunk must be >= 1")
         if self.speculative not in SPECULATIVE_METHODS:

@@ -37,6 +37,7 @@ class EngineConfig:
     prefix_cache_scope: str = "tenant"  # or "global"
     prefill_budget: str = "time"  # or "fixed"
     max_step_slowdown: float = 1.5
+    burst_window_ms: float = 1000.0  # requests arriving within it are one burst; 0 = off
     min_prefill_chunk: int = 2  # tokens
     slo_tpot_ms: float | None = None
     dtype: str = "auto"
@@ -73,6 +74,7 @@ class EngineConfig:
                         max_model_len=self.max_model_len, prefill_budget=self.prefill_budget,
                         slo_tpot_s=self.slo_tpot_ms / 1000 if self.slo_tpot_ms else None,
                         max_step_slowdown=self.max_step_slowdown,
+                        burst_window_s=self.burst_window_ms / 1000,
                         min_prefill_chunk=self.min_prefill_chunk,
                         speculative=self.speculative,
                         num_speculative_tokens=self.num_speculative_tokens).validate()

@@ -107,6 +107,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "while a new prompt is read. 1.5 keeps streams visibly smooth and still reads a prompt "
       "at a useful pace; lower protects streams more and slows time to first token "
       "(default: %(default)s)")
+    a("--burst-window-ms", type=float, default=_E.burst_window_ms,
+      help="requests that all arrived within this many ms of each other are one burst: while "
+      "more of them wait to start than decode, prefill takes the whole step budget instead of "
+      "the --max-step-slowdown share, so the batch they are about to share fills at once (a "
+      "64-request burst read a small chunk a step lost 16%% of its throughput); streams running "
+      "before a burst arrives keep their target; 0 = off (default: %(default)s)")
     a("--min-prefill-chunk", type=positive_int, default=_E.min_prefill_chunk,
       help="prompt tokens the longest-waiting prefill gets in a step where the time target "
       "leaves room for none, so a long prompt always progresses; otherwise its chunk is "

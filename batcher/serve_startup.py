@@ -65,6 +65,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConf
                             slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
                             slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                             max_step_slowdown=args.max_step_slowdown,
+                            burst_window_s=args.burst_window_ms / 1000,
                             min_prefill_chunk=args.min_prefill_chunk,
                             speculative=args.speculative,
                             num_speculative_tokens=args.num_speculative_tokens)

@@ -272,11 +272,12 @@ def test_serve_flags_reach_the_scheduler() -> None:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args(["--model", "fake", "--slo-tpot-ms", "100",
-                              "--max-step-slowdown", "2", "--min-prefill-chunk", "32"])
+                              "--max-step-slowdown", "2", "--min-prefill-chunk", "32",
+                              "--burst-window-ms", "250"])
     engine = build_engine(args, Metrics())
     cfg = engine.scheduler.config
     assert (cfg.prefill_budget, cfg.slo_tpot_s, cfg.max_step_slowdown,
-            cfg.min_prefill_chunk) == ("time", 0.1, 2.0, 32)
+            cfg.min_prefill_chunk, cfg.burst_window_s) == ("time", 0.1, 2.0, 32, 0.25)
     assert engine.scheduler.step_time is engine.step_time_model
     fixed = build_engine(parser.parse_args(["--model", "fake", "--prefill-budget", "fixed"]),
                          Metrics())
@@ -342,6 +343,38 @@ def test_a_burst_of_arrivals_keeps_its_throughput() -> None:
     time_wall, time_ttft = burst("time")
     assert time_wall <= 1.05 * fixed_wall
     assert time_ttft <= 1.5 * fixed_ttft
+
+
+def test_a_burst_fills_its_batch_at_the_whole_budget_then_keeps_the_target() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096))
+    for i in range(24):
+        sim.add(f"b{i}", 200, 100)
+    sim.run_until(lambda: not sim.sched.waiting)
+    # While more of the burst waited than decoded, every step carried the whole budget.
+    fill = [out for out, _, target in sim.steps if target is None]
+    assert len(fill) >= 8
+    assert all(sum(len(s.token_ids) for s in out.seqs) == 320 for out in fill[:-1])
+    sim.run_until(lambda: not sim.sched.has_unfinished(), limit=20_000)
+    # Once as many decode as wait, the streams' target applies again.
+    assert any(t is not None for _, _, t in sim.steps)
+
+
+def test_streams_running_before_a_burst_keep_their_target() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096))
+    for i in range(8):
+        sim.add(f"s{i}", 100, 400)
+    sim.run_until(lambda: all(len(sim.token_times[f"s{i}"]) >= 30 for i in range(8)))
+    arrival = len(sim.steps)
+    for i in range(24):  # more than decode, all at once: but not with the streams
+        sim.add(f"b{i}", 200, 50)
+    sim.run_until(lambda: not sim.sched.waiting)
+    assert all(t is not None for _, _, t in sim.steps[arrival:])
+    off = Sim(SchedulerConfig(64, 320, 4096, burst_window_s=0))
+    for i in range(24):
+        off.add(f"b{i}", 200, 100)
+    off.run_until(lambda: not off.sched.waiting)
+    # With the window off, every step carrying a decode has the streams' target.
+    assert all(t is not None for out, _, t in off.steps if any(s.is_decode for s in out.seqs))
 
 
 @pytest.mark.parametrize("seed", [5, 8])

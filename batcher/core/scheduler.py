@@ -320,6 +320,9 @@ class Scheduler:
             if r.num_tokens - r.num_computed_tokens == 1:
                 decode = decode.plus(1, r.num_computed_tokens, bs)
         cfg = self.config
+        if (decode.decode_rows < len(self.waiting) and len(self.running) < cfg.max_num_seqs
+                and self._one_burst()):
+            return None  # a burst's fill (see step_budget)
         # The steady batch: the streams plus the requests waiting to start (see step_budget).
         batch = min(cfg.max_num_seqs, decode.decode_rows + len(self.waiting))
         target = step_target(self.step_time, decode, cfg.slo_tpot_s, cfg.max_step_slowdown,
@@ -327,6 +330,19 @@ class Scheduler:
         if target is None:
             return None
         return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)
+
+    def _one_burst(self) -> bool:
+        """Every request here arrived within `burst_window_s` of the first."""
+        window = self.config.burst_window_s
+        if window <= 0:
+            return False
+        first = last = None
+        for q in (self.running, self.waiting):
+            for r in q:
+                t = r.arrival_time
+                first = t if first is None or t < first else first
+                last = t if last is None or t > last else last
+        return first is not None and last - first <= window
 
     def _paced(self, req: Request, num_computed: int, limit: int,
                allowance: PrefillAllowance) -> int:

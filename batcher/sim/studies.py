@@ -42,7 +42,10 @@ def replica_capacity(cfg: FleetConfig, model: StepModel, shape: ShapeSpec, n: in
     from batcher.request import Request
     from batcher.sampling import SamplingParams
 
-    sc = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+    # NOTE: the requests are all at t = 0 only to keep the queue deep; what is measured is a
+    # replica's steady rate under steady arrivals, so the scheduler's burst fill is off
+    sc = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                         burst_window_s=0.0)
     rep = SimReplica(0, sc, cfg.num_blocks, cfg.block_size, model)
     gen = RequestGen(shape, seed)
     reqs = []
