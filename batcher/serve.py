@@ -80,7 +80,10 @@ def build_embedder(args: argparse.Namespace):
         return None, None
     from batcher.embeddings import EmbeddingModel, make_embedding_batcher
 
-    model = EmbeddingModel(dtype=args.dtype if args.dtype != "auto" else "bfloat16",
+    from batcher.models.loader import cpu_has_fast_bf16
+
+    auto = "bfloat16" if cpu_has_fast_bf16() else "float32"
+    model = EmbeddingModel(dtype=args.dtype if args.dtype != "auto" else auto,
                            device="cpu" if args.device in ("auto", None) else args.device)
     # The queue holds at least one request of the most inputs the route takes.
     queue = max(2 * args.embedding_batch_size, MAX_INPUTS)

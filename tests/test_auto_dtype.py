@@ -1,0 +1,37 @@
+"""`--dtype auto`: bfloat16 where the hardware computes it natively, float32 elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from batcher.models import loader
+from batcher.models.loader import cpu_has_fast_bf16, resolve_dtype
+
+
+@pytest.mark.parametrize(("flags", "fast"), [
+    ("fpu sse2 avx2 fma", False),  # AVX2 only: bf16 is emulated
+    ("fpu avx2 avx512f avx512bw", False),  # AVX-512 without its bf16 extension
+    ("fpu avx2 avx512f avx512_bf16", True),
+    ("fpu avx2 amx_bf16 amx_tile", True),
+])
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, fast: bool) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n")
+    assert cpu_has_fast_bf16(str(info)) is fast
+
+
+def test_auto_is_float32_on_a_cpu_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16  # asked: given
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.bfloat16
+
+
+def test_no_cpuinfo_falls_back_to_what_torch_reports(tmp_path: Path) -> None:
+    expected = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert cpu_has_fast_bf16(str(tmp_path / "missing")) is expected
