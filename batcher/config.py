@@ -38,8 +38,8 @@ class SchedulerConfig:
     slo_ttft_s: float | None = None
     ttft_pace: float = 0.5
     max_step_slowdown: float = 1.5  # else: this times the step's decode-only time
-    # Requests that all arrived within this many seconds of each other are one burst: while
-    # more of them wait to start than decode, prefill gets the whole token budget (the
+    # Requests (four or more) that all arrived within this many seconds of each other are one
+    # burst: while any of them waits to start, prefill gets the whole token budget (the
     # streams are the burst's first, and the batch they are about to share fills at once
     # instead of a chunk a step). 0 = off.
     burst_window_s: float = 1.0

@@ -110,8 +110,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "at a useful pace; lower protects streams more and slows time to first token "
       "(default: %(default)s)")
     a("--burst-window-ms", type=float, default=_E.burst_window_ms,
-      help="requests that all arrived within this many ms of each other are one burst: while "
-      "more of them wait to start than decode, prefill takes the whole step budget instead of "
+      help="four or more requests that all arrived within this many ms of each other are one "
+      "burst: while any of them waits to start, prefill takes the whole step budget instead of "
       "the --max-step-slowdown share, so the batch they are about to share fills at once (a "
       "64-request burst read a small chunk a step lost 16%% of its throughput); streams running "
       "before a burst arrives keep their target; 0 = off (default: %(default)s)")

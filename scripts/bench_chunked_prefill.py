@@ -1,7 +1,7 @@
 """Running streams while a long prompt arrives, fixed vs time-sized prefill budget, and chat64
 throughput old vs new: every case in its own process, interleaved (A, B, C, A, B, C), one run.
 
-    python scripts/bench_chunked_prefill.py [--rounds 2] [--long 2000] [--chat64 64]
+    python scripts/bench_chunked_prefill.py [--rounds 2] [--long 2000] [--chat64 64] [--no-streams]
 
 Part 1: 8 streams decode (the first 8 chat64 prompts, greedy, ignore_eos); once each has 30
 tokens a ~2k-token prompt arrives. Per case: the streams' steady gap between tokens (median before
@@ -289,6 +289,8 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES),
                     help="streams cases to run, comma-separated (fixed is the TTFT reference; "
                          "time-sloN: --slo-tpot-ms N)")
+    ap.add_argument("--streams", action=argparse.BooleanOptionalAction, default=True,
+                    help="part 1, the streams and the long prompt (--no-streams: chat64 only)")
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--part", default="streams", help=argparse.SUPPRESS)
@@ -304,7 +306,7 @@ def main() -> None:
     streams: dict[str, list[dict]] = {c: [] for c in cases}
     chat: dict[str, list[dict]] = {"fixed": [], "time": []}
     for _ in range(args.rounds):
-        for case in cases:
+        for case in cases if args.streams else ():
             streams[case].append(child(args, "streams", case))
         if args.chat64:
             for case, runs in chat.items():
@@ -324,7 +326,7 @@ def main() -> None:
                          f"{r['cpu_ttft_s']:.1f}",
                          f"{r['cpu_ttft_s'] / ref[i]['cpu_ttft_s']:.2f}", str(r["steps"])])
     text = ""
-    if not args.no_append:
+    if rows and not args.no_append:
         text = append_rows(
             f"Chunked prefill: {STREAMS} streams"
             f"{f' (last {args.stream_prompt} prompt tokens)' if args.stream_prompt else ''}"

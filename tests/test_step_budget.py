@@ -350,13 +350,22 @@ def test_a_burst_fills_its_batch_at_the_whole_budget_then_keeps_the_target() -> 
     for i in range(24):
         sim.add(f"b{i}", 200, 100)
     sim.run_until(lambda: not sim.sched.waiting)
-    # While more of the burst waited than decoded, every step carried the whole budget.
+    # While any of the burst waited to start, every step carried the whole budget.
     fill = [out for out, _, target in sim.steps if target is None]
     assert len(fill) >= 8
     assert all(sum(len(s.token_ids) for s in out.seqs) == 320 for out in fill[:-1])
     sim.run_until(lambda: not sim.sched.has_unfinished(), limit=20_000)
-    # Once as many decode as wait, the streams' target applies again.
+    # Once all of it has started, the streams' target applies again.
     assert any(t is not None for _, _, t in sim.steps)
+
+
+def test_a_pair_arriving_together_is_not_a_burst() -> None:
+    sim = Sim(SchedulerConfig(64, 320, 4096))
+    sim.add("short", 50, 200)
+    sim.add("long", 2000, 2)
+    sim.run_until(lambda: bool(sim.token_times["long"]))
+    # the short one's stream keeps its target while the long prompt is read
+    assert all(t is not None for out, _, t in sim.steps if any(s.is_decode for s in out.seqs))
 
 
 def test_streams_running_before_a_burst_keep_their_target() -> None:

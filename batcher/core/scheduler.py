@@ -28,6 +28,9 @@ from batcher.request import Request, RequestStatus
 
 # Prompt positions one request scores (prompt logprobs) per step, at most.
 MAX_SCORED_CHUNK = 512
+# Fewer requests arriving together are not a burst: a pair's second prompt read at the whole
+# budget would stall the first stream for as long, for nothing a batch gains.
+BURST_MIN = 4
 
 
 def _running_key(req: Request) -> tuple[int, float]:
@@ -320,8 +323,7 @@ class Scheduler:
             if r.num_tokens - r.num_computed_tokens == 1:
                 decode = decode.plus(1, r.num_computed_tokens, bs)
         cfg = self.config
-        if (decode.decode_rows < len(self.waiting) and len(self.running) < cfg.max_num_seqs
-                and self._one_burst()):
+        if self.waiting and len(self.running) < cfg.max_num_seqs and self._one_burst():
             return None  # a burst's fill (see step_budget)
         # The steady batch: the streams plus the requests waiting to start (see step_budget).
         batch = min(cfg.max_num_seqs, decode.decode_rows + len(self.waiting))
@@ -332,9 +334,10 @@ class Scheduler:
         return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)
 
     def _one_burst(self) -> bool:
-        """Every request here arrived within `burst_window_s` of the first."""
+        """At least BURST_MIN requests are here and every one arrived within
+        `burst_window_s` of the first."""
         window = self.config.burst_window_s
-        if window <= 0:
+        if window <= 0 or len(self.running) + len(self.waiting) < BURST_MIN:
             return False
         first = last = None
         for q in (self.running, self.waiting):

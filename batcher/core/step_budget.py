@@ -25,13 +25,13 @@ the scheduler asks for the largest chunk whose predicted step time stays within 
   mean leaves about half the steps over whatever it is sized to, and streams feel the slow steps;
 - with no decodes in the step there is no time target: prefill gets the whole token budget, and
   TTFT is as short as the hardware allows;
-- nor is there while a burst fills (the scheduler's `burst_window_s`: every request there arrived
-  within a second of the first, and more wait to start than decode): the streams are the burst's
-  first few, about to share their steps with the rest, and reading the rest a small chunk a step
-  fills the batch in ten times the steps, each with the step's fixed cost: a burst of 64 lost 16%
-  of its throughput that way. Those first streams see the whole budget's long steps for the few
-  steps the fill takes; streams already running when a burst arrives keep their target, since the
-  burst's requests did not arrive with them;
+- nor is there while a burst fills (the scheduler's `burst_window_s`: at least four requests are
+  there, every one arrived within a second of the first, and some wait to start): the streams
+  are the burst's first few, about to share their steps with the rest, and reading the rest a
+  small chunk a step fills the batch in ten times the steps, each with the step's fixed cost: a
+  burst of 64 lost 16% of its throughput that way. Those first streams see the whole budget's
+  long steps for the few steps the fill takes; streams already running when a burst arrives
+  keep their target, since the burst's requests did not arrive with them;
 - a first token has a deadline too (`deadline_chunk`): with a TTFT SLO, a prompt not yet
   answered gets at least its remainder spread over the steps left before its pace point (a
   share of the SLO after its arrival). Short prompts then need a few tokens a step on top of
