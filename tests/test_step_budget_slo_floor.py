@@ -12,8 +12,10 @@ from tests.test_step_budget import Sim, prefill_of
 
 @pytest.mark.parametrize("slo_ttft_s", [None, 0.05])
 def test_decode_step_over_the_slo_gets_the_minimum_chunk_only(slo_ttft_s: float | None) -> None:
+    # burst fill off: the prompts arrive under a second after the streams started, which would
+    # make them one burst with the streams on this simulated clock
     sim = Sim(SchedulerConfig(64, 320, 4096, slo_tpot_s=0.02, slo_ttft_s=slo_ttft_s,
-                              min_prefill_chunk=3))
+                              min_prefill_chunk=3, burst_window_s=0.0))
     for i in range(8):
         sim.add(f"s{i}", 100, 400)
     sim.run_until(lambda: all(len(sim.token_times[f"s{i}"]) >= 20 for i in range(8)))
