@@ -142,8 +142,10 @@ async def main() -> dict:
         workers = [asyncio.create_task(worker()) for _ in range(CONCURRENCY)]
         try:
             both, free = await phase(4.0)
-            base = await served(s)
+            # NOTE: counted from after the cut: an answer B finished while the cut command was
+            # starting is not one served while cut
             subprocess.run(shlex.split(os.environ["CUT"]), check=True)
+            base = await served(s)
             print(f"  link of host B cut ({os.environ['CUT']})", flush=True)
             evict_s = await until(lambda: evicted(s, True), "host B evicted", 15)
             print(f"  host B evicted {evict_s:.1f}s after the cut", flush=True)
