@@ -76,32 +76,35 @@ class EngineSnapshot:
         if missing:
             raise ValueError(f"replica state lacks {missing}")
         kw: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in data:
+        for name in _FIELD_NAMES:
+            if name not in data:
                 continue
-            value = data[f.name]
-            if f.name in cls._INTS:
-                kw[f.name] = _count(f.name, value)
-            elif f.name in ("draining", "healthy"):
-                if not isinstance(value, bool):
-                    raise ValueError(f"replica state {f.name} must be true or false, "
+            value = data[name]
+            if name in _INT_FIELDS:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"replica state {name} must be an integer >= 0, "
                                      f"got {value!r}")
-                kw[f.name] = value
-            elif f.name == "version":
+                kw[name] = value
+            elif name in ("draining", "healthy"):
+                if not isinstance(value, bool):
+                    raise ValueError(f"replica state {name} must be true or false, "
+                                     f"got {value!r}")
+                kw[name] = value
+            elif name == "version":
                 if not isinstance(value, str):
                     raise ValueError(f"replica state version must be a string, got {value!r}")
-                kw[f.name] = value
-            elif f.name == "error":
+                kw[name] = value
+            elif name == "error":
                 if value is not None and not isinstance(value, str):
                     raise ValueError(f"replica state error must be a string or null, "
                                      f"got {value!r}")
-                kw[f.name] = value
-            elif f.name == "last_step_age":
+                kw[name] = value
+            elif name == "last_step_age":
                 if (isinstance(value, bool) or not isinstance(value, int | float)
                         or not math.isfinite(value) or value < 0):
                     raise ValueError(f"replica state last_step_age must be a number >= 0, "
                                      f"got {value!r}")
-                kw[f.name] = float(value)
+                kw[name] = float(value)
         if kw["block_size"] < 1:
             raise ValueError("replica state block_size must be >= 1")
         if kw["free_blocks"] > kw["total_blocks"]:
@@ -109,7 +112,5 @@ class EngineSnapshot:
         return cls(**kw)
 
 
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"replica state {name} must be an integer >= 0, got {value!r}")
-    return value
+_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EngineSnapshot))
+_INT_FIELDS = frozenset(EngineSnapshot._INTS)

@@ -13,9 +13,12 @@ may read it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import json
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import orjson
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -65,6 +68,35 @@ def aggregate(ctx: RouterContext, cfg: BalancerConfig | None = None) -> dict[str
         "waiting_prefill_tokens": sum(s.waiting_prefill_tokens for s in live),
         "predicted_wait_s": round(wait_s, 4),
         "saturation": round(cell_saturation(free, total, waiting, len(live), wait_s, cfg), 4)}
+
+
+HEADER_MAX_AGE_S = 0.02
+
+
+class StateHeader:
+    """The `X-Replica-State` value on a router's answers: the cell's aggregate without the
+    rollout weights, computed at most every `max_age` seconds of real time, so the answers of a
+    busy moment share one computation (a balancer reads it as a router reads a replica's
+    heartbeat: a little old is fine; `GET /v1/state` is always fresh)."""
+
+    __slots__ = ("_at", "_value", "clock", "ctx", "max_age")
+
+    def __init__(self, ctx: RouterContext, max_age: float = HEADER_MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ctx, self.max_age, self.clock = ctx, max_age, clock
+        self._value: str | None = None
+        self._at = 0.0
+
+    def value(self) -> str:
+        now = self.clock()
+        if self._value is None or now - self._at >= self.max_age:
+            state = aggregate(self.ctx)
+            state.pop("weights", None)
+            text = orjson.dumps(state).decode()
+            if not text.isascii():  # version labels are the operator's; a header stays ASCII
+                text = json.dumps(state, separators=(",", ":"))
+            self._value, self._at = text, now
+        return self._value
 
 
 class CellCollector(Collector):

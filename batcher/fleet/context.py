@@ -140,6 +140,15 @@ class RouterContext:
         self.loads: dict[str, ReplicaLoad] = {}  # replica id -> the router's own account
         self._turn = 0  # round-robin's position
 
+    def later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Bookkeeping that need not delay an answer (metrics, access lines, a state read off
+        a response): run on the loop's next turn, after the handler's current step has written
+        what it had; at once when no loop runs."""
+        try:
+            asyncio.get_running_loop().call_soon(fn, *args)
+        except RuntimeError:
+            fn(*args)
+
     # routing -------------------------------------------------------------------------------
     def candidates(self, now: float) -> list[Candidate]:
         reg = self.registry

@@ -103,7 +103,7 @@ class Relay:
                  body: dict[str, Any], raw: bytes, rid: str, scope: str = ""):
         self.ctx, self.request, self.chat, self.body, self.rid = ctx, request, chat, body, rid
         # The router's `route` phase runs from here to the answer.
-        self.route = RouteClock(observe=ctx.metrics.observe_phases)
+        self.route = RouteClock(observe=lambda t: ctx.later(ctx.metrics.observe_phases, t))
         tracer = current_tracer()
         self.span = None if tracer is None else tracer.open("batcher.router", request.headers)
         self.rkey = (scope, rid)  # request ids are the caller's own, as on a replica
@@ -198,10 +198,14 @@ class Relay:
     def _observe(self, rep: Replica, up: aiohttp.ClientResponse) -> None:
         raw = up.headers.get("X-Replica-State")
         if raw:
-            try:
-                self.ctx.registry.observe(rep.replica_id, orjson.loads(raw), self.ctx.clock())
-            except orjson.JSONDecodeError:
-                pass
+            self.ctx.later(self._read_state, rep.replica_id, raw, self.ctx.clock())
+
+    def _read_state(self, replica_id: str, raw: str, seen: float) -> None:
+        """The replica's state as its answer carried it, stamped when the answer arrived."""
+        try:
+            self.ctx.registry.observe(replica_id, orjson.loads(raw), seen)
+        except orjson.JSONDecodeError:
+            pass
 
     def _failed(self, rep: Replica, att: Attempt, exc: BaseException) -> Failure:
         if att.killed is not None:
@@ -238,13 +242,15 @@ class Relay:
             self._done(resp)
 
     def _done(self, resp: web.StreamResponse | None) -> None:
+        self.ctx.later(self._record, 499 if resp is None else resp.status)
+
+    def _record(self, status: int) -> None:
         """The trace span ends and the access line is written (no prompt, no key: the caller
         appears as its credential's digest)."""
         if self.span is not None:
             self.span.set_attribute("batcher.request_id", self.rid)
             self.span.set_attribute("batcher.attempts", self.attempts)
             self.span.end()
-        status = 499 if resp is None else resp.status
         log_access(request_id=self.rid, tenant=self.rkey[0], route=self.request.path,
                    status=status, timings=self.route.timings)
 
@@ -291,7 +297,7 @@ class Relay:
         self.ctx.end(att)
         if self.ctx.owners.get(self.rkey) == rep.replica_id:
             del self.ctx.owners[self.rkey]
-        self.ctx.metrics.attempt(rep.replica_id, rep.version, outcome)
+        self.ctx.later(self.ctx.metrics.attempt, rep.replica_id, rep.version, outcome)
 
     # streams -------------------------------------------------------------------------------
     async def _stream(self) -> web.StreamResponse:

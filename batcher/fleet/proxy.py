@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from batcher.fleet.batch_proxy import add_batch_routes
-from batcher.fleet.cell_state import CellCollector, aggregate
+from batcher.fleet.cell_state import CellCollector, StateHeader, aggregate
 from batcher.fleet.context import RouterContext
 from batcher.fleet.forward import PASS_HEADERS, Relay
 from batcher.fleet.health import HealthChecker
@@ -41,6 +40,7 @@ from batcher.http.responses import json_response
 log = logging.getLogger("batcher.fleet.proxy")
 
 ROUTER = web.AppKey("router", RouterContext)
+STATE_HEADER = web.AppKey("state_header", StateHeader)
 # Routes that read no credential (as on a replica); the rest scope by it.
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
@@ -129,11 +129,8 @@ async def state(request: web.Request) -> web.Response:
 async def state_header(request: web.Request, response: web.StreamResponse) -> None:
     """Every answer to a forwarded request carries the cell's aggregate state, as a replica's
     carries its own: a balancer in front learns it from traffic as well as from polls."""
-    if request.path in GENERATION_PATHS and ROUTER in request.app:
-        state = aggregate(request.app[ROUTER])
-        state.pop("weights", None)
-        # ASCII-only JSON: a header must be Latin-1, and version labels are the operator's.
-        response.headers["X-Replica-State"] = json.dumps(state, separators=(",", ":"))
+    if request.path in GENERATION_PATHS and STATE_HEADER in request.app:
+        response.headers["X-Replica-State"] = request.app[STATE_HEADER].value()
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -236,6 +233,7 @@ def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> we
     `cell_name` labels the router's own `batcher_cell_saturation`; None exports none."""
     app = web.Application(middlewares=[middleware], client_max_size=ctx.cfg.max_body_bytes)
     app[ROUTER] = ctx
+    app[STATE_HEADER] = StateHeader(ctx)
     if cell_name is not None:  # a balancer (cells as upstreams) exports its own per cell
         with contextlib.suppress(ValueError):  # registered already (this context's other app)
             ctx.metrics.registry.register(CellCollector(ctx, cell_name))
@@ -246,6 +244,8 @@ def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> we
             # NOTE: below the replicas' 20 s idle cut-off, so a pooled connection is never
             # reused just as the replica closes it.
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10.0),
+            # Callers share the connections: no replica's cookie may follow another caller.
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout))
         ctx.health = HealthChecker(ctx.registry, cfg.health, ctx.session, ctx.on_evict,
                                    ctx.on_readmit, ctx.stalled, ctx.clock,

@@ -19,6 +19,7 @@ from batcher.fleet.balancer import (
     retry_after,
 )
 from batcher.fleet.balancer_app import BalancerContext, create_balancer_app
+from batcher.fleet.cell_state import StateHeader
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import create_router_app
 
@@ -124,6 +125,28 @@ async def test_a_router_publishes_its_aggregate(aiohttp_client) -> None:
     ctx.registry.get("r1").evicted = True
     body = await (await client.get("/v1/state")).json()
     assert body["healthy_replicas"] == 1 and body["total_blocks"] == 100
+
+
+def test_the_state_header_is_shared_for_its_max_age_then_recomputed() -> None:
+    ctx = RouterContext(RouterConfig())
+    ctx.registry.add_static("http://r0:1", "r0")
+    assert ctx.registry.observe("r0", state(50, 100), ctx.clock(), poll=True)
+    now = [0.0]
+    header = StateHeader(ctx, max_age=0.02, clock=lambda: now[0])
+    assert orjson.loads(header.value())["free_blocks"] == 50
+    assert ctx.registry.observe("r0", state(20, 100), ctx.clock() + 1, poll=True)
+    now[0] = 0.019
+    assert orjson.loads(header.value())["free_blocks"] == 50  # one computation, shared
+    now[0] = 0.02
+    assert orjson.loads(header.value())["free_blocks"] == 20
+
+
+def test_the_state_header_is_ascii_whatever_the_version_label() -> None:
+    ctx = RouterContext(RouterConfig())
+    ctx.registry.add_static("http://r0:1", "r0")
+    assert ctx.registry.observe("r0", state(50, 100, version="café"), ctx.clock(), poll=True)
+    text = StateHeader(ctx).value()
+    assert text.isascii() and orjson.loads(text)["version"] == "café"
 
 
 async def test_balancer_reads_cells_and_sheds_early(aiohttp_client) -> None:
