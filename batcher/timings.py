@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("parse", "tokenize", "queue", "prefill", "decode", "post")
@@ -74,9 +74,9 @@ class Timings:
     route_ms: float | None = None  # only through a router
 
     def phases(self) -> dict[str, float]:
-        out = {p: getattr(self, p + "_ms") for p in PHASES}
-        if self.route_ms is not None:
-            out = {"route": self.route_ms, **out}
+        out: dict[str, float] = {} if self.route_ms is None else {"route": self.route_ms}
+        out.update(parse=self.parse_ms, tokenize=self.tokenize_ms, queue=self.queue_ms,
+                   prefill=self.prefill_ms, decode=self.decode_ms, post=self.post_ms)
         return out
 
     @property
@@ -86,12 +86,13 @@ class Timings:
         return max(phases, key=lambda p: phases[p])
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.route_ms is not None:
-            out["route_ms"] = round(self.route_ms, 3)
-        for p in PHASES:
-            out[p + "_ms"] = round(getattr(self, p + "_ms"), 3)
-        out.update(total_ms=round(self.total_ms, 3), prompt_tokens=self.prompt_tokens,
+        # Spelled out rather than looped: a router writes one per relayed answer.
+        out: dict[str, Any] = {} if self.route_ms is None else {
+            "route_ms": round(self.route_ms, 3)}
+        out.update(parse_ms=round(self.parse_ms, 3), tokenize_ms=round(self.tokenize_ms, 3),
+                   queue_ms=round(self.queue_ms, 3), prefill_ms=round(self.prefill_ms, 3),
+                   decode_ms=round(self.decode_ms, 3), post_ms=round(self.post_ms, 3),
+                   total_ms=round(self.total_ms, 3), prompt_tokens=self.prompt_tokens,
                    cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens,
                    preemptions=self.preemptions, bottleneck=self.bottleneck)
         return out
@@ -124,7 +125,10 @@ class Timings:
         """This replica's timings as seen by a router whose own total was `router_total_ms`:
         `route` is the difference (routing, connecting, relaying), never negative."""
         total = max(router_total_ms, self.total_ms)
-        return replace(self, route_ms=total - self.total_ms, total_ms=total)
+        return Timings(self.parse_ms, self.tokenize_ms, self.queue_ms, self.prefill_ms,
+                       self.decode_ms, self.post_ms, total, self.prompt_tokens,
+                       self.cached_tokens, self.completion_tokens, self.preemptions,
+                       total - self.total_ms)
 
 
 def split(marks: PhaseClock, engine: EngineTimes | None, end: float) -> Timings:

@@ -1,5 +1,7 @@
 """Router overhead: the latency a router adds to a request, measured against a direct call to the
-same fake replica, alternating the two so drift hits both alike; and the routing decision alone
+same fake replica and against a bare aiohttp forwarder (one handler: read the body, post it
+upstream on a pooled session, return the answer; the floor of an aiohttp hop on this machine),
+the three alternated call by call so drift hits all alike; and the routing decision alone
 (`RouterContext.pick`, in-process) on fleets of 1 to 256 replicas, every candidate scored
 against a sample of `--choices`, alternated the same way. Appends rows to BENCHMARKS.md.
 
@@ -69,22 +71,53 @@ async def timed(s: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -
     return time.perf_counter() - t0
 
 
-async def measure(direct: str, routed: str, n: int, stream: bool) -> tuple[list[float], ...]:
+async def measure(urls: list[str], n: int, stream: bool) -> list[list[float]]:
+    """Seconds per call to each of `urls`, called in turn (the order flipped every round)."""
     body = orjson.dumps({"model": "fake", "prompt": "benchmark the router", "max_tokens": 1,
                          "temperature": 0, "stream": stream})
-    a: list[float] = []
-    b: list[float] = []
-    async with aiohttp.ClientSession() as s:
-        for _ in range(20):  # warm both paths (connections, caches)
-            await timed(s, direct, body, stream)
-            await timed(s, routed, body, stream)
+    out: list[list[float]] = [[] for _ in urls]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for _ in range(20):  # warm every path (connections, caches)
+            for url in urls:
+                await timed(s, url, body, stream)
         for i in range(n):
-            first, second = (direct, routed) if i % 2 else (routed, direct)
-            t1 = await timed(s, first, body, stream)
-            t2 = await timed(s, second, body, stream)
-            a.append(t1 if first == direct else t2)
-            b.append(t2 if first == direct else t1)
-    return a, b
+            order = list(range(len(urls)))
+            for j in order if i % 2 else order[::-1]:
+                out[j].append(await timed(s, urls[j], body, stream))
+    return out
+
+
+def bare_forwarder(port: int, upstream: str) -> None:
+    """The floor: an aiohttp app that forwards POST /v1/completions and nothing else."""
+    import uvloop
+    from aiohttp import web
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        async with request.app[SESSION].post(upstream + request.path, data=raw, headers={
+                "Content-Type": "application/json"}) as up:
+            if up.content_type != "text/event-stream":
+                return web.Response(body=await up.read(), status=up.status,
+                                    content_type=up.content_type)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    async def session(app: web.Application) -> Any:
+        app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app[SESSION].close()
+
+    SESSION = web.AppKey("session", aiohttp.ClientSession)
+    app = web.Application()
+    app.router.add_post("/v1/completions", forward)
+    app.router.add_get("/ready", lambda _: web.Response(text="ok"))
+    app.cleanup_ctx.append(session)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
+                loop=uvloop.new_event_loop())
 
 
 def decision_context(replicas: int, choices: int, streams: int = 3) -> Any:
@@ -143,36 +176,46 @@ def main() -> int:
     ap.add_argument("--choices", type=int, default=8, help="replicas sampled per pick in the "
                     "sampled mode, for pools over 64")
     ap.add_argument("--no-append", action="store_true", help="print, do not touch BENCHMARKS.md")
+    ap.add_argument("--bare-forwarder", nargs=2, metavar=("PORT", "UPSTREAM"),
+                    help=argparse.SUPPRESS)  # the reference forwarder's own process
     args = ap.parse_args()
+    if args.bare_forwarder:
+        bare_forwarder(int(args.bare_forwarder[0]), args.bare_forwarder[1])
+        return 0
     load0 = os.getloadavg()[0]
-    rport, xport = free_port(), free_port()
+    rport, xport, bport = free_port(), free_port(), free_port()
     rep = start(["-m", "batcher.cli", "serve", "--model", "fake", "--embedding-model", "none",
                  "--port", str(rport), "--fake-decode-step-ms", "1", "--log-level", "warning"])
-    direct, routed = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{xport}"
+    direct = f"http://127.0.0.1:{rport}"
+    routed, bare = f"http://127.0.0.1:{xport}", f"http://127.0.0.1:{bport}"
     router = start(["-m", "batcher.fleet.cli", "router", "--port", str(xport), "--replica",
                     direct, "--log-level", "warning"])
+    forwarder = start([__file__, "--bare-forwarder", str(bport), direct])
     try:
         wait_up(direct + "/ready", rep)
         wait_up(routed + "/ready", router)
+        wait_up(bare + "/ready", forwarder)
         rows = []
         for stream in (False, True):
-            d, r = asyncio.run(measure(direct, routed, args.requests, stream))
+            d, r, b = asyncio.run(measure([direct, routed, bare], args.requests, stream))
             added = [(y - x) * 1000 for x, y in zip(d, r)]
+            floor = [(y - x) * 1000 for x, y in zip(d, b)]
             mode = "stream, first event" if stream else "whole answer"
             rows.append([mode, "1 fake replica, max_tokens 1", str(args.requests),
                          f"{pct(d, 50) * 1000:.2f}", f"{pct(r, 50) * 1000:.2f}",
                          f"{pct(added, 50):.2f}", f"{pct(added, 99):.2f}",
-                         "yes" if pct(added, 50) <= 1.0 else "no"])
+                         f"{pct(floor, 50):.2f}", "yes" if pct(added, 50) <= 1.0 else "no"])
     finally:
-        for p in (router, rep):
+        for p in (forwarder, router, rep):
             p.terminate()
             p.wait(timeout=30)
     drows = decisions(args.decisions, args.choices) if args.decisions > 0 else []
     load = f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after"
-    header = ["mode", "setup", "pairs", "direct p50 ms", "routed p50 ms", "added p50 ms",
-              "added p99 ms", "<= 1 ms"]
-    notes = ("Sequential requests on loopback, direct and routed calls alternated; 'added' is "
-             f"the per-pair difference. {os.cpu_count()} CPUs, {load}.")
+    header = ["mode", "setup", "rounds", "direct p50 ms", "routed p50 ms", "added p50 ms",
+              "added p99 ms", "bare forwarder added p50 ms", "<= 1 ms"]
+    notes = ("Sequential requests on loopback, direct, routed and bare-forwarder calls "
+             "alternated; 'added' is the per-round difference from the direct call. "
+             f"{os.cpu_count()} CPUs, {load}.")
     dheader = ["replicas", "mode", "scored", "picks", "p50 ms", "p99 ms", "CPU ms / pick"]
     dnotes = ("`RouterContext.pick` in-process: candidates built from the registry and the "
               "router's load account (three streams in flight per replica), then the policy; "
