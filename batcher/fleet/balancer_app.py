@@ -109,7 +109,7 @@ class BalancerContext(RouterContext):
             fig = reg.figures.get(rep.replica_id)
             routable = fig is not None and reg.routable(rep)
             total = rep.state.total_blocks if rep.state is not None else 0
-            pending = sum(r.blocks for r in rep.unreflected())
+            pending = rep.unreflected_blocks
             out.append(CellView(rep.replica_id, fig.saturation if fig else 1.0, routable,
                                 fresh=not reg.suspect(rep, now),
                                 healthy_replicas=fig.healthy_replicas if fig else 0,

@@ -165,15 +165,10 @@ class RouterContext:
                                      others=st.running + st.waiting))
                 continue
             load.state_seen(rep.state_at)
-            # the registry's effective_free / effective_waiting, one pass over the reservations
-            unreflected = rep.unreflected()
-            # the state's free blocks, less what was sent since and what the router's own
-            # streams there grew since, plus what those that ended since held
-            free = (st.free_blocks - sum(r.blocks for r in unreflected)
-                    - load.kv_since // max(1, st.block_size))
-            out.append(Candidate(rep.replica_id, min(st.total_blocks, free),
-                                 st.total_blocks, st.block_size,
-                                 st.waiting + len(unreflected), st.version,
+            free = load.free_blocks(st.free_blocks, rep.unreflected_blocks, st.total_blocks,
+                                    st.block_size)
+            out.append(Candidate(rep.replica_id, free, st.total_blocks, st.block_size,
+                                 st.waiting + rep.unreflected_count, st.version,
                                  fresh=not reg.suspect(rep, now), running=st.running,
                                  inflight=load.inflight,
                                  others=load.others(st.running, st.waiting),

@@ -55,7 +55,7 @@ class _Started:
     last: float
     tokens: int = 1
     prompt: int = 0
-    reported: int = 0  # tokens it had when the last state seen was measured (-1: sent after)
+    counted: bool = False  # the last state seen was measured after it was sent: it shows it
 
 
 @dataclass(slots=True)
@@ -75,6 +75,7 @@ class ReplicaLoad:
     unreflected: int = 0  # attempts in flight sent after that measurement
     ended_since: int = 0  # attempts sent before it that have ended since
     kv_since: int = 0  # KV tokens the router's own attempts freed (<0) or grew since it
+    prompt_since: int = 0  # prompt tokens of the pending attempts sent since it
 
     def state_seen(self, measured_at: float) -> None:
         """The replica reported a state measured at `measured_at`."""
@@ -84,8 +85,9 @@ class ReplicaLoad:
         self.unreflected = sum(1 for t in self.sent_at.values() if t >= measured_at)
         self.ended_since = 0
         self.kv_since = 0
+        self.prompt_since = sum(p.prompt for p in self.pending.values() if p.sent >= measured_at)
         for key, st in self.started.items():
-            st.reported = st.tokens if self.sent_at.get(key, measured_at) < measured_at else -1
+            st.counted = self.sent_at.get(key, measured_at) < measured_at
 
     def others(self, running: int, waiting: int) -> int:
         """Sequences in the last report beyond the router's own requests it could include:
@@ -100,8 +102,14 @@ class ReplicaLoad:
         own count is exact, the router's is an estimate made at sending)."""
         if not self.pending:
             return 0
-        since = sum(p.prompt for p in self.pending.values() if p.sent >= self.state_at)
-        return min(self.prefill_tokens, since + max(0, reported_unserved))
+        return min(self.prefill_tokens, self.prompt_since + max(0, reported_unserved))
+
+    def free_blocks(self, reported: int, reserved_since: int, total: int,
+                    block_size: int) -> int:
+        """KV blocks free on the replica as well as the router can tell: the last report's,
+        less what was sent there since (`reserved_since`) and what the router's own streams
+        grew since, plus what those that ended since held; never above `total`."""
+        return min(total, reported - reserved_since - self.kv_since // max(1, block_size))
 
     def overdue_s(self, now: float) -> float:
         """How much longer than predicted the oldest request without a first token has waited,
@@ -123,6 +131,8 @@ class ReplicaLoad:
         slowdown = 1.0 + (self.inflight - 1) / self.seqs_per_step
         self.pending[key] = _Pending(now, prompt_tokens, self.prefill_tokens, slowdown)
         self.prefill_tokens += prompt_tokens
+        if now >= self.state_at:
+            self.prompt_since += prompt_tokens
 
     def token(self, key: Hashable, now: float, count: int = 1) -> None:
         """`count` tokens (or chunks of the stream) of attempt `key` arrived, the last at
@@ -132,13 +142,12 @@ class ReplicaLoad:
         if st is not None:
             st.last = now
             st.tokens += count
-            if st.reported >= 0:
+            if st.counted:
                 self.kv_since += count
             return
-        p = self.pending.pop(key, None)
+        p = self._unpend(key)
         if p is None:
             return
-        self.prefill_tokens -= p.prompt
         if now > p.sent:  # the rate an unloaded replica would show, as the policy scales it
             sample = (p.ahead + p.prompt) * p.slowdown / (now - p.sent)
             if self.prefill_rate is not None:  # NOTE: one stall or burst moves it a step only
@@ -146,8 +155,7 @@ class ReplicaLoad:
                              self.prefill_rate * SAMPLE_CLAMP)
             self.prefill_rate = _ewma(self.prefill_rate, sample)
         sent = self.sent_at.get(key, now)
-        self.started[key] = _Started(now, now, count, p.prompt,
-                                     0 if sent < self.state_at else -1)
+        self.started[key] = _Started(now, now, count, p.prompt, sent < self.state_at)
         if sent < self.state_at:
             self.kv_since += count
 
@@ -160,11 +168,17 @@ class ReplicaLoad:
                 self.unreflected -= 1
             else:
                 self.ended_since += 1
-        p = self.pending.pop(key, None)
-        if p is not None:
-            self.prefill_tokens -= p.prompt
+        self._unpend(key)
         st = self.started.pop(key, None)
-        if st is not None and st.reported >= 0:  # the state counted it: its KV is free now
+        if st is not None and st.counted:  # the state showed it: its KV is free now
             self.kv_since -= st.prompt + st.tokens
         if st is not None and st.tokens > 2 and st.last > st.first:
             self.step_s = _ewma(self.step_s, (st.last - st.first) / (st.tokens - 1))
+
+    def _unpend(self, key: Hashable) -> _Pending | None:
+        p = self.pending.pop(key, None)
+        if p is not None:
+            self.prefill_tokens -= p.prompt
+            if p.sent >= self.state_at:
+                self.prompt_since -= p.prompt
+        return p

@@ -76,9 +76,19 @@ class Replica:
     def inflight(self) -> int:
         return len(self.reservations)
 
+    # what the reservations since `state_at` add up to, kept as they change (a pick reads every
+    # replica's; recounting each replica's reservations made a pick grow with the work in flight)
+    unreflected_count: int = 0
+    unreflected_blocks: int = 0
+
     def unreflected(self) -> list[Reservation]:
         """Reservations the last state snapshot cannot include yet."""
         return [r for r in self.reservations.values() if r.at >= self.state_at]
+
+    def set_state(self, state: EngineSnapshot, at: float) -> None:
+        self.state, self.state_at = state, at
+        mine = self.unreflected()
+        self.unreflected_count, self.unreflected_blocks = len(mine), sum(r.blocks for r in mine)
 
 
 def replica_id_for(url: str) -> str:
@@ -167,7 +177,7 @@ class Registry:
                 rep.static and rep.admin_url):
             rep.admin_url = admin_url.rstrip("/")
         rep.beat_at = now
-        rep.state, rep.state_at = state, now
+        rep.set_state(state, now)
         return True
 
     def _check_move(self, rep: Replica, epoch: int | str, now: float) -> None:
@@ -204,7 +214,7 @@ class Registry:
             return False
         if now < rep.state_at:
             return False
-        rep.state, rep.state_at = st, now
+        rep.set_state(st, now)
         if poll and not rep.beats:
             rep.beat_at = now
         return True
@@ -226,21 +236,27 @@ class Registry:
         st = rep.state
         if st is None:
             return 0
-        return st.free_blocks - sum(r.blocks for r in rep.unreflected())
+        return st.free_blocks - rep.unreflected_blocks
 
     @staticmethod
     def effective_waiting(rep: Replica) -> int:
         st = rep.state
-        return (st.waiting if st is not None else 0) + len(rep.unreflected())
+        return (st.waiting if st is not None else 0) + rep.unreflected_count
 
     # the router's own in-flight work ----------------------------------------------------------
     def reserve(self, rep: Replica, blocks: int, now: float) -> int:
         token = next(self._tokens)
         rep.reservations[token] = Reservation(blocks, now)
+        if now >= rep.state_at:
+            rep.unreflected_count += 1
+            rep.unreflected_blocks += blocks
         return token
 
     def release(self, rep: Replica, token: int) -> None:
-        rep.reservations.pop(token, None)
+        r = rep.reservations.pop(token, None)
+        if r is not None and r.at >= rep.state_at:
+            rep.unreflected_count -= 1
+            rep.unreflected_blocks -= r.blocks
 
     def snapshot(self, now: float) -> list[dict[str, Any]]:
         """JSON-ready view for /v1/state and the admin status."""

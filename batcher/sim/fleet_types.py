@@ -152,8 +152,8 @@ class View:
 
     @property
     def free_blocks(self) -> int:
-        return min(self.total_blocks, self.reported_free - self.reserved
-                   - self.load.kv_since // self.block_size)
+        return self.load.free_blocks(self.reported_free, self.reserved, self.total_blocks,
+                                     self.block_size)
 
     @property
     def waiting(self) -> int:

@@ -173,3 +173,25 @@ def test_prefill_ahead_is_capped_by_what_the_report_shows_unserved() -> None:
     load.token("a", now=0.4)
     load.token("b", now=0.5)
     assert load.prefill_ahead(300) == 200
+
+
+def test_the_prompt_tokens_sent_since_a_report_match_a_recount() -> None:
+    rng = random.Random(11)
+    load = ReplicaLoad()
+    live: list[int] = []
+    now = 0.0
+    for key in range(500):
+        now += rng.choice((0.0, 0.01, 0.1))
+        r = rng.random()
+        if r < 0.4:
+            load.sent(key, rng.randint(1, 500), now)
+            live.append(key)
+        elif r < 0.6 and live:
+            load.token(rng.choice(live), now)
+        elif r < 0.85 and live:
+            load.done(live.pop(rng.randrange(len(live))))
+        else:
+            load.state_seen(now - rng.choice((0.0, 0.05)))
+        assert load.prompt_since == sum(p.prompt for p in load.pending.values()
+                                        if p.sent >= load.state_at)
+

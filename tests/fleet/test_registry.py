@@ -3,6 +3,8 @@ piggybacked state, reservations on top of stale data."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from batcher.engine_state import EngineSnapshot
@@ -100,6 +102,32 @@ def test_reservations_count_only_until_a_newer_state_arrives():
     assert reg.effective_free(rep) == 85 and reg.effective_waiting(rep) == 0
     reg.release(rep, t1)
     assert rep.inflight == 1
+
+
+def test_the_unreflected_sums_kept_match_a_recount() -> None:
+    """What a pick reads per replica is kept as reservations and states come and go; it must
+    equal a recount of the reservations the last state cannot show."""
+    rng = random.Random(7)
+    reg = Registry()
+    reg.beat(beat(), now=0.0)
+    rep = reg.get("a")
+    tokens: list[int] = []
+    now, seq = 0.0, 1
+    for _ in range(400):
+        now += rng.choice((0.0, 0.01, 0.1))
+        r = rng.random()
+        if r < 0.45:
+            tokens.append(reg.reserve(rep, rng.randint(1, 9), now))
+        elif r < 0.8 and tokens:
+            reg.release(rep, tokens.pop(rng.randrange(len(tokens))))
+        elif r < 0.9:
+            seq += 1
+            reg.beat(beat(seq=seq), now=now)
+        else:
+            reg.observe("a", beat(), now)
+        mine = rep.unreflected()
+        assert rep.unreflected_count == len(mine)
+        assert rep.unreflected_blocks == sum(x.blocks for x in mine)
 
 
 def test_forget_only_evicted_silent_dynamic_replicas():
