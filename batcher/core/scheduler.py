@@ -339,13 +339,17 @@ class Scheduler:
         window = self.config.burst_window_s
         if window <= 0 or len(self.running) + len(self.waiting) < BURST_MIN:
             return False
-        first = last = None
+        first = last = (self.waiting or self.running)[0].arrival_time
         for q in (self.running, self.waiting):
             for r in q:
                 t = r.arrival_time
-                first = t if first is None or t < first else first
-                last = t if last is None or t > last else last
-        return first is not None and last - first <= window
+                if t < first:
+                    first = t
+                elif t > last:
+                    last = t
+                if last - first > window:  # steady traffic ends the scan in a few requests
+                    return False
+        return True
 
     def _paced(self, req: Request, num_computed: int, limit: int,
                allowance: PrefillAllowance) -> int:
