@@ -4,9 +4,9 @@ There is no prefill phase. Each request has `num_computed_tokens`; each step han
 `max_num_batched_tokens` tokens to at most `max_num_seqs` sequences: a decode is one token, a prompt
 (or a preempted request's recompute) is a chunk of whatever budget is left. While streams decode,
 a step-time model sizes the chunks so the step stays within their time-per-token target
-(`step_budget.py`). When a running request cannot get a block, the lowest-priority, newest running
-request is preempted (recomputed later). Finish, abort and preemption all release resources
-through `_free`.
+(`prefill_pacing.py`, `step_budget.py`). When a running request cannot get a block, the
+lowest-priority, newest running request is preempted (recomputed later). Finish, abort and
+preemption all release resources through `_free`.
 """
 
 from __future__ import annotations
@@ -20,17 +20,15 @@ from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.ngram_proposer import NgramProposer, can_speculate
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from batcher.core.refusals import DuplicateRequestId, EmptyPrompt, ExceedsContext, ExceedsKvCapacity
-from batcher.core.step_budget import PrefillAllowance, deadline_chunk, step_target
-from batcher.core.step_time import OnlineStepTimeModel, StepShape
+from batcher.core.prefill_pacing import PrefillPacer
+from batcher.core.step_budget import PrefillAllowance
+from batcher.core.step_time import OnlineStepTimeModel
 from batcher.core.step_updates import RequestUpdate, SchedulerStats
 from batcher.core.stopping import stop_status, suppressed_tokens
 from batcher.request import Request, RequestStatus
 
 # Prompt positions one request scores (prompt logprobs) per step, at most.
 MAX_SCORED_CHUNK = 512
-# Fewer requests arriving together are not a burst: a pair's second prompt read at the whole
-# budget would stall the first stream for as long, for nothing a batch gains.
-BURST_MIN = 4
 
 
 def _running_key(req: Request) -> tuple[int, float]:
@@ -66,6 +64,8 @@ class Scheduler:
         self.config = sched_config.validate()
         self.kv = kv
         self.step_time = step_time if self.config.prefill_budget == "time" else None
+        self.pacer = (None if self.step_time is None else
+                      PrefillPacer(self.config, self.step_time, clock, kv.block_size))
         # The last step's allowance (None when it had no time target): for tests and metrics.
         self.last_allowance: PrefillAllowance | None = None
         self.clock = clock
@@ -155,7 +155,9 @@ class Scheduler:
         # NOTE: a prefill chunk leaves one token of budget for each decode behind it, so a long
         # prompt of a high-priority request never stalls the streams already decoding.
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        allowance = self.last_allowance = self._allowance()
+        pacer = self.pacer
+        allowance = self.last_allowance = (
+            None if pacer is None else pacer.allowance(self.running, self.waiting))
         i = 0
         while i < len(self.running) and budget > 0 and len(seqs) < cfg.max_num_seqs:
             req = self.running[i]
@@ -166,8 +168,8 @@ class Scheduler:
                 drafts = self._drafts(req, budget - 1 - decodes_left)
             elif budget > decodes_left:
                 num_new = self._chunk(req, req.num_computed_tokens, budget - decodes_left)
-                if allowance is not None:
-                    num_new = self._paced(req, req.num_computed_tokens, num_new, allowance)
+                if pacer is not None and allowance is not None:
+                    num_new = pacer.paced(req, req.num_computed_tokens, num_new, allowance)
                     if num_new == 0:
                         i += 1
                         continue
@@ -207,10 +209,10 @@ class Scheduler:
                 keep = min(num_hit, req.num_prompt_scored) // self.kv.block_size
                 computed, num_hit = computed[:keep], keep * self.kv.block_size
             num_new = self._chunk(req, num_hit, budget)
-            if allowance is not None:
+            if pacer is not None and allowance is not None:
                 # NOTE: the time target is spent: the head waits for the next step, and the
                 # requests behind it with it (strict order, as below).
-                num_new = self._paced(req, num_hit, num_new, allowance)
+                num_new = pacer.paced(req, num_hit, num_new, allowance)
                 if num_new == 0:
                     break
             if not self.kv.allocate_slots(req, num_new, computed):
@@ -311,63 +313,6 @@ class Scheduler:
         assert self.waiting == sorted(self.waiting, key=_waiting_key)
         assert self.kv.holders() == {r.request_id for r in self.running}
         self.kv.check_integrity()
-
-    def _allowance(self) -> PrefillAllowance | None:
-        """This step's prefill allowance under the time target; None when there is no model or
-        no decode to protect (prefill then gets the whole token budget)."""
-        if self.step_time is None:
-            return None
-        bs = self.kv.block_size
-        decode = StepShape()
-        for r in self.running:
-            if r.num_tokens - r.num_computed_tokens == 1:
-                decode = decode.plus(1, r.num_computed_tokens, bs)
-        cfg = self.config
-        if self.waiting and len(self.running) < cfg.max_num_seqs and self._one_burst():
-            return None  # a burst's fill (see step_budget)
-        # The steady batch: the streams plus the requests waiting to start (see step_budget).
-        batch = min(cfg.max_num_seqs, decode.decode_rows + len(self.waiting))
-        target = step_target(self.step_time, decode, cfg.slo_tpot_s, cfg.max_step_slowdown,
-                             batch)
-        if target is None:
-            return None
-        return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)
-
-    def _one_burst(self) -> bool:
-        """At least BURST_MIN requests are here and every one arrived within
-        `burst_window_s` of the first."""
-        window = self.config.burst_window_s
-        if window <= 0 or len(self.running) + len(self.waiting) < BURST_MIN:
-            return False
-        first = last = (self.waiting or self.running)[0].arrival_time
-        for q in (self.running, self.waiting):
-            for r in q:
-                t = r.arrival_time
-                if t < first:
-                    first = t
-                elif t > last:
-                    last = t
-                if last - first > window:  # steady traffic ends the scan in a few requests
-                    return False
-        return True
-
-    def _paced(self, req: Request, num_computed: int, limit: int,
-               allowance: PrefillAllowance) -> int:
-        """The chunk the time target allows, raised to what the request's first-token deadline
-        needs (an interactive prompt not yet answered, under a TTFT SLO; see step_budget)."""
-        num_new = allowance.chunk(num_computed, limit)
-        slo = self.config.slo_ttft_s
-        if slo is None or req.first_token_time is not None or req.priority > 0:
-            return num_new
-        since = self.clock() - req.arrival_time
-        remaining = req.num_prompt_tokens - num_computed
-        if allowance.seconds_alone_at(num_computed, remaining, limit) > slo - since:
-            return num_new  # late even at the whole budget: the streams keep their target
-        left = self.config.ttft_pace * slo - since
-        need = deadline_chunk(remaining, left, allowance.target_s, limit)
-        # Steps that carry the needed chunk are longer than the target: size it again on them.
-        need = deadline_chunk(remaining, left, allowance.step_with(num_computed, need), limit)
-        return max(num_new, need)
 
     def _chunk(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute for `req` this step: the rest of it, capped by the budget and, for a

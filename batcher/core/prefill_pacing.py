@@ -1,0 +1,84 @@
+"""The scheduler's prefill pacing: each step's allowance under the time target (`step_budget`),
+the burst fill that lifts it, and the first-token deadline that raises a chunk above it.
+
+The scheduler asks `allowance(running, waiting)` once a step and `paced(...)` per prefill
+chunk; how much a step may carry is decided here, what runs is decided there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from batcher.config import SchedulerConfig
+from batcher.core.step_budget import PrefillAllowance, deadline_chunk, step_target
+from batcher.core.step_time import OnlineStepTimeModel, StepShape
+from batcher.request import Request
+
+# Fewer requests arriving together are not a burst: a pair's second prompt read at the whole
+# budget would stall the first stream for as long, for nothing a batch gains.
+BURST_MIN = 4
+
+
+class PrefillPacer:
+    """Sizes prefill by `step_time`, the engine's online model of its own steps."""
+
+    def __init__(self, config: SchedulerConfig, step_time: OnlineStepTimeModel,
+                 clock: Callable[[], float], block_size: int) -> None:
+        self.config, self.step_time, self.clock = config, step_time, clock
+        self.block_size = block_size
+
+    def allowance(self, running: Sequence[Request],
+                  waiting: Sequence[Request]) -> PrefillAllowance | None:
+        """This step's prefill allowance under the time target; None when there is no decode
+        to protect or a burst fills its batch (prefill then gets the whole token budget)."""
+        bs = self.block_size
+        decode = StepShape()
+        for r in running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                decode = decode.plus(1, r.num_computed_tokens, bs)
+        cfg = self.config
+        if waiting and len(running) < cfg.max_num_seqs and self.one_burst(running, waiting):
+            return None  # a burst's fill (see step_budget)
+        # The steady batch: the streams plus the requests waiting to start (see step_budget).
+        batch = min(cfg.max_num_seqs, decode.decode_rows + len(waiting))
+        target = step_target(self.step_time, decode, cfg.slo_tpot_s, cfg.max_step_slowdown,
+                             batch)
+        if target is None:
+            return None
+        return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)
+
+    def one_burst(self, running: Sequence[Request], waiting: Sequence[Request]) -> bool:
+        """At least BURST_MIN requests are here and every one arrived within
+        `burst_window_s` of the first."""
+        window = self.config.burst_window_s
+        if window <= 0 or len(running) + len(waiting) < BURST_MIN:
+            return False
+        first = last = (waiting or running)[0].arrival_time
+        for q in (running, waiting):
+            for r in q:
+                t = r.arrival_time
+                if t < first:
+                    first = t
+                elif t > last:
+                    last = t
+                if last - first > window:  # steady traffic ends the scan in a few requests
+                    return False
+        return True
+
+    def paced(self, req: Request, num_computed: int, limit: int,
+              allowance: PrefillAllowance) -> int:
+        """The chunk the time target allows, raised to what the request's first-token deadline
+        needs (an interactive prompt not yet answered, under a TTFT SLO; see step_budget)."""
+        num_new = allowance.chunk(num_computed, limit)
+        slo = self.config.slo_ttft_s
+        if slo is None or req.first_token_time is not None or req.priority > 0:
+            return num_new
+        since = self.clock() - req.arrival_time
+        remaining = req.num_prompt_tokens - num_computed
+        if allowance.seconds_alone_at(num_computed, remaining, limit) > slo - since:
+            return num_new  # late even at the whole budget: the streams keep their target
+        left = self.config.ttft_pace * slo - since
+        need = deadline_chunk(remaining, left, allowance.target_s, limit)
+        # Steps that carry the needed chunk are longer than the target: size it again on them.
+        need = deadline_chunk(remaining, left, allowance.step_with(num_computed, need), limit)
+        return max(num_new, need)
