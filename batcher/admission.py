@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from batcher.core.refusals import Refused
 from batcher.slo_limit import CEILING, SloLimit
 from batcher.tenants import PRIORITIES, TenantConfig
+from batcher.token_bucket import TokenBucket
 from batcher.ttft_predictor import Backlog, TtftPredictor
 
 REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "tpot_slo",
@@ -56,8 +57,6 @@ REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "tp
 _MIN_503_RETRY_S = 1.0
 # Used for a 429 on concurrency until a service time has been measured.
 _DEFAULT_SERVICE_S = 1.0
-# Refill round-off: waiting exactly the returned time must always succeed.
-_TAKE_TOLERANCE = 1e-9
 _EWMA_ALPHA = 0.2
 # Batch must be predicted within this share of the TTFT SLO (scaled down with the interactive
 # share when the controller lowers it): interactive requests admitted after it are served first
@@ -89,59 +88,6 @@ class Rejected(Exception):
     def retry_after_header(self) -> str:
         """`Retry-After` takes whole seconds: round up, so an honoured header is never early."""
         return str(max(1, math.ceil(self.retry_after)))
-
-
-class TokenBucket:
-    """Holds up to `capacity` tokens, refilled continuously at `rate_per_s`; starts full."""
-
-    __slots__ = ("_clock", "_last", "_tokens", "capacity", "rate_per_s")
-
-    def __init__(
-        self, rate_per_s: float, capacity: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        if not (rate_per_s > 0 and math.isfinite(rate_per_s)) or not capacity > 0:
-            raise ValueError(f"bucket needs rate and capacity > 0, got {rate_per_s}, {capacity}")
-        self.rate_per_s = rate_per_s
-        self.capacity = capacity
-        self._clock = clock
-        self._tokens = float(capacity)
-        self._last = clock()
-
-    def _refill(self) -> None:
-        now = self._clock()
-        # max(): a clock that steps back must not drain the bucket.
-        elapsed = max(0.0, now - self._last)
-        self._last = now
-        self._tokens = min(self.capacity, self._tokens + elapsed * self.rate_per_s)
-
-    @property
-    def tokens(self) -> float:
-        """Tokens available now."""
-        self._refill()
-        return self._tokens
-
-    def wait_time(self, n: float) -> float:
-        """Seconds until `n` tokens are available (0 if now; inf if `n` exceeds capacity). Takes
-        nothing."""
-        if n > self.capacity:
-            return math.inf
-        self._refill()
-        deficit = n - self._tokens
-        if deficit <= _TAKE_TOLERANCE * max(1.0, n):
-            return 0.0
-        return deficit / self.rate_per_s
-
-    def try_take(self, n: float) -> float:
-        """Take `n` tokens and return 0, or take nothing and return `wait_time(n)`."""
-        wait = self.wait_time(n)
-        if wait == 0.0:
-            self._tokens -= n
-        return wait
-
-    def refund(self, n: float) -> None:
-        """Give back `n` tokens, never filling past capacity."""
-        self._refill()
-        self._tokens = min(self.capacity, self._tokens + max(0.0, n))
 
 
 @dataclass(slots=True)

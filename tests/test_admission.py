@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from batcher.admission import Admission, Rejected, Ticket, TokenBucket
+from batcher.admission import Admission, Rejected, Ticket
 from batcher.request import Priority, Request
 from batcher.sampling import SamplingParams
 from batcher.server.auth import Authenticator, AuthError, main
 from batcher.tenants import DEFAULT_TENANT, TenantConfig, hash_key, load_tenants
+from batcher.token_bucket import TokenBucket
 from batcher.ttft_predictor import CORRECTION_MIN, CORRECTION_SAMPLES, Backlog
 
 IDLE = Backlog()
