@@ -24,7 +24,8 @@ from typing import BinaryIO, Protocol
 
 from batcher.batch.lines import Deferred, LineResult, output_line, unanswered_line
 from batcher.batch.metrics import BatchMetrics
-from batcher.batch.store import BatchRecord, BatchStore, FileRecord, PendingLine, new_id
+from batcher.batch.records import BatchRecord, FileRecord, PendingLine, new_id
+from batcher.batch.store import BatchStore
 from batcher.http.errors import error_body
 from batcher.tenants import TenantConfig
 

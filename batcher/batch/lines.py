@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from batcher.batch.store import new_id
+from batcher.batch.records import new_id
 from batcher.http.errors import ApiError
 from batcher.server.gateway import Gateway, Job
 from batcher.server.openai_routes import GenerationHandler

@@ -14,7 +14,7 @@ from typing import TextIO
 
 from batcher.batch.jsonl import InputLine, parse_input
 from batcher.batch.lines import Deferred, LineResult, LineRunner, output_line
-from batcher.batch.store import new_id
+from batcher.batch.records import new_id
 from batcher.http.errors import error_body
 from batcher.tenants import DEFAULT_TENANT
 

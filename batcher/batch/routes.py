@@ -19,7 +19,8 @@ from aiohttp import BodyPartReader, web
 
 from batcher.batch.executor import BatchExecutor
 from batcher.batch.jsonl import ENDPOINTS, MAX_LINES, LineProblem, parse_input
-from batcher.batch.store import TERMINAL, BatchStore, CreatedBounds
+from batcher.batch.records import TERMINAL
+from batcher.batch.store import BatchStore, CreatedBounds
 from batcher.http.errors import ApiError, invalid
 from batcher.http.responses import json_response
 
