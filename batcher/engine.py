@@ -22,6 +22,7 @@ from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.core.step_updates import RequestUpdate
+from batcher.detokenizer import IncrementalDetokenizer
 from batcher.engine_events import EngineError, EngineEvent
 from batcher.engine_state import EngineSnapshot
 from batcher.model_thread import ModelThread
@@ -29,7 +30,7 @@ from batcher.request import Request, RequestStatus
 from batcher.request_registry import RequestRegistry, iter_stream
 from batcher.sampling import SamplingParams
 from batcher.timings import EngineTimes
-from batcher.tokenizer import IncrementalDetokenizer, Tokenizer
+from batcher.tokenizer import Tokenizer
 from batcher.ttft_predictor import Backlog
 
 log = logging.getLogger(__name__)

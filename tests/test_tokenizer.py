@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batcher.bundled import smollm2_gguf_path
-from batcher.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from batcher.detokenizer import IncrementalDetokenizer
+from batcher.tokenizer import Tokenizer, load_tokenizer
 
 MIXED_TEXT = "Café naïve façade — 😀🎉 日本語のテキスト, 한국어 👩‍👩‍👧 ñ ü ß Ω"
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from batcher.bundled import smollm2_gguf_path
-from batcher.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from batcher.detokenizer import IncrementalDetokenizer
+from batcher.tokenizer import Tokenizer, load_tokenizer
 from batcher.tokenizer_json import JsonTokenizer, can_load
 from tests.test_tool_parsers import QWEN_LIKE, WEATHER
 
