@@ -31,6 +31,29 @@ def test_only_chunks_with_timings_are_rewritten() -> None:
     assert clock.whole(b'{"broken', {}) == b'{"broken'
 
 
+def test_whole_answers_keep_every_other_byte_and_read_nested_timings_as_data() -> None:
+    now = [10.0]
+    clock = RouteClock(clock=lambda: now[0])
+    now[0] = 10.1
+    timings = {p + "_ms": 10.0 for p in PHASES} | {"total_ms": 60.0}
+    # Last key (as a replica writes it): the rest of the body is passed on byte for byte.
+    head = b'{"id":"x","choices":[{"text":"a \\",\\"timings\\":{ b"}],"n":1.50'
+    body = head + b',"timings":' + orjson.dumps(timings) + b"}"
+    headers: dict[str, str] = {}
+    out = clock.whole(body, headers)
+    assert out.startswith(head) and "Server-Timing" in headers
+    obj = orjson.loads(out)
+    assert obj["choices"][0]["text"] == 'a ","timings":{ b'  # the marker, escaped
+    assert obj["timings"]["route_ms"] == pytest.approx(40.0)
+    assert obj["timings"]["total_ms"] == pytest.approx(100.0)
+    # Not last, or nested: the whole body is read, and only the top level's timings change.
+    for doc in ({"timings": timings, "id": "y"},
+                {"id": "z", "timings": timings, "extra": {"timings": {"total_ms": 1.0}}}):
+        obj = orjson.loads(clock.whole(orjson.dumps(doc), {}))
+        assert obj["timings"]["route_ms"] == pytest.approx(40.0)
+        assert obj.get("extra", {"timings": {"total_ms": 1.0}}) == {"timings": {"total_ms": 1.0}}
+
+
 async def test_router_adds_route_and_forwards_the_replica_phases(aiohttp_client, tiny_fp32
                                                                  ) -> None:
     replica = await aiohttp_client(app_factory(tiny_fp32, load_tokenizer(), TENANTS)())
