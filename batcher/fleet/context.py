@@ -141,9 +141,9 @@ class RouterContext:
         self._turn = 0  # round-robin's position
 
     def later(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Bookkeeping that need not delay an answer (metrics, access lines, a state read off
-        a response): run on the loop's next turn, after the handler's current step has written
-        what it had; at once when no loop runs."""
+        """Bookkeeping that need not delay an answer and that nothing routed next depends on
+        (metrics, access lines, trace ends): run on the loop's next turn, after the handler's
+        current step has written what it had; at once when no loop runs."""
         try:
             asyncio.get_running_loop().call_soon(fn, *args)
         except RuntimeError:
@@ -199,19 +199,27 @@ class RouterContext:
         now = self.clock()
         att = Attempt(rep, self.registry.reserve(rep, blocks, now), now, stream)
         self.attempts.setdefault(rep.replica_id, set()).add(att)
-        self.loads.setdefault(rep.replica_id, ReplicaLoad()).sent(att.token, prompt_tokens, now)
+        load = self.loads.setdefault(rep.replica_id, ReplicaLoad())
+        load.state_seen(rep.state_at)
+        load.sent(att.token, prompt_tokens, now)
         return att
+
+    def _load(self, att: Attempt) -> ReplicaLoad | None:
+        """The attempt's replica account, told of the latest state first: an event after a
+        state arrived counts as "since" it (an answer's state still shows its own request)."""
+        load = self.loads.get(att.replica.replica_id)
+        if load is not None:
+            load.state_seen(att.replica.state_at)
+        return load
 
     def progress(self, att: Attempt, now: float) -> None:
         """A chunk of a streamed answer arrived: the first one ends the prefill."""
-        load = self.loads.get(att.replica.replica_id)
-        if load is not None:
+        if (load := self._load(att)) is not None:
             load.token(att.token, now)
 
     def end(self, att: Attempt) -> None:
         self.registry.release(att.replica, att.token)
-        load = self.loads.get(att.replica.replica_id)
-        if load is not None:
+        if (load := self._load(att)) is not None:
             load.done(att.token)
         live = self.attempts.get(att.replica.replica_id)
         if live is not None:

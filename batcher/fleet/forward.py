@@ -196,16 +196,14 @@ class Relay:
         return h
 
     def _observe(self, rep: Replica, up: aiohttp.ClientResponse) -> None:
+        # NOTE: read at once, not after the answer: the state still counts this request, so it
+        # must be applied before the request ends for the end to count as "since" it.
         raw = up.headers.get("X-Replica-State")
         if raw:
-            self.ctx.later(self._read_state, rep.replica_id, raw, self.ctx.clock())
-
-    def _read_state(self, replica_id: str, raw: str, seen: float) -> None:
-        """The replica's state as its answer carried it, stamped when the answer arrived."""
-        try:
-            self.ctx.registry.observe(replica_id, orjson.loads(raw), seen)
-        except orjson.JSONDecodeError:
-            pass
+            try:
+                self.ctx.registry.observe(rep.replica_id, orjson.loads(raw), self.ctx.clock())
+            except orjson.JSONDecodeError:
+                pass
 
     def _failed(self, rep: Replica, att: Attempt, exc: BaseException) -> Failure:
         if att.killed is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import orjson
 import pytest
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
@@ -195,3 +196,32 @@ def test_the_prompt_tokens_sent_since_a_report_match_a_recount() -> None:
         assert load.prompt_since == sum(p.prompt for p in load.pending.values()
                                         if p.sent >= load.state_at)
 
+
+
+async def test_an_answers_state_counts_it_and_its_end_counts_since(aiohttp_client) -> None:
+    """A replica's state on its answer still counts that request as running; the router must
+    read it before the request ends, or the ended request reads as another router's work."""
+    from aiohttp import web
+
+    from batcher.fleet.proxy import create_router_app
+
+    def state(running: int) -> dict:
+        return {"free_blocks": 90, "total_blocks": 100, "block_size": 16, "running": running,
+                "waiting": 0, "version": "v1", "draining": False, "healthy": True}
+
+    async def complete(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "x"}]},
+                                 headers={"X-Replica-State": orjson.dumps(state(1)).decode()})
+
+    upstream = web.Application()
+    upstream.router.add_post("/v1/completions", complete)
+    replica = await aiohttp_client(upstream)
+    ctx = RouterContext(RouterConfig())
+    rep = ctx.registry.add_static(str(replica.make_url("")).rstrip("/"))
+    assert ctx.registry.observe(rep.replica_id, state(0), ctx.clock(), poll=True)
+    router = await aiohttp_client(create_router_app(ctx))
+    for _ in range(3):
+        resp = await router.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert resp.status == 200, await resp.text()
+    (cand,) = ctx.candidates(ctx.clock())
+    assert (cand.running, cand.inflight, cand.others) == (1, 0, 0)
