@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from batcher.fleet.discovery import Discovery
 from batcher.fleet.health import HealthChecker, HealthConfig
@@ -139,6 +140,17 @@ class RouterContext:
         self.discovery: Discovery | None = None  # set by `batcher router --discover`
         self.loads: dict[str, ReplicaLoad] = {}  # replica id -> the router's own account
         self._turn = 0  # round-robin's position
+        self._urls: dict[tuple[str, str], URL] = {}
+
+    def upstream_url(self, rep: Replica, path: str) -> URL:
+        """`path` on `rep`, parsed once per replica address and path (a request's hop)."""
+        key = (rep.url, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= 4096:  # addresses move; the table stays small regardless
+                self._urls.clear()
+            url = self._urls[key] = URL(rep.url + path)
+        return url
 
     def later(self, fn: Callable[..., Any], *args: Any) -> None:
         """Bookkeeping that need not delay an answer and that nothing routed next depends on

@@ -270,7 +270,7 @@ class Relay:
         try:
             async with asyncio.timeout(None) as tm:
                 att.arm(tm, ctx.cfg.upstream_timeout)
-                async with ctx.session.post(rep.url + self.request.path, data=self.payload,
+                async with ctx.session.post(ctx.upstream_url(rep, self.request.path), data=self.payload,
                                             headers=self._headers()) as up:
                     self._observe(rep, up)
                     if up.status != 200:
@@ -329,7 +329,7 @@ class Relay:
         try:
             async with asyncio.timeout(None) as tm:
                 att.arm(tm, ctx.cfg.upstream_timeout)  # the first byte may wait in a queue
-                async with ctx.session.post(rep.url + self.request.path, data=self.payload,
+                async with ctx.session.post(ctx.upstream_url(rep, self.request.path), data=self.payload,
                                             headers=self._headers()) as up:
                     self._observe(rep, up)
                     if up.status != 200:

@@ -246,6 +246,9 @@ def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> we
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10.0),
             # Callers share the connections: no replica's cookie may follow another caller.
             cookie_jar=aiohttp.DummyCookieJar(),
+            # Nothing the replicas read: not built or sent on every hop (no Accept-Encoding, so
+            # a replica never compresses what the router relays).
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout))
         ctx.health = HealthChecker(ctx.registry, cfg.health, ctx.session, ctx.on_evict,
                                    ctx.on_readmit, ctx.stalled, ctx.clock,
