@@ -87,7 +87,8 @@ class Attempt:
     """One upstream request in flight. `kill()` ends it from another task: its timeout fires at
     once and `killed` says why."""
 
-    __slots__ = ("_timeout", "killed", "last_byte", "replica", "stream", "token")
+    __slots__ = ("_timeout", "killed", "last_byte", "replica", "state_after", "stream",
+                 "token")
 
     def __init__(self, replica: Replica, token: int, now: float, stream: bool = False):
         self.replica = replica
@@ -95,6 +96,7 @@ class Attempt:
         self.stream = stream  # its bytes show the replica's token progress
         self.last_byte = now
         self.killed: str | None = None
+        self.state_after: str | None = None  # a state its answer carried, read once it ends
         self._timeout: asyncio.Timeout | None = None
 
     def arm(self, timeout: asyncio.Timeout, seconds: float) -> None:
@@ -218,7 +220,7 @@ class RouterContext:
 
     def _load(self, att: Attempt) -> ReplicaLoad | None:
         """The attempt's replica account, told of the latest state first: an event after a
-        state arrived counts as "since" it (an answer's state still shows its own request)."""
+        state arrived (a poll, a heartbeat, a stream's first event) counts as "since" it."""
         load = self.loads.get(att.replica.replica_id)
         if load is not None:
             load.state_seen(att.replica.state_at)

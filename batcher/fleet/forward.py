@@ -195,15 +195,24 @@ class Relay:
             h["x-should-retry"] = retry
         return h
 
-    def _observe(self, rep: Replica, up: aiohttp.ClientResponse) -> None:
-        # NOTE: read at once, not after the answer: the state still counts this request, so it
-        # must be applied before the request ends for the end to count as "since" it.
+    def _observe(self, rep: Replica, up: aiohttp.ClientResponse, att: Attempt) -> None:
+        """The replica's state on its answer. A stream's (200) was taken as its first event
+        left, and counts the request as running: read at once, so that its end counts as since
+        it. Any other answer's was taken after the request left the replica's scheduler: read
+        once the attempt has ended (`_end`), or its end would count twice."""
         raw = up.headers.get("X-Replica-State")
-        if raw:
-            try:
-                self.ctx.registry.observe(rep.replica_id, orjson.loads(raw), self.ctx.clock())
-            except orjson.JSONDecodeError:
-                pass
+        if not raw:
+            return
+        if att.stream and up.status == 200:
+            self._read_state(rep, raw)
+        else:
+            att.state_after = raw
+
+    def _read_state(self, rep: Replica, raw: str) -> None:
+        try:
+            self.ctx.registry.observe(rep.replica_id, orjson.loads(raw), self.ctx.clock())
+        except orjson.JSONDecodeError:
+            pass
 
     def _failed(self, rep: Replica, att: Attempt, exc: BaseException) -> Failure:
         if att.killed is not None:
@@ -272,7 +281,7 @@ class Relay:
                 att.arm(tm, ctx.cfg.upstream_timeout)
                 async with ctx.session.post(ctx.upstream_url(rep, self.request.path), data=self.payload,
                                             headers=self._headers()) as up:
-                    self._observe(rep, up)
+                    self._observe(rep, up, att)
                     if up.status != 200:
                         result = await self._status(up)
                         outcome = "client_error" if isinstance(result, web.Response) else (
@@ -293,6 +302,8 @@ class Relay:
 
     def _end(self, rep: Replica, att: Attempt, outcome: str) -> None:
         self.ctx.end(att)
+        if att.state_after is not None:
+            self._read_state(rep, att.state_after)
         if self.ctx.owners.get(self.rkey) == rep.replica_id:
             del self.ctx.owners[self.rkey]
         self.ctx.later(self.ctx.metrics.attempt, rep.replica_id, rep.version, outcome)
@@ -331,7 +342,7 @@ class Relay:
                 att.arm(tm, ctx.cfg.upstream_timeout)  # the first byte may wait in a queue
                 async with ctx.session.post(ctx.upstream_url(rep, self.request.path), data=self.payload,
                                             headers=self._headers()) as up:
-                    self._observe(rep, up)
+                    self._observe(rep, up, att)
                     if up.status != 200:
                         result = await self._status(up)
                         if isinstance(result, web.Response) and self.client is None:

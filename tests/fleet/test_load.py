@@ -198,30 +198,47 @@ def test_the_prompt_tokens_sent_since_a_report_match_a_recount() -> None:
 
 
 
-async def test_an_answers_state_counts_it_and_its_end_counts_since(aiohttp_client) -> None:
-    """A replica's state on its answer still counts that request as running; the router must
-    read it before the request ends, or the ended request reads as another router's work."""
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_state_on_an_answer_is_read_as_of_when_it_was_taken(aiohttp_client,
+                                                                      stream: bool) -> None:
+    """A stream's state is taken as its first event leaves and still counts it; a whole
+    answer's is taken after it left the scheduler. Either way, once the router's requests have
+    ended, what the replica reports beyond them is other routers' work: here one sequence."""
     from aiohttp import web
 
     from batcher.fleet.proxy import create_router_app
 
-    def state(running: int) -> dict:
-        return {"free_blocks": 90, "total_blocks": 100, "block_size": 16, "running": running,
-                "waiting": 0, "version": "v1", "draining": False, "healthy": True}
+    def state(running: int) -> str:
+        return orjson.dumps({"free_blocks": 90, "total_blocks": 100, "block_size": 16,
+                             "running": running, "waiting": 0, "version": "v1",
+                             "draining": False, "healthy": True}).decode()
 
-    async def complete(request: web.Request) -> web.Response:
-        return web.json_response({"choices": [{"text": "x"}]},
-                                 headers={"X-Replica-State": orjson.dumps(state(1)).decode()})
+    async def complete(request: web.Request) -> web.StreamResponse:
+        if not (await request.json()).get("stream"):  # another router's sequence runs there
+            return web.json_response({"choices": [{"text": "x"}]},
+                                     headers={"X-Replica-State": state(1)})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "X-Replica-State": state(2)})  # it, and the other
+        await resp.prepare(request)
+        for text in ("a", "b"):
+            await resp.write(b"data: " + orjson.dumps({"choices": [
+                {"index": 0, "text": text, "finish_reason": None}]}) + b"\n\n")
+        await resp.write(b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}'
+                         b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     upstream = web.Application()
     upstream.router.add_post("/v1/completions", complete)
     replica = await aiohttp_client(upstream)
     ctx = RouterContext(RouterConfig())
     rep = ctx.registry.add_static(str(replica.make_url("")).rstrip("/"))
-    assert ctx.registry.observe(rep.replica_id, state(0), ctx.clock(), poll=True)
+    assert ctx.registry.observe(rep.replica_id, orjson.loads(state(1)), ctx.clock(), poll=True)
     router = await aiohttp_client(create_router_app(ctx))
     for _ in range(3):
-        resp = await router.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        resp = await router.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                          "stream": stream})
         assert resp.status == 200, await resp.text()
+        await resp.read()
     (cand,) = ctx.candidates(ctx.clock())
-    assert (cand.running, cand.inflight, cand.others) == (1, 0, 0)
+    assert (cand.inflight, cand.others) == (0, 1)
