@@ -52,7 +52,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--dtype", default=_E.dtype, type=lower, choices=DTYPES, help="weight and activation type; "
       "auto is bfloat16 on a GPU and on a CPU that computes it natively (AVX-512 BF16 or AMX), "
       "else float32: elsewhere torch converts bf16 around every product and a batched step "
-      "is 3-6x slower than fp32 (default: %(default)s)")
+      "is 3-6x slower than fp32. With --quantization int8/int4 auto is bfloat16 everywhere: "
+      "the packed kernels take bf16 activations and run 10x slower on fp32 ones. One stream "
+      "alone decodes faster in bfloat16 than fp32 even where bf16 is converted (it reads half "
+      "the bytes; BENCHMARKS.md) (default: %(default)s)")
     a("--quantization", default=_E.quantization, type=lower, choices=QUANTIZATIONS,
       help="weight-only quantization of the decoder layers on the CPU (int8 per row, int4 in "
       "groups of 32), run by packed kernels for steps of up to 8 rows and by a dense copy of "
