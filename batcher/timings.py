@@ -125,10 +125,12 @@ class Timings:
         """This replica's timings as seen by a router whose own total was `router_total_ms`:
         `route` is the difference (routing, connecting, relaying), never negative."""
         total = max(router_total_ms, self.total_ms)
-        return Timings(self.parse_ms, self.tokenize_ms, self.queue_ms, self.prefill_ms,
-                       self.decode_ms, self.post_ms, total, self.prompt_tokens,
-                       self.cached_tokens, self.completion_tokens, self.preemptions,
-                       total - self.total_ms)
+        return Timings(parse_ms=self.parse_ms, tokenize_ms=self.tokenize_ms,
+                       queue_ms=self.queue_ms, prefill_ms=self.prefill_ms,
+                       decode_ms=self.decode_ms, post_ms=self.post_ms, total_ms=total,
+                       prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                       completion_tokens=self.completion_tokens, preemptions=self.preemptions,
+                       route_ms=total - self.total_ms)
 
 
 def split(marks: PhaseClock, engine: EngineTimes | None, end: float) -> Timings:

@@ -279,8 +279,8 @@ class Relay:
         try:
             async with asyncio.timeout(None) as tm:
                 att.arm(tm, ctx.cfg.upstream_timeout)
-                async with ctx.session.post(ctx.upstream_url(rep, self.request.path), data=self.payload,
-                                            headers=self._headers()) as up:
+                async with ctx.session.post(ctx.upstream_url(rep, self.request.path),
+                                            data=self.payload, headers=self._headers()) as up:
                     self._observe(rep, up, att)
                     if up.status != 200:
                         result = await self._status(up)
@@ -340,8 +340,8 @@ class Relay:
         try:
             async with asyncio.timeout(None) as tm:
                 att.arm(tm, ctx.cfg.upstream_timeout)  # the first byte may wait in a queue
-                async with ctx.session.post(ctx.upstream_url(rep, self.request.path), data=self.payload,
-                                            headers=self._headers()) as up:
+                async with ctx.session.post(ctx.upstream_url(rep, self.request.path),
+                                            data=self.payload, headers=self._headers()) as up:
                     self._observe(rep, up, att)
                     if up.status != 200:
                         result = await self._status(up)

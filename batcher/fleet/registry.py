@@ -66,6 +66,10 @@ class Replica:
     evicted: bool = False
     router_draining: bool = False
     reservations: dict[int, Reservation] = field(default_factory=dict)
+    # what the reservations since `state_at` add up to, kept as they change (a pick reads every
+    # replica's; recounting each replica's reservations made a pick grow with the work in flight)
+    unreflected_count: int = 0
+    unreflected_blocks: int = 0
     retired_epochs: list[str] = field(default_factory=list)
 
     @property
@@ -75,11 +79,6 @@ class Replica:
     @property
     def inflight(self) -> int:
         return len(self.reservations)
-
-    # what the reservations since `state_at` add up to, kept as they change (a pick reads every
-    # replica's; recounting each replica's reservations made a pick grow with the work in flight)
-    unreflected_count: int = 0
-    unreflected_blocks: int = 0
 
     def unreflected(self) -> list[Reservation]:
         """Reservations the last state snapshot cannot include yet."""

@@ -53,9 +53,8 @@ class RouteClock:
             except orjson.JSONDecodeError:
                 t = None
             if t is not None:
-                routed = self._routed(t)
-                headers["Server-Timing"] = routed.server_timing()
-                return b"".join((data[:i], b',"timings":', orjson.dumps(routed.to_json()), b"}"))
+                timings = orjson.dumps(self._routed_whole(t, headers))
+                return b"".join((data[:i], b',"timings":', timings, b"}"))
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -63,10 +62,14 @@ class RouteClock:
         t = Timings.from_json(obj.get("timings")) if isinstance(obj, dict) else None
         if t is None:
             return data
-        routed = self._routed(t)
-        obj["timings"] = routed.to_json()
-        headers["Server-Timing"] = routed.server_timing()
+        obj["timings"] = self._routed_whole(t, headers)
         return orjson.dumps(obj)
+
+    def _routed_whole(self, t: Timings, headers: dict[str, str]) -> dict[str, object]:
+        """A whole answer's `timings` with `route` added, its `Server-Timing` set in `headers`."""
+        routed = self._routed(t)
+        headers["Server-Timing"] = routed.server_timing()
+        return routed.to_json()
 
     def stream(self, data: bytes) -> bytes:
         """SSE bytes on their way to the client, with `route` added to a usage chunk's timings.
