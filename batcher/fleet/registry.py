@@ -50,7 +50,9 @@ class Reservation:
 @dataclass(slots=True)
 class Replica:
     """One replica as the router sees it. `ready` and `evicted` are set by the health checker,
-    `router_draining` by the rollout API."""
+    `router_draining` by the rollout API. A replica that registered itself by heartbeat (or
+    moved to a new URL) is not ready until this router has reached it there: a keyed beat that
+    names an address the router cannot reach must not draw traffic meanwhile."""
 
     replica_id: str
     url: str
@@ -162,7 +164,7 @@ class Registry:
         if rep is None:
             if len(self.replicas) >= self.max_replicas:
                 raise BeatRefused(f"the router holds {self.max_replicas} replicas already", 503)
-            rep = self.replicas[rid] = Replica(rid, url)
+            rep = self.replicas[rid] = Replica(rid, url, ready=False)
         if not self._newer(rep, epoch, seq):
             return False
         if url != rep.url:
@@ -189,6 +191,7 @@ class Registry:
         if not rep.evicted and not self.suspect(rep, now):
             raise BeatRefused(f"replica {rep.replica_id!r} is live at another URL")
         rep.admin_url = None  # announced for the old address; the new one must announce again
+        rep.ready = False  # until the router has reached the new address
 
     @staticmethod
     def _newer(rep: Replica, epoch: int | str, seq: int) -> bool:

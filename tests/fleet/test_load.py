@@ -103,6 +103,7 @@ def _router(routing: str = "predicted-wait") -> RouterContext:
                            "seq": 1, "free_blocks": 1000, "total_blocks": 1000,
                            "block_size": 16, "running": 0, "waiting": 0, "version": "v1",
                            "draining": False, "healthy": True}, 100.0)
+        ctx.registry.get(rid).ready = True  # as a health round that reached it sets
     return ctx
 
 

@@ -77,6 +77,9 @@ def test_routable_needs_every_source_to_agree():
     reg = Registry()
     reg.beat(beat(), 0.0)
     rep = reg.get("a")
+    # Registered by its own beat: not routable until a health round reached it.
+    assert not rep.ready and not reg.routable(rep)
+    rep.ready = True
     assert reg.routable(rep)
     for attr in ("evicted", "router_draining"):
         setattr(rep, attr, True)
@@ -163,7 +166,9 @@ def test_a_live_replica_cannot_be_repointed():
     moved = dict(beat("a", epoch=7, seq=1), url="http://a2:1")
     with pytest.raises(BeatRefused):
         reg.beat(moved, 4.9)
+    rep.ready = True
     assert reg.beat(moved, 5.1) and rep.url == "http://a2:1"
+    assert not rep.ready  # the new address is not reached yet
     # ... but never the same start at another address.
     with pytest.raises(BeatRefused):
         reg.beat(dict(beat("a", epoch=7, seq=2), url="http://a3:1"), 99.0)

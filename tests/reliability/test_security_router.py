@@ -271,8 +271,8 @@ def _parity_cases(alice: str) -> list[tuple[str, str, list[tuple[str, str | byte
     ]
 
 
-# NOTE: after the tests that route tenants through the one real replica: the flood leaves
-# keyed, unreachable replicas registered until health checks evict them.
+# The flood leaves keyed, unreachable replicas registered (never routable: the router never
+# reached them) until they are forgotten.
 async def test_a_heartbeat_flood_costs_little_and_evicts_nobody(
         fleet: Fleet, session: aiohttp.ClientSession) -> None:
     """2,000 beats (half without the key, half with it under fresh ids) while tenants work:
@@ -315,6 +315,9 @@ async def test_a_heartbeat_flood_costs_little_and_evicts_nobody(
     assert len(replicas) <= MAX_REPLICAS
     real = next(r for r in replicas if r["replica_id"] == fleet.replica_id)
     assert real["routable"] and not real["evicted"]
+    # The keyed beats named addresses this router never reached: none of them drew traffic.
+    flooded = [r for r in replicas if r["replica_id"] != fleet.replica_id]
+    assert flooded and not any(r["routable"] for r in flooded), flooded
 
 
 def test_router_answers_malformed_input_as_the_replica_does(fleet: Fleet) -> None:
