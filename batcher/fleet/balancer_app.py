@@ -93,12 +93,14 @@ class CellRegistry(Registry):
 class BalancerContext(RouterContext):
     """A router context whose upstreams are cells."""
 
+    registry: CellRegistry
+
     def __init__(self, cfg: RouterConfig, balancer: BalancerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         super().__init__(cfg, clock, rng)
         self.balancer = (balancer or BalancerConfig()).validate()
-        self.registry = CellRegistry(cfg.beat_interval, cfg.suspect_beats,
-                                     max_replicas=cfg.max_replicas, balancer=self.balancer)
+        self.use_registry(CellRegistry(cfg.beat_interval, cfg.suspect_beats,
+                                       max_replicas=cfg.max_replicas, balancer=self.balancer))
         self.metrics.registry.register(CellCollector(self))
         self.shed = 0
 

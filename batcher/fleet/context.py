@@ -125,8 +125,8 @@ class RouterContext:
         self.cfg = cfg.validate()
         self.clock = clock
         self.rng = rng or random.Random()
-        self.registry = Registry(cfg.beat_interval, cfg.suspect_beats,
-                                 max_replicas=cfg.max_replicas)
+        self.use_registry(Registry(cfg.beat_interval, cfg.suspect_beats,
+                                   max_replicas=cfg.max_replicas))
         self.rollout = Rollout()
         self.budget = RetryBudget(cfg.retry_ratio, cfg.retry_floor, cfg.retry_window)
         self.metrics = RouterMetrics()
@@ -143,6 +143,17 @@ class RouterContext:
         self.loads: dict[str, ReplicaLoad] = {}  # replica id -> the router's own account
         self._turn = 0  # round-robin's position
         self._urls: dict[tuple[str, str], URL] = {}
+
+    def use_registry(self, registry: Registry) -> None:
+        """Route over `registry`; the load account learns of each state as it arrives (an
+        event after it, such as a token or an end, then counts as "since" it)."""
+        self.registry = registry
+        registry.on_state = self._state_arrived
+
+    def _state_arrived(self, rep: Replica) -> None:
+        load = self.loads.get(rep.replica_id)
+        if load is not None:
+            load.state_seen(rep.state_at)
 
     def upstream_url(self, rep: Replica, path: str) -> URL:
         """`path` on `rep`, parsed once per replica address and path (a request's hop)."""
@@ -178,7 +189,6 @@ class RouterContext:
                                      fresh=not reg.suspect(rep, now), running=st.running,
                                      others=st.running + st.waiting))
                 continue
-            load.state_seen(rep.state_at)
             free = load.free_blocks(st.free_blocks, rep.unreflected_blocks, st.total_blocks,
                                     st.block_size)
             out.append(Candidate(rep.replica_id, free, st.total_blocks, st.block_size,
@@ -213,27 +223,21 @@ class RouterContext:
         now = self.clock()
         att = Attempt(rep, self.registry.reserve(rep, blocks, now), now, stream)
         self.attempts.setdefault(rep.replica_id, set()).add(att)
-        load = self.loads.setdefault(rep.replica_id, ReplicaLoad())
-        load.state_seen(rep.state_at)
+        load = self.loads.get(rep.replica_id)
+        if load is None:
+            load = self.loads[rep.replica_id] = ReplicaLoad()
+            load.state_seen(rep.state_at)
         load.sent(att.token, prompt_tokens, now)
         return att
 
-    def _load(self, att: Attempt) -> ReplicaLoad | None:
-        """The attempt's replica account, told of the latest state first: an event after a
-        state arrived (a poll, a heartbeat, a stream's first event) counts as "since" it."""
-        load = self.loads.get(att.replica.replica_id)
-        if load is not None:
-            load.state_seen(att.replica.state_at)
-        return load
-
     def progress(self, att: Attempt, now: float) -> None:
         """A chunk of a streamed answer arrived: the first one ends the prefill."""
-        if (load := self._load(att)) is not None:
+        if (load := self.loads.get(att.replica.replica_id)) is not None:
             load.token(att.token, now)
 
     def end(self, att: Attempt) -> None:
         self.registry.release(att.replica, att.token)
-        if (load := self._load(att)) is not None:
+        if (load := self.loads.get(att.replica.replica_id)) is not None:
             load.done(att.token)
         live = self.attempts.get(att.replica.replica_id)
         if live is not None:

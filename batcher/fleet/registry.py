@@ -22,7 +22,7 @@ Contract (no I/O; every method takes `now`, the router's own monotonic clock):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -109,6 +109,8 @@ class Registry:
         self.max_replicas = max_replicas
         self.replicas: dict[str, Replica] = {}
         self._tokens = itertools.count(1)
+        # Told each time a replica's state changes (the router's load account reads it then).
+        self.on_state: Callable[[Replica], None] | None = None
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(list(self.replicas.values()))
@@ -178,7 +180,7 @@ class Registry:
                 rep.static and rep.admin_url):
             rep.admin_url = admin_url.rstrip("/")
         rep.beat_at = now
-        rep.set_state(state, now)
+        self._set_state(rep, state, now)
         return True
 
     def _check_move(self, rep: Replica, epoch: int | str, now: float) -> None:
@@ -216,10 +218,15 @@ class Registry:
             return False
         if now < rep.state_at:
             return False
-        rep.set_state(st, now)
         if poll and not rep.beats:
             rep.beat_at = now
+        self._set_state(rep, st, now)
         return True
+
+    def _set_state(self, rep: Replica, state: EngineSnapshot, now: float) -> None:
+        rep.set_state(state, now)
+        if self.on_state is not None:
+            self.on_state(rep)
 
     # judgements ------------------------------------------------------------------------------
     def suspect(self, rep: Replica, now: float) -> bool:
