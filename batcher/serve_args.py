@@ -141,7 +141,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "%(default)s)")
     a("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     a("--torch-threads", type=positive_int, default=_E.torch_threads,
-      help="intra-op threads for the model "
+      help="most intra-op threads for the model; on a CPU each step size (rows, in powers of "
+      "two) measures this many, one fewer and half, and keeps the fastest: a one-stream decode "
+      "step on 2 cores runs 25-30%% faster on one thread, a batch of 32 on both "
       "(default: the CPU quota of the container or cgroup, else all cores)")
     a("--max-model-len", type=int_at_least(2), default=_E.max_model_len,
       help="context limit in tokens, "

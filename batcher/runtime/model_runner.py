@@ -3,6 +3,7 @@ it owns the KV cache tensors and never touches scheduler state."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import torch
@@ -14,6 +15,7 @@ from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
 from batcher.runtime.prefill_staging import PrefillStaging
 from batcher.runtime.sampler import Sampler
+from batcher.runtime.thread_tuner import ThreadTuner
 
 
 class Loaded(Protocol):
@@ -73,11 +75,29 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, block_size, num_blocks,
                                        -(-max_model_len // block_size),
                                        graph_sizes(max_graph_batch), self.device)
+        # CPU: intra-op threads per step size, measured (made on the model thread's first step,
+        # from the thread count it was given).
+        self.tune_threads = loaded.device.type == "cpu"
+        self.tuner: ThreadTuner | None = None
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
         if sched.is_empty:
             return RunnerOutput()
+        if not self.tune_threads:
+            return self._execute(sched)
+        if self.tuner is None:
+            self.tuner = ThreadTuner(torch.get_num_threads())
+        rows = sched.num_batched_tokens
+        threads = self.tuner.threads(rows)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        out = self._execute(sched)
+        self.tuner.record(rows, threads, time.perf_counter() - started)
+        return out
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         if self.grammar is not None:
             self.grammar.drop(sched.freed_ids)
         pending = None

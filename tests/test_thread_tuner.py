@@ -1,0 +1,82 @@
+"""Intra-op threads per step size, chosen by measured time per row."""
+
+from __future__ import annotations
+
+from batcher.runtime.thread_tuner import ThreadTuner, candidates, group_of
+
+
+def test_candidates_are_all_one_fewer_and_half() -> None:
+    assert candidates(1) == (1,)
+    assert candidates(2) == (2, 1)
+    assert candidates(8) == (8, 7, 4)
+
+
+def test_groups_are_powers_of_two_of_rows() -> None:
+    assert [group_of(r) for r in (0, 1, 2, 3, 4, 7, 8)] == [0, 0, 1, 1, 2, 2, 3]
+    assert group_of(10**6) == group_of(1024)
+
+
+def run(tuner: ThreadTuner, rows: int, cost: dict[int, float], steps: int) -> list[int]:
+    used = []
+    for _ in range(steps):
+        n = tuner.threads(rows)
+        used.append(n)
+        tuner.record(rows, n, cost[n] * rows)
+    return used
+
+
+def test_small_steps_keep_the_faster_count_and_big_steps_theirs() -> None:
+    choices = []
+    tuner = ThreadTuner(2, samples=4, on_choice=lambda g, n, m: choices.append((g, n)))
+    small = run(tuner, 1, {2: 0.036, 1: 0.028}, 20)
+    big = run(tuner, 40, {2: 0.003, 1: 0.005}, 20)
+    assert small[:8] == [2, 1] * 4  # interleaved while measuring
+    assert set(small[8:]) == {1} and set(big[8:]) == {2}
+    assert tuner.chosen() == {1: 1, 32: 2}
+    assert choices == [(0, 1), (5, 2)]
+
+
+def test_a_group_measures_again_after_recheck_every_steps() -> None:
+    tuner = ThreadTuner(2, samples=2, recheck_every=5)
+    run(tuner, 1, {2: 0.030, 1: 0.020}, 4)
+    assert tuner.chosen() == {1: 1}
+    used = run(tuner, 1, {2: 0.010, 1: 0.020}, 5 + 4 + 3)  # the machine changed
+    assert used[:5] == [1] * 5 and used[5:9] == [2, 1, 2, 1]
+    assert tuner.chosen() == {1: 2} and set(used[9:]) == {2}
+
+
+def test_ties_go_to_more_threads_and_one_thread_is_never_tuned() -> None:
+    tuner = ThreadTuner(2, samples=2)
+    run(tuner, 3, {2: 0.01, 1: 0.01}, 4)
+    assert tuner.chosen() == {2: 2}
+    one = ThreadTuner(1, samples=2)
+    assert set(run(one, 1, {1: 0.01}, 6)) == {1}
+
+
+def test_a_sample_taken_with_another_count_than_the_turn_is_ignored() -> None:
+    tuner = ThreadTuner(2, samples=1)
+    tuner.record(1, 1, 0.5)  # the group's turn is 2 threads: not a sample
+    assert tuner.chosen() == {}
+    assert tuner.threads(1) == 2
+
+
+def test_the_cpu_runner_tunes_its_threads_and_answers_the_same(tiny_fp32) -> None:
+    import torch
+
+    from batcher.runtime.model_runner import ModelRunner
+    from batcher.sim.calibrate import Point, build_step
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=16)
+        step = build_step(Point(n_dec=1, ctx=40), 64, 16)
+        first = runner.execute(step).token_ids
+        used = set()
+        for _ in range(40):
+            used.add(torch.get_num_threads())
+            assert runner.execute(step).token_ids == first
+        assert runner.tuner is not None and used == {1, 2}
+        assert set(runner.tuner.chosen()) == {1}
+    finally:
+        torch.set_num_threads(before)
