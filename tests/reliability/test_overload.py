@@ -37,7 +37,7 @@ from tests.server_process import serve, wait_idle
 SLO_TTFT_S = 1.0
 MAX_SEQS = 8
 MAX_TOKENS = 16
-OVERLOAD_S = 30.0
+OVERLOAD_S = 20.0
 BASELINE_S = 8.0
 FLAGS = (*FAKE, "--fake-decode-step-ms", "25", "--max-num-seqs", str(MAX_SEQS),
          "--max-waiting", str(MAX_SEQS), "--slo-ttft-ms", str(int(SLO_TTFT_S * 1000)),
