@@ -158,7 +158,8 @@ def test_engine_serves_the_quantized_bundled_model():
         prompt = llm._llm.encode("The three primary colors are")
         got = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8)).token_ids
         served = llm._llm._engine.runner.model
-        assert sum(isinstance(m, PackedLinear) for m in served.modules()) == 4 * 30
+        assert sum(isinstance(m, PackedLinear) for m in served.layers.modules()) == 4 * 30
+        assert isinstance(served.lm_head, PackedLinear) and served.lm_head.kind == "int8"
     finally:
         llm.close()
     quant = _runner("int4", "smollm2-135m")

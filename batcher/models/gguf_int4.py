@@ -3,8 +3,9 @@
 Q4_1 stores each group of 32 weights as a scale, a minimum and 4-bit values: the same function as
 the CPU int4 kernel's groups of 32 (scale and zero point), so a block is re-laid out, never
 dequantized. No dense copy of the decoder layers exists at any point unless the layers keep one
-for large steps, which keeps both the peak and the resident memory of an int4 load low. Without
-those copies, a tied embedding table and LM head become one per-row int8 table too.
+for large steps, which keeps both the peak and the resident memory of an int4 load low. A tied
+embedding table and LM head become one per-row int8 table too (with a dense copy of its values
+for steps past a few rows when the layers keep theirs).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from batcher.models import gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_weights import Q4_1Blocks
 from batcher.models.llama import LlamaConfig, LlamaModel
-from batcher.runtime.quant import PackedLinear, quantize_tied_table
+from batcher.runtime.quant import HEAD_DENSE_ABOVE_ROWS, PackedLinear, quantize_tied_table
 
 # Our fused linears and the Hugging Face weights they stack by rows, in order.
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -70,9 +71,10 @@ def load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None,
     model.load_state_dict({k: v.to(dtype) for k, v in rest.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-        if dense_above is None:
-            # Memory over speed, as for the layers: the tied table as one int8 copy as well.
-            quantize_tied_table(model)
+        # The tied table as int8 as well; with the layers' dense copies, the head keeps one too
+        # (for steps past a few rows, where the dense matmul is faster).
+        quantize_tied_table(model, dense_above=None if dense_above is None else min(
+            dense_above, HEAD_DENSE_ABOVE_ROWS))
     return cfg, model.eval().requires_grad_(False), direct
 
 
