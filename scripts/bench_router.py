@@ -1,9 +1,11 @@
 """Router overhead: the latency a router adds to a request, measured against a direct call to the
-same fake replica and against a bare aiohttp forwarder (one handler: read the body, post it
-upstream on a pooled session, return the answer; the floor of an aiohttp hop on this machine),
-the three alternated call by call so drift hits all alike; and the routing decision alone
-(`RouterContext.pick`, in-process) on fleets of 1 to 256 replicas, every candidate scored
-against a sample of `--choices`, alternated the same way. Appends rows to BENCHMARKS.md.
+same fake replica, against a bare aiohttp forwarder (one handler: read the body, post it
+upstream on a pooled session, return the answer; the floor of an aiohttp hop on this machine)
+and against a socket forwarder (the same server, the upstream hop hand-written over pooled
+sockets: what aiohttp's client itself costs), all alternated call by call so drift hits all
+alike; and the routing decision alone (`RouterContext.pick`, in-process) on fleets of 1 to 256
+replicas, every candidate scored against a sample of `--choices`, alternated the same way.
+Appends rows to BENCHMARKS.md.
 
     python scripts/bench_router.py [--requests 400] [--decisions 2000] [--no-append]
 
@@ -120,6 +122,45 @@ def bare_forwarder(port: int, upstream: str) -> None:
                 loop=uvloop.new_event_loop())
 
 
+def socket_forwarder(port: int, upstream: str) -> None:
+    """A lower floor: the same aiohttp server, but the upstream hop on hand-written HTTP/1.1 over
+    pooled asyncio streams instead of aiohttp's client (a reference for the client's own cost:
+    no timeouts, no error handling, the fake replica's answers only)."""
+    import uvloop
+    from aiohttp import web
+
+    host, _, uport = upstream.removeprefix("http://").partition(":")
+    pool: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        r, w = pool.pop() if pool else await asyncio.open_connection(host, int(uport))
+        w.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (request.path.encode(), host.encode(),
+                                                    len(raw), raw))
+        head = (await r.readuntil(b"\r\n\r\n")).lower()
+        status = int(head[9:12])
+        if b"transfer-encoding: chunked" not in head:
+            length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            body = await r.readexactly(length)
+            pool.append((r, w))
+            return web.Response(body=body, status=status, content_type="application/json")
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        while size := int(await r.readuntil(b"\r\n"), 16):
+            await resp.write((await r.readexactly(size + 2))[:-2])
+        await r.readexactly(2)
+        pool.append((r, w))
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", forward)
+    app.router.add_get("/ready", lambda _: web.Response(text="ok"))
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
+                loop=uvloop.new_event_loop())
+
+
 def decision_context(replicas: int, choices: int, streams: int = 3) -> Any:
     """A router context whose registry holds `replicas` reporting replicas, each with `streams`
     of the router's own streams in flight (so the load account has something to read)."""
@@ -178,43 +219,56 @@ def main() -> int:
     ap.add_argument("--no-append", action="store_true", help="print, do not touch BENCHMARKS.md")
     ap.add_argument("--bare-forwarder", nargs=2, metavar=("PORT", "UPSTREAM"),
                     help=argparse.SUPPRESS)  # the reference forwarder's own process
+    ap.add_argument("--socket-forwarder", nargs=2, metavar=("PORT", "UPSTREAM"),
+                    help=argparse.SUPPRESS)  # the raw-socket reference's own process
     args = ap.parse_args()
     if args.bare_forwarder:
         bare_forwarder(int(args.bare_forwarder[0]), args.bare_forwarder[1])
         return 0
+    if args.socket_forwarder:
+        socket_forwarder(int(args.socket_forwarder[0]), args.socket_forwarder[1])
+        return 0
     load0 = os.getloadavg()[0]
-    rport, xport, bport = free_port(), free_port(), free_port()
+    rport, xport, bport, sport = free_port(), free_port(), free_port(), free_port()
     rep = start(["-m", "batcher.cli", "serve", "--model", "fake", "--embedding-model", "none",
                  "--port", str(rport), "--fake-decode-step-ms", "1", "--log-level", "warning"])
     direct = f"http://127.0.0.1:{rport}"
     routed, bare = f"http://127.0.0.1:{xport}", f"http://127.0.0.1:{bport}"
+    sock = f"http://127.0.0.1:{sport}"
     router = start(["-m", "batcher.fleet.cli", "router", "--port", str(xport), "--replica",
                     direct, "--log-level", "warning"])
     forwarder = start([__file__, "--bare-forwarder", str(bport), direct])
+    sockfwd = start([__file__, "--socket-forwarder", str(sport), direct])
     try:
         wait_up(direct + "/ready", rep)
         wait_up(routed + "/ready", router)
         wait_up(bare + "/ready", forwarder)
+        wait_up(sock + "/ready", sockfwd)
         rows = []
         for stream in (False, True):
-            d, r, b = asyncio.run(measure([direct, routed, bare], args.requests, stream))
+            d, r, b, k = asyncio.run(measure([direct, routed, bare, sock], args.requests,
+                                             stream))
             added = [(y - x) * 1000 for x, y in zip(d, r)]
             floor = [(y - x) * 1000 for x, y in zip(d, b)]
+            raw_floor = [(y - x) * 1000 for x, y in zip(d, k)]
             mode = "stream, first event" if stream else "whole answer"
             rows.append([mode, "1 fake replica, max_tokens 1", str(args.requests),
                          f"{pct(d, 50) * 1000:.2f}", f"{pct(r, 50) * 1000:.2f}",
                          f"{pct(added, 50):.2f}", f"{pct(added, 99):.2f}",
-                         f"{pct(floor, 50):.2f}", "yes" if pct(added, 50) <= 1.0 else "no"])
+                         f"{pct(floor, 50):.2f}", f"{pct(raw_floor, 50):.2f}",
+                         "yes" if pct(added, 50) <= 1.0 else "no"])
     finally:
-        for p in (forwarder, router, rep):
+        for p in (sockfwd, forwarder, router, rep):
             p.terminate()
             p.wait(timeout=30)
     drows = decisions(args.decisions, args.choices) if args.decisions > 0 else []
     load = f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after"
     header = ["mode", "setup", "rounds", "direct p50 ms", "routed p50 ms", "added p50 ms",
-              "added p99 ms", "bare forwarder added p50 ms", "<= 1 ms"]
-    notes = ("Sequential requests on loopback, direct, routed and bare-forwarder calls "
-             "alternated; 'added' is the per-round difference from the direct call. "
+              "added p99 ms", "bare forwarder added p50 ms", "socket forwarder added p50 ms",
+              "<= 1 ms"]
+    notes = ("Sequential requests on loopback, direct, routed, bare-forwarder (aiohttp server "
+             "and client) and socket-forwarder (aiohttp server, hand-written upstream HTTP/1.1) "
+             "calls alternated; 'added' is the per-round difference from the direct call. "
              f"{os.cpu_count()} CPUs, {load}.")
     dheader = ["replicas", "mode", "scored", "picks", "p50 ms", "p99 ms", "CPU ms / pick"]
     dnotes = ("`RouterContext.pick` in-process: candidates built from the registry and the "
