@@ -96,6 +96,7 @@ def _child(variant: str, quant: str, steps: int, threads: int | None) -> dict[st
 
     lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu", quantization=quant)
     runner = ModelRunner(lm, num_blocks=32 * 8, block_size=16)
+    runner.tune_threads = False  # the thread count under test, every step
     if threads:
         torch.set_num_threads(threads)
     out: dict[str, object] = {"tree": str(Path(batcher.__file__).parent.parent)}

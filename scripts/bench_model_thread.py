@@ -40,6 +40,7 @@ def _one(mode: str, steps: int, quantization: str) -> float:
         lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu",
                         quantization=quantization)
         runner = ModelRunner(lm, num_blocks=64, block_size=16)
+        runner.tune_threads = False  # the thread count under test, every step
         prompt = list(range(100, 164))
         runner.execute(SchedulerOutput([ScheduledSeq("s", prompt, 0, list(range(8)), True,
                                                      SamplingParams(temperature=0.0))]))

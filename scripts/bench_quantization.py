@@ -1,6 +1,7 @@
 """Decode step time of the bundled model at batch 1 and 32, and resident memory after loading, by
 `--quantization`: each kind in its own process, interleaved (none, int8, int4, int4 without its
-dense copy, none, ...), loading on the main thread and stepping on a fresh one, as the engine does.
+dense copy, none, ...), loading on the main thread and stepping on a fresh one, as the engine does
+(intra-op threads tuned per step size, as in the engine).
 
 Usage: python scripts/bench_quantization.py [--rounds 2] [--steps 20]
 Prints the best median ms/step per kind and batch, its ratio to none, and the resident set size.
