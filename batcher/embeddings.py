@@ -79,6 +79,9 @@ class EmbeddingModel:
         self.model = model.to(self.device).eval()
         self.dim: int = int(self.model.config.hidden_size)
         self.name = "all-MiniLM-L6-v2"
+        # The process's intra-op thread count at load: a thread started while a generation step
+        # runs with fewer (`batcher.runtime.thread_tuner`) would otherwise keep that count.
+        self.threads = torch.get_num_threads()
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
@@ -90,6 +93,8 @@ class EmbeddingModel:
         if len(texts) == 0:
             return []
         _check_texts(texts)
+        if torch.get_num_threads() != self.threads:  # this thread's own count
+            torch.set_num_threads(self.threads)
         enc = self.tokenizer(
             list(texts),
             padding=True,
@@ -109,6 +114,8 @@ class EmbeddingModel:
         if len(texts) == 0:
             return []
         _check_texts(texts)
+        if torch.get_num_threads() != self.threads:  # this thread's own count
+            torch.set_num_threads(self.threads)
         enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         return [len(ids) for ids in enc["input_ids"]]
 

@@ -70,7 +70,7 @@ def _layer_us(model) -> float:
     from batcher.models import llama
 
     layer, real = model.layers[0], llama.paged_attention
-    attn_out = torch.zeros(1, layer.self_attn.q_size, dtype=model.embed_tokens.weight.dtype)
+    attn_out = torch.zeros(1, layer.self_attn.q_size, dtype=model.norm.weight.dtype)
     llama.paged_attention = lambda *args: attn_out
     try:
         x = model.embed_tokens(torch.tensor([7]))

@@ -72,11 +72,39 @@ def test_the_cpu_runner_tunes_its_threads_and_answers_the_same(tiny_fp32) -> Non
         runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=16)
         step = build_step(Point(n_dec=1, ctx=40), 64, 16)
         first = runner.execute(step).token_ids
+        assert runner.tuner is not None
         used = set()
+        record = runner.tuner.record
+        runner.tuner.record = lambda rows, n, s: (used.add(n), record(rows, n, s))  # type: ignore
         for _ in range(40):
-            used.add(torch.get_num_threads())
             assert runner.execute(step).token_ids == first
-        assert runner.tuner is not None and used == {1, 2}
-        assert set(runner.tuner.chosen()) == {1}
+        assert used == {1, 2} and set(runner.tuner.chosen()) == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_step_on_fewer_threads_leaves_the_process_default_as_it_was(tiny_fp32) -> None:
+    """torch's count is also what threads started later begin with: a tuned step puts it back."""
+    import threading
+
+    import torch
+
+    from batcher.runtime.model_runner import ModelRunner
+    from batcher.sim.calibrate import Point, build_step
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=16)
+        step = build_step(Point(n_dec=1, ctx=40), 64, 16)
+        worker = threading.Thread(target=lambda: [runner.execute(step) for _ in range(20)])
+        worker.start()
+        worker.join()
+        assert runner.tuner is not None and set(runner.tuner.chosen()) == {1}
+        seen: list[int] = []
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+        assert seen == [2] and runner.max_threads == 2
     finally:
         torch.set_num_threads(before)

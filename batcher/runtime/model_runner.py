@@ -75,9 +75,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, block_size, num_blocks,
                                        -(-max_model_len // block_size),
                                        graph_sizes(max_graph_batch), self.device)
-        # CPU: intra-op threads per step size, measured (made on the model thread's first step,
-        # from the thread count it was given).
+        # CPU: intra-op threads per step size, measured, under the count the process was given
+        # (read here, at load: torch's count is also the default of threads started later, so a
+        # step that lowers it puts it back when it ends).
         self.tune_threads = loaded.device.type == "cpu"
+        self.max_threads = torch.get_num_threads()
         self.tuner: ThreadTuner | None = None
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -87,13 +89,17 @@ class ModelRunner:
         if not self.tune_threads:
             return self._execute(sched)
         if self.tuner is None:
-            self.tuner = ThreadTuner(torch.get_num_threads())
+            self.tuner = ThreadTuner(self.max_threads)
         rows = sched.num_batched_tokens
         threads = self.tuner.threads(rows)
-        if threads != torch.get_num_threads():
+        if threads != self.max_threads:
             torch.set_num_threads(threads)
         started = time.perf_counter()
-        out = self._execute(sched)
+        try:
+            out = self._execute(sched)
+        finally:
+            if threads != self.max_threads:
+                torch.set_num_threads(self.max_threads)
         self.tuner.record(rows, threads, time.perf_counter() - started)
         return out
 

@@ -194,7 +194,8 @@ def quantize_tied_table(model: nn.Module, rows_per_slice: int = 4096,
             w[start:start + rows_per_slice])
     head = PackedLinear.from_int8(q, scale, w.dtype)
     if dense_above is not None:
-        # Written in place over the 16-bit table, which nothing else holds once replaced.
+        # A new tensor (the 16-bit table may be a read-only view of the file); the old one is
+        # freed once the modules that held it are replaced below.
         dense = w.new_empty(w.shape)
         for start in range(0, w.shape[0], rows_per_slice):
             rows = slice(start, start + rows_per_slice)

@@ -237,7 +237,9 @@ def run_calibration(out_path: str, reps: int = 3, rounds: int = 3, quick: bool =
                               log).result()
     model = fit_samples(samples, block_size)
     model.meta.update({"model": "smollm2-135m", "dtype": dtype, "device": "cpu",
-                       "machine": machine(), "threads": torch.get_num_threads(),
+                       "machine": machine(), "threads": runner.max_threads,
+                       # rows -> the thread count the steps settled on (tuned as the engine does)
+                       "threads_by_rows": runner.tuner.chosen() if runner.tuner else {},
                        "reps": reps, "rounds": rounds, "load_avg_start": load0,
                        "measure_seconds": round(time.perf_counter() - t0, 1),
                        "date": time.strftime("%Y-%m-%d %H:%M")})
