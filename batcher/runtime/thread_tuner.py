@@ -80,6 +80,7 @@ class ThreadTuner:
 
 
 def _log_choice(group: int, threads: int, medians: dict[int, float]) -> None:
-    times = ", ".join(f"{n} threads {ms * 1000:.2f} ms" for n, ms in medians.items())
-    log.info("steps of %d+ rows run with %d intra-op threads (per row: %s)", 1 << group,
-             threads, times)
+    times = ", ".join(f"{n} {'thread' if n == 1 else 'threads'} {sec * 1000:.2f} ms"
+                      for n, sec in medians.items())
+    log.info("steps of %d+ rows run on %d intra-op %s (time per row: %s)", 1 << group, threads,
+             "thread" if threads == 1 else "threads", times)
