@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import aiohttp
 import orjson
 import pytest
 
+from batcher.fleet.launcher import free_port as launcher_free_port
 from batcher.server.auth import hash_key
 
 HOST = "127.0.0.1"
@@ -38,10 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    """A port free on the loopback interface right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A loopback port for a server about to start (`batcher.fleet.launcher.free_port`)."""
+    return launcher_free_port(HOST)
 
 
 @dataclass(slots=True)

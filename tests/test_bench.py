@@ -7,7 +7,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from batcher.bench.arrivals import Arrivals, drive
 from batcher.bench.plots import plot_goodput
 from batcher.bench.report import _bucket_quantile, parse_metrics
 from batcher.bench.workload import synthetic, take
+from batcher.fleet.launcher import free_port
 from batcher.server.auth import hash_key
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -28,9 +28,7 @@ RICH_KEY, POOR_KEY = "bench-rich-key", "bench-poor-key"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port("127.0.0.1")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -91,11 +92,44 @@ async def wait_for_signal() -> None:
     await stop.wait()
 
 
+# Ports handed to servers about to start are drawn from here, below the kernel's ephemeral range.
+PICK_FROM = 20000
+_handed: set[int] = set()
+_pick = random.Random()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The local ports the kernel gives outgoing connections (Linux's default when unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now (another process may still take it before we bind; rare on loopback)."""
+    """A port for a server about to start: free now and not handed out before by this process,
+    taken below the ephemeral range when there is room. A port the kernel picked (bind to 0)
+    lies in that range, where every outgoing connection takes its local port, so one of them
+    could take it before the server binds it; below it only a server binding it could."""
+    lo, _ = ephemeral_range()
+    for _ in range(64 if lo - PICK_FROM >= 1024 else 0):
+        port = _pick.randrange(PICK_FROM, lo)
+        if port in _handed:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed.add(port)
+    return port
 
 
 @dataclass(slots=True)

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from batcher.fleet.launcher import free_port as launcher_free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key"
 # Every router and replica here shares it: heartbeats are authenticated, as in production.
@@ -30,9 +31,7 @@ FAKE = ["--model", "fake", "--embedding-model", "none", "--log-level", "warning"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return launcher_free_port("127.0.0.1")
 
 
 # What a stub replica reports on /v1/state: healthy, idle, plenty of KV.

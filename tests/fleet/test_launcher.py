@@ -137,3 +137,19 @@ def test_a_router_taking_heartbeats_off_loopback_has_a_fleet_key(tmp_path, capsy
     with pytest.raises(SystemExit, match="fleet key"):
         asyncio.run(serve_router(RouterContext(cfg), "127.0.0.1", free_port(),
                                  internal_port=free_port(), internal_host="0.0.0.0"))
+
+
+def test_ports_for_servers_come_from_below_the_ephemeral_range_and_never_twice() -> None:
+    """Outgoing connections take their local ports from the ephemeral range: a port picked there
+    could be taken before the server it is meant for binds it."""
+    import socket
+
+    from batcher.fleet.launcher import PICK_FROM, ephemeral_range
+
+    lo, _ = ephemeral_range()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if lo - PICK_FROM >= 1024:
+        assert all(PICK_FROM <= p < lo for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free as handed out
