@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batcher.runtime.thread_tuner import ThreadTuner, candidates, group_of
+from batcher.runtime.thread_tuner import TUNED_BELOW_ROWS, ThreadTuner, candidates, group_of
 
 
 def test_candidates_are_all_one_fewer_and_half() -> None:
@@ -25,15 +25,17 @@ def run(tuner: ThreadTuner, rows: int, cost: dict[int, float], steps: int) -> li
     return used
 
 
-def test_small_steps_keep_the_faster_count_and_big_steps_theirs() -> None:
+def test_small_steps_keep_the_faster_count_and_big_steps_run_on_every_thread() -> None:
     choices = []
     tuner = ThreadTuner(2, samples=4, on_choice=lambda g, n, m: choices.append((g, n)))
     small = run(tuner, 1, {2: 0.036, 1: 0.028}, 20)
-    big = run(tuner, 40, {2: 0.003, 1: 0.005}, 20)
+    eight = run(tuner, 8, {2: 0.003, 1: 0.005}, 20)
+    big = run(tuner, TUNED_BELOW_ROWS, {2: 0.003, 1: 0.001}, 20)
     assert small[:8] == [2, 1] * 4  # interleaved while measuring
-    assert set(small[8:]) == {1} and set(big[8:]) == {2}
-    assert tuner.chosen() == {1: 1, 32: 2}
-    assert choices == [(0, 1), (5, 2)]
+    assert set(small[8:]) == {1} and set(eight[8:]) == {2}
+    assert set(big) == {2}  # never tried on fewer: a prefill's rate is what TTFT is predicted from
+    assert tuner.chosen() == {1: 1, 8: 2}
+    assert choices == [(0, 1), (3, 2)]
 
 
 def test_a_group_measures_again_after_recheck_every_steps() -> None:

@@ -3,11 +3,12 @@
 A decode step of a few rows is memory-bound: splitting its small matmuls over every core buys
 little, and on a machine with few cores the team's barrier waits on whichever core the server's
 event loop (detokenizing, writing streams) just took. A big step (many rows, a prefill chunk) is
-compute-bound and wants every core. Where the line falls depends on the CPU, the model and the
-load, so it is measured: steps are grouped by row count (powers of two), and each group tries its
-candidate thread counts in turn, a few steps each, interleaved so drift hits all alike, then keeps
-the one with the lowest median time per row. A group measures again every `recheck_every` of its
-steps. Never more threads than the process was given (`--torch-threads`).
+compute-bound and runs on every core. Below `TUNED_BELOW_ROWS` rows the best count depends on the
+CPU, the model and the load, so it is measured: steps are grouped by row count (powers of two),
+and each group tries its candidate thread counts in turn, a few steps each, interleaved so drift
+hits all alike, then keeps the one with the lowest median time per row. A group measures again
+every `recheck_every` of its steps. Never more threads than the process was given
+(`--torch-threads`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from dataclasses import dataclass, field
 log = logging.getLogger("batcher.runtime.threads")
 
 MAX_GROUP = 10  # steps of 1024 rows and more are one group
+# Steps of this many rows and more always run on every thread: they are compute-bound (32 rows:
+# 4.1 ms a row on two threads against 4.8 on one; a prefill chunk 1.4 against 1.9), and trying
+# fewer threads on them would slow the prefills that the TTFT predictor learns its rates from.
+TUNED_BELOW_ROWS = 16
 
 
 def candidates(full: int) -> tuple[int, ...]:
@@ -52,12 +57,16 @@ class ThreadTuner:
         self._groups: dict[int, _Group] = {}
 
     def threads(self, rows: int) -> int:
+        if rows >= TUNED_BELOW_ROWS:
+            return self.options[0]
         g = self._groups.setdefault(group_of(rows), _Group())
         if g.chosen is not None and g.since < self.recheck_every:
             return g.chosen
         return self.options[g.turn % len(self.options)]
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
+        if rows >= TUNED_BELOW_ROWS:
+            return
         gid = group_of(rows)
         g = self._groups.setdefault(gid, _Group())
         if g.chosen is not None and g.since < self.recheck_every:
