@@ -114,8 +114,6 @@ class EmbeddingModel:
         if len(texts) == 0:
             return []
         _check_texts(texts)
-        if torch.get_num_threads() != self.threads:  # this thread's own count
-            torch.set_num_threads(self.threads)
         enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         return [len(ids) for ids in enc["input_ids"]]
 

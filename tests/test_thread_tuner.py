@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from batcher.runtime.thread_tuner import TUNED_BELOW_ROWS, ThreadTuner, candidates, group_of
 
 
@@ -62,7 +64,10 @@ def test_a_sample_taken_with_another_count_than_the_turn_is_ignored() -> None:
     assert tuner.threads(1) == 2
 
 
-def test_the_cpu_runner_tunes_its_threads_and_answers_the_same(tiny_fp32) -> None:
+@pytest.fixture
+def runner_on_two_threads(tiny_fp32):
+    """A CPU runner loaded under two intra-op threads, and one decode step for it; torch's count
+    is put back after the test."""
     import torch
 
     from batcher.runtime.model_runner import ModelRunner
@@ -71,42 +76,38 @@ def test_the_cpu_runner_tunes_its_threads_and_answers_the_same(tiny_fp32) -> Non
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=16)
-        step = build_step(Point(n_dec=1, ctx=40), 64, 16)
-        first = runner.execute(step).token_ids
-        assert runner.tuner is not None
-        used = set()
-        record = runner.tuner.record
-        runner.tuner.record = lambda rows, n, s: (used.add(n), record(rows, n, s))  # type: ignore
-        for _ in range(40):
-            assert runner.execute(step).token_ids == first
-        assert used == {1, 2} and set(runner.tuner.chosen()) == {1}
+        yield (ModelRunner(tiny_fp32, num_blocks=64, block_size=16),
+               build_step(Point(n_dec=1, ctx=40), 64, 16))
     finally:
         torch.set_num_threads(before)
 
 
-def test_a_step_on_fewer_threads_leaves_the_process_default_as_it_was(tiny_fp32) -> None:
+def test_the_cpu_runner_tunes_its_threads_and_answers_the_same(runner_on_two_threads) -> None:
+    runner, step = runner_on_two_threads
+    first = runner.execute(step).token_ids
+    assert runner.tuner is not None
+    used = set()
+    record = runner.tuner.record
+    runner.tuner.record = lambda rows, n, s: (used.add(n), record(rows, n, s))  # type: ignore
+    for _ in range(40):
+        assert runner.execute(step).token_ids == first
+    assert used == {1, 2} and set(runner.tuner.chosen()) == {1}
+
+
+def test_a_step_on_fewer_threads_leaves_the_process_default_as_it_was(
+        runner_on_two_threads) -> None:
     """torch's count is also what threads started later begin with: a tuned step puts it back."""
     import threading
 
     import torch
 
-    from batcher.runtime.model_runner import ModelRunner
-    from batcher.sim.calibrate import Point, build_step
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=16)
-        step = build_step(Point(n_dec=1, ctx=40), 64, 16)
-        worker = threading.Thread(target=lambda: [runner.execute(step) for _ in range(20)])
-        worker.start()
-        worker.join()
-        assert runner.tuner is not None and set(runner.tuner.chosen()) == {1}
-        seen: list[int] = []
-        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-        later.start()
-        later.join()
-        assert seen == [2] and runner.max_threads == 2
-    finally:
-        torch.set_num_threads(before)
+    runner, step = runner_on_two_threads
+    worker = threading.Thread(target=lambda: [runner.execute(step) for _ in range(20)])
+    worker.start()
+    worker.join()
+    assert runner.tuner is not None and set(runner.tuner.chosen()) == {1}
+    seen: list[int] = []
+    later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert seen == [2] and runner.max_threads == 2

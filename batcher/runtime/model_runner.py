@@ -80,16 +80,14 @@ class ModelRunner:
         # step that lowers it puts it back when it ends).
         self.tune_threads = loaded.device.type == "cpu"
         self.max_threads = torch.get_num_threads()
-        self.tuner: ThreadTuner | None = None
+        self.tuner = ThreadTuner(self.max_threads) if self.tune_threads else None
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
         if sched.is_empty:
             return RunnerOutput()
-        if not self.tune_threads:
+        if not self.tune_threads or self.tuner is None:
             return self._execute(sched)
-        if self.tuner is None:
-            self.tuner = ThreadTuner(self.max_threads)
         rows = sched.num_batched_tokens
         threads = self.tuner.threads(rows)
         if threads != self.max_threads:
