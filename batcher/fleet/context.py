@@ -14,6 +14,8 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from batcher.http.upstream import UpstreamPool
+
 from batcher.fleet.discovery import Discovery
 from batcher.fleet.health import HealthChecker, HealthConfig
 from batcher.fleet.load import ReplicaLoad
@@ -131,6 +133,9 @@ class RouterContext:
         self.budget = RetryBudget(cfg.retry_ratio, cfg.retry_floor, cfg.retry_window)
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
+        # The generation hop's own client (`batcher.http.upstream`): a lean one, for the cost
+        # every routed request pays; everything else the router sends goes through `session`.
+        self.upstream: UpstreamPool | None = None
         self.health: HealthChecker | None = None
         self.attempts: dict[str, set[Attempt]] = {}
         # Client request ids are scoped by the caller's credential (`tenant_scope`), as the
@@ -138,6 +143,7 @@ class RouterContext:
         self.owners: dict[RequestKey, str] = {}  # (scope, id) -> replica id now serving it
         self.cancelled: set[RequestKey] = set()  # cancelled by the client: errors are final
         self.inflight = 0
+        self.metrics.inflight.set_function(lambda: self.inflight)
         self.processes: Callable[[], list[dict[str, Any]]] | None = None  # set by the launcher
         self.discovery: Discovery | None = None  # set by `batcher router --discover`
         self.loads: dict[str, ReplicaLoad] = {}  # replica id -> the router's own account
@@ -212,7 +218,7 @@ class RouterContext:
         else:
             c = choose(cands, tokens, key, self.cfg.policy, self.rng, weights, exclude,
                        prompt_tokens=prompt_tokens)
-        self.metrics.routing.observe(time.perf_counter() - started)
+        self.later(self.metrics.routing.observe, time.perf_counter() - started)
         return None if c is None else self.registry.get(c.replica_id)
 
     # attempts ------------------------------------------------------------------------------

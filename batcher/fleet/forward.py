@@ -31,7 +31,6 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -48,6 +47,7 @@ from batcher.fleet.route_timing import RouteClock
 from batcher.fleet.stream_ledger import StreamLedger
 from batcher.http.errors import ApiError
 from batcher.http.sse import DONE, SSE_HEADERS
+from batcher.http.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
 from batcher.tracing import current as current_tracer
 from batcher.tracing import forward_headers
 
@@ -186,7 +186,7 @@ class Relay:
         h.update(forward_headers(self.request.headers, self.span))
         return h
 
-    def _reply_headers(self, up: aiohttp.ClientResponse) -> dict[str, str]:
+    def _reply_headers(self, up: UpstreamResponse) -> dict[str, str]:
         h = {"X-Request-Id": self.rid, "X-Attempt": str(self.attempts)}
         if (ra := up.headers.get("Retry-After")) is not None:
             h["Retry-After"] = ra
@@ -195,7 +195,7 @@ class Relay:
             h["x-should-retry"] = retry
         return h
 
-    def _observe(self, rep: Replica, up: aiohttp.ClientResponse, att: Attempt) -> None:
+    def _observe(self, rep: Replica, up: UpstreamResponse, att: Attempt) -> None:
         """The replica's state on its answer. A stream's (200) was taken as its first event
         left, and counts the request as running: read at once, so that its end counts as since
         it. Any other answer's was taken after the request left the replica's scheduler: read
@@ -217,14 +217,14 @@ class Relay:
     def _failed(self, rep: Replica, att: Attempt, exc: BaseException) -> Failure:
         if att.killed is not None:
             return Failure(att.killed)
-        if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientError):
+        if isinstance(exc, TimeoutError):
             self.ctx.report_failure(rep, "an attempt timed out")
             return Failure(f"replica {rep.replica_id} timed out")
-        conclusive = isinstance(exc, aiohttp.ClientConnectorError)
+        conclusive = isinstance(exc, UpstreamConnectError)
         self.ctx.report_failure(rep, f"{type(exc).__name__} on live traffic", conclusive)
         return Failure(f"replica {rep.replica_id} failed: {type(exc).__name__}")
 
-    async def _status(self, up: aiohttp.ClientResponse) -> Failure | web.Response:
+    async def _status(self, up: UpstreamResponse) -> Failure | web.Response:
         data = await up.read()
         resp = web.Response(status=up.status, body=data, headers=self._reply_headers(up),
                             content_type=up.content_type)
@@ -279,8 +279,8 @@ class Relay:
         try:
             async with asyncio.timeout(None) as tm:
                 att.arm(tm, ctx.cfg.upstream_timeout)
-                async with ctx.session.post(ctx.upstream_url(rep, self.request.path),
-                                            data=self.payload, headers=self._headers()) as up:
+                async with ctx.upstream.post(ctx.upstream_url(rep, self.request.path),
+                                             self.payload, self._headers()) as up:
                     self._observe(rep, up, att)
                     if up.status != 200:
                         result = await self._status(up)
@@ -295,15 +295,15 @@ class Relay:
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except (TimeoutError, UpstreamError, OSError) as exc:
             return self._failed(rep, att, exc)
         finally:
             self._end(rep, att, outcome)
 
     def _end(self, rep: Replica, att: Attempt, outcome: str) -> None:
         self.ctx.end(att)
-        if att.state_after is not None:
-            self._read_state(rep, att.state_after)
+        if att.state_after is not None:  # after the end, and after the answer left
+            self.ctx.later(self._read_state, rep, att.state_after)
         if self.ctx.owners.get(self.rkey) == rep.replica_id:
             del self.ctx.owners[self.rkey]
         self.ctx.later(self.ctx.metrics.attempt, rep.replica_id, rep.version, outcome)
@@ -340,8 +340,8 @@ class Relay:
         try:
             async with asyncio.timeout(None) as tm:
                 att.arm(tm, ctx.cfg.upstream_timeout)  # the first byte may wait in a queue
-                async with ctx.session.post(ctx.upstream_url(rep, self.request.path),
-                                            data=self.payload, headers=self._headers()) as up:
+                async with ctx.upstream.post(ctx.upstream_url(rep, self.request.path),
+                                             self.payload, self._headers()) as up:
                     self._observe(rep, up, att)
                     if up.status != 200:
                         result = await self._status(up)
@@ -351,7 +351,7 @@ class Relay:
                         outcome = "rejected" if up.status == 503 else "error"
                         return result if isinstance(result, Failure) else Failure(
                             f"a replica answered {up.status} to a resumed stream")
-                    async for chunk in up.content.iter_any():
+                    async for chunk in up.iter_any():
                         att.last_byte = ctx.clock()
                         ctx.progress(att, att.last_byte)
                         att.extend(ctx.cfg.stream_idle_timeout)
@@ -373,7 +373,7 @@ class Relay:
         except (asyncio.CancelledError, ClientGone):
             outcome = "cancelled"
             raise
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except (TimeoutError, UpstreamError, OSError) as exc:
             return self._failed(rep, att, exc)
         finally:
             self._end(rep, att, outcome)

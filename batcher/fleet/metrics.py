@@ -60,6 +60,9 @@ class RouterMetrics:
             self.phases[p].observe(ms / 1000.0)
         self.request_total.observe(t.total_ms / 1000.0)
 
+    def client_request(self, outcome: str) -> None:
+        self.client_requests.labels(outcome).inc()
+
     def attempt(self, replica: str, version: str | None, outcome: str) -> None:
         self.requests.labels(replica, version or "unknown", outcome).inc()
 

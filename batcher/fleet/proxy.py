@@ -36,6 +36,7 @@ from batcher.http.keys import AuthError, bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
+from batcher.http.upstream import UpstreamPool
 
 log = logging.getLogger("batcher.fleet.proxy")
 
@@ -43,6 +44,9 @@ ROUTER = web.AppKey("router", RouterContext)
 STATE_HEADER = web.AppKey("state_header", StateHeader)
 # Routes that read no credential (as on a replica); the rest scope by it.
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
+# Idle pooled connections to replicas close after this: below the replicas' 20 s idle cut-off,
+# so a connection is never reused just as its replica closes it.
+KEEPALIVE_S = 10.0
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 
 
@@ -86,8 +90,7 @@ def generation(chat: bool) -> Callable[[web.Request], Awaitable[web.StreamRespon
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
         relay = Relay(ctx, request, chat, body, raw, rid, request["scope"])
-        ctx.inflight += 1
-        ctx.metrics.inflight.inc()
+        ctx.inflight += 1  # the gauge reads it at scrape time
         ctx.budget.note_request(ctx.clock())
         outcome = "cancelled"
         try:
@@ -100,8 +103,7 @@ def generation(chat: bool) -> Callable[[web.Request], Awaitable[web.StreamRespon
         finally:
             ctx.cancelled.discard(relay.rkey)
             ctx.inflight -= 1
-            ctx.metrics.inflight.dec()
-            ctx.metrics.client_requests.labels(outcome).inc()
+            ctx.later(ctx.metrics.client_request, outcome)
 
     return handle
 
@@ -241,15 +243,15 @@ def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> we
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         cfg = ctx.cfg
         ctx.session = aiohttp.ClientSession(
-            # NOTE: below the replicas' 20 s idle cut-off, so a pooled connection is never
-            # reused just as the replica closes it.
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10.0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
             # Callers share the connections: no replica's cookie may follow another caller.
             cookie_jar=aiohttp.DummyCookieJar(),
             # Nothing the replicas read: not built or sent on every hop (no Accept-Encoding, so
             # a replica never compresses what the router relays).
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout))
+        ctx.upstream = UpstreamPool(connect_timeout=cfg.connect_timeout,
+                                    idle_timeout=KEEPALIVE_S)
         ctx.health = HealthChecker(ctx.registry, cfg.health, ctx.session, ctx.on_evict,
                                    ctx.on_readmit, ctx.stalled, ctx.clock,
                                    probe_key=cfg.replica_admin_key or cfg.fleet_key)
@@ -257,6 +259,7 @@ def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> we
         yield
         await ctx.health.close()
         await ctx.session.close()
+        await ctx.upstream.close()
 
     app.cleanup_ctx.append(lifetime)
     app.on_response_prepare.append(state_header)
