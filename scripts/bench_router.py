@@ -7,7 +7,11 @@ alike; and the routing decision alone (`RouterContext.pick`, in-process) on flee
 replicas, every candidate scored against a sample of `--choices`, alternated the same way.
 Appends rows to BENCHMARKS.md.
 
-    python scripts/bench_router.py [--requests 400] [--decisions 2000] [--no-append]
+    python scripts/bench_router.py [--requests 400] [--decisions 2000] [--against REV]
+                                   [--no-append]
+
+`--against REV` also runs the router of an earlier revision (its `batcher/` from git, in a
+temporary folder) in the same alternation, for a before/after column measured side by side.
 
 Target: the router adds <= 1 ms at p50.
 """
@@ -21,6 +25,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -39,9 +44,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+def start(argv: list[str], cwd: Path = ROOT) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+
+def checkout(rev: str, into: Path) -> None:
+    """`batcher/` as it was at `rev`, under `into` (run from there, it is what imports)."""
+    archive = subprocess.run(["git", "archive", rev, "batcher"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -217,6 +229,7 @@ def main() -> int:
     ap.add_argument("--choices", type=int, default=8, help="replicas sampled per pick in the "
                     "sampled mode, for pools over 64")
     ap.add_argument("--no-append", action="store_true", help="print, do not touch BENCHMARKS.md")
+    ap.add_argument("--against", metavar="REV", help="also run this revision's router")
     ap.add_argument("--bare-forwarder", nargs=2, metavar=("PORT", "UPSTREAM"),
                     help=argparse.SUPPRESS)  # the reference forwarder's own process
     ap.add_argument("--socket-forwarder", nargs=2, metavar=("PORT", "UPSTREAM"),
@@ -239,33 +252,45 @@ def main() -> int:
                     direct, "--log-level", "warning"])
     forwarder = start([__file__, "--bare-forwarder", str(bport), direct])
     sockfwd = start([__file__, "--socket-forwarder", str(sport), direct])
+    procs = [sockfwd, forwarder, router, rep]
+    urls = [direct, routed, bare, sock]
+    old_tree = tempfile.TemporaryDirectory(prefix="bench-router-") if args.against else None
     try:
-        wait_up(direct + "/ready", rep)
-        wait_up(routed + "/ready", router)
-        wait_up(bare + "/ready", forwarder)
-        wait_up(sock + "/ready", sockfwd)
+        if old_tree is not None:
+            checkout(args.against, Path(old_tree.name))
+            oport = free_port()
+            procs.append(start(["-m", "batcher.fleet.cli", "router", "--port", str(oport),
+                                "--replica", direct, "--log-level", "warning"],
+                               cwd=Path(old_tree.name)))
+            urls.append(f"http://127.0.0.1:{oport}")
+        for url, proc in zip(urls, [rep, router, forwarder, sockfwd, *procs[4:]]):
+            wait_up(url + "/ready", proc)
         rows = []
         for stream in (False, True):
-            d, r, b, k = asyncio.run(measure([direct, routed, bare, sock], args.requests,
-                                             stream))
+            d, r, b, k, *o = asyncio.run(measure(urls, args.requests, stream))
             added = [(y - x) * 1000 for x, y in zip(d, r)]
             floor = [(y - x) * 1000 for x, y in zip(d, b)]
             raw_floor = [(y - x) * 1000 for x, y in zip(d, k)]
             mode = "stream, first event" if stream else "whole answer"
-            rows.append([mode, "1 fake replica, max_tokens 1", str(args.requests),
-                         f"{pct(d, 50) * 1000:.2f}", f"{pct(r, 50) * 1000:.2f}",
-                         f"{pct(added, 50):.2f}", f"{pct(added, 99):.2f}",
-                         f"{pct(floor, 50):.2f}", f"{pct(raw_floor, 50):.2f}",
-                         "yes" if pct(added, 50) <= 1.0 else "no"])
+            row = [mode, "1 fake replica, max_tokens 1", str(args.requests),
+                   f"{pct(d, 50) * 1000:.2f}", f"{pct(r, 50) * 1000:.2f}",
+                   f"{pct(added, 50):.2f}", f"{pct(added, 99):.2f}",
+                   f"{pct(floor, 50):.2f}", f"{pct(raw_floor, 50):.2f}"]
+            if o:
+                before = [(y - x) * 1000 for x, y in zip(d, o[0])]
+                row.append(f"{pct(before, 50):.2f}")
+            rows.append([*row, "yes" if pct(added, 50) <= 1.0 else "no"])
     finally:
-        for p in (sockfwd, forwarder, router, rep):
+        for p in procs:
             p.terminate()
             p.wait(timeout=30)
+        if old_tree is not None:
+            old_tree.cleanup()
     drows = decisions(args.decisions, args.choices) if args.decisions > 0 else []
     load = f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after"
     header = ["mode", "setup", "rounds", "direct p50 ms", "routed p50 ms", "added p50 ms",
               "added p99 ms", "bare forwarder added p50 ms", "socket forwarder added p50 ms",
-              "<= 1 ms"]
+              *([f"router at {args.against} added p50 ms"] if args.against else []), "<= 1 ms"]
     notes = ("Sequential requests on loopback, direct, routed, bare-forwarder (aiohttp server "
              "and client) and socket-forwarder (aiohttp server, hand-written upstream HTTP/1.1) "
              "calls alternated; 'added' is the per-round difference from the direct call. "
