@@ -81,9 +81,16 @@ class Timings:
 
     @property
     def bottleneck(self) -> str:
-        """The phase that took the largest share of the total."""
-        phases = self.phases()
-        return max(phases, key=lambda p: phases[p])
+        """The phase that took the largest share of the total (the first such, in the order of
+        `phases()`). Spelled out: a router computes it for every relayed answer."""
+        name, best = ("route", self.route_ms) if self.route_ms is not None else (
+            "parse", self.parse_ms)
+        for phase, ms in (("parse", self.parse_ms), ("tokenize", self.tokenize_ms),
+                          ("queue", self.queue_ms), ("prefill", self.prefill_ms),
+                          ("decode", self.decode_ms), ("post", self.post_ms)):
+            if ms > best:
+                name, best = phase, ms
+        return name
 
     def to_json(self) -> dict[str, Any]:
         # Spelled out rather than looped: a router writes one per relayed answer.
@@ -99,24 +106,27 @@ class Timings:
 
     def server_timing(self) -> str:
         """The `Server-Timing` header value (durations in milliseconds)."""
-        parts = [f"{p};dur={ms:.3f}" for p, ms in self.phases().items()]
-        parts.append(f"total;dur={self.total_ms:.3f}")
-        return ", ".join(parts)
+        route = "" if self.route_ms is None else f"route;dur={self.route_ms:.3f}, "
+        return (f"{route}parse;dur={self.parse_ms:.3f}, tokenize;dur={self.tokenize_ms:.3f}, "
+                f"queue;dur={self.queue_ms:.3f}, prefill;dur={self.prefill_ms:.3f}, "
+                f"decode;dur={self.decode_ms:.3f}, post;dur={self.post_ms:.3f}, "
+                f"total;dur={self.total_ms:.3f}")
 
     @classmethod
     def from_json(cls, obj: Any) -> Timings | None:
         """A `timings` object read back (a router, a benchmark, `diagnose`); None if malformed."""
         if not isinstance(obj, dict):
             return None
+        get = obj.get  # spelled out, field by field: a router reads one per relayed answer
         try:
-            t = cls(**{p + "_ms": float(obj.get(p + "_ms", 0.0)) for p in PHASES},
-                    total_ms=float(obj["total_ms"]),
-                    prompt_tokens=int(obj.get("prompt_tokens", 0)),
-                    cached_tokens=int(obj.get("cached_tokens", 0)),
-                    completion_tokens=int(obj.get("completion_tokens", 0)),
-                    preemptions=int(obj.get("preemptions", 0)))
-            if obj.get("route_ms") is not None:
-                t.route_ms = float(obj["route_ms"])
+            t = cls(float(get("parse_ms", 0.0)), float(get("tokenize_ms", 0.0)),
+                    float(get("queue_ms", 0.0)), float(get("prefill_ms", 0.0)),
+                    float(get("decode_ms", 0.0)), float(get("post_ms", 0.0)),
+                    float(obj["total_ms"]), int(get("prompt_tokens", 0)),
+                    int(get("cached_tokens", 0)), int(get("completion_tokens", 0)),
+                    int(get("preemptions", 0)))
+            if (route := get("route_ms")) is not None:
+                t.route_ms = float(route)
         except (KeyError, TypeError, ValueError):
             return None
         return t

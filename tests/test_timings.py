@@ -11,6 +11,8 @@ import time
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from batcher.access_log import JsonFormatter
@@ -194,3 +196,17 @@ def test_log_format_json_is_one_object_per_line(capsys) -> None:
     assert lines[1] == lines[1] | {"msg": "plain words", "level": "warning"}
     with pytest.raises(ValueError):
         configure("info", "xml")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 7.25]), min_size=7, max_size=7),
+       st.booleans())
+def test_the_spelled_out_readers_match_the_phase_table(ms: list[float], routed: bool) -> None:
+    # bottleneck, Server-Timing and from_json are written field by field for speed: they must
+    # say what the generic forms over `phases()` say, ties included (the first phase wins).
+    t = Timings(*ms[:6], total_ms=sum(ms), route_ms=ms[6] if routed else None)
+    phases = t.phases()
+    assert t.bottleneck == max(phases, key=lambda p: phases[p])
+    parts = [f"{p};dur={v:.3f}" for p, v in phases.items()] + [f"total;dur={t.total_ms:.3f}"]
+    assert t.server_timing() == ", ".join(parts)
+    assert Timings.from_json(orjson.loads(orjson.dumps(t.to_json()))) == t

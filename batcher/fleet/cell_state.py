@@ -75,28 +75,37 @@ HEADER_MAX_AGE_S = 0.02
 
 class StateHeader:
     """The `X-Replica-State` value on a router's answers: the cell's aggregate without the
-    rollout weights, computed at most every `max_age` seconds of real time, so the answers of a
-    busy moment share one computation (a balancer reads it as a router reads a replica's
-    heartbeat: a little old is fine; `GET /v1/state` is always fresh)."""
+    rollout weights. An answer takes the value as it is; one that finds it older than `max_age`
+    seconds has it recomputed after it left (on the loop's next turn; at once when no loop
+    runs), so the answers of a busy moment share one computation and none waits for it (a
+    balancer reads it as a router reads a replica's heartbeat: a little old is fine;
+    `GET /v1/state` is always fresh)."""
 
-    __slots__ = ("_at", "_value", "clock", "ctx", "max_age")
+    __slots__ = ("_at", "_pending", "_value", "clock", "ctx", "max_age")
 
     def __init__(self, ctx: RouterContext, max_age: float = HEADER_MAX_AGE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ctx, self.max_age, self.clock = ctx, max_age, clock
         self._value: str | None = None
         self._at = 0.0
+        self._pending = False
 
     def value(self) -> str:
-        now = self.clock()
-        if self._value is None or now - self._at >= self.max_age:
-            state = aggregate(self.ctx)
-            state.pop("weights", None)
-            text = orjson.dumps(state).decode()
-            if not text.isascii():  # version labels are the operator's; a header stays ASCII
-                text = json.dumps(state, separators=(",", ":"))
-            self._value, self._at = text, now
+        if self._value is None:
+            self._refresh()
+        elif not self._pending and self.clock() - self._at >= self.max_age:
+            self._pending = True
+            self.ctx.later(self._refresh)
+        assert self._value is not None
         return self._value
+
+    def _refresh(self) -> None:
+        state = aggregate(self.ctx)
+        state.pop("weights", None)
+        text = orjson.dumps(state).decode()
+        if not text.isascii():  # version labels are the operator's; a header stays ASCII
+            text = json.dumps(state, separators=(",", ":"))
+        self._value, self._at, self._pending = text, self.clock(), False
 
 
 class CellCollector(Collector):
