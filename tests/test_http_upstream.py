@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
+import batcher.http.upstream as upstream_module
 from batcher.http.upstream import (
     READ_PAUSE_BYTES,
     UpstreamConnectError,
@@ -207,7 +208,7 @@ def test_headers_cannot_split_the_request() -> None:
     for bad in ({"X-A": "v\r\nX-Injected: 1"}, {"X-A\n": "v"}, {"X-A": "v\x00"}):
         with pytest.raises(ValueError):
             request_bytes("POST", url, b"", bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(UpstreamConnectError, match="not an http"):
         asyncio.run(_post_to(URL("ftp://127.0.0.1:1/x")))
 
 
@@ -215,3 +216,90 @@ async def _post_to(url: URL) -> None:
     pool = UpstreamPool()
     async with pool.post(url, b"", {}):
         pass
+
+
+async def _scripted(replies: list[bytes]) -> tuple[asyncio.Server, URL, dict[str, int]]:
+    """A server that answers the n-th request on a connection with `replies[n]`."""
+    seen = {"connections": 0}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen["connections"] += 1
+        try:
+            for reply in replies:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(reply)
+                await writer.drain()
+            await reader.read()  # until the client closes
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, URL(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"), seen
+
+
+async def _exchange(pool: UpstreamPool, url: URL, read: bool = True) -> tuple[int, bytes]:
+    async with asyncio.timeout(5), pool.post(url, b"{}", {}) as up:
+        return up.status, (await up.read() if read else b"")
+
+
+async def test_interim_answers_are_skipped_and_a_protocol_switch_is_refused() -> None:
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    server, url, _ = await _scripted([
+        b"HTTP/1.1 100 Continue\r\n\r\n" + ok,
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + ok,
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"])
+    pool = UpstreamPool()
+    assert await _exchange(pool, url) == (200, b"ok")
+    async with pool.post(url, b"{}", {}) as up:
+        assert up.status == 200 and "Link" not in up.headers  # not the hint's headers
+        assert await up.read() == b"ok"
+    with pytest.raises(UpstreamError, match="switched protocols"):
+        await _exchange(pool, url)
+    assert pool.open_connections == 0
+    server.close()
+    await pool.close()
+
+
+async def test_bytes_after_an_answer_keep_it_whole_and_close_the_connection() -> None:
+    server, url, seen = await _scripted([
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+        b"HTTP/1.1 200 OK\r\nX-Evil: 1\r\nContent-Length: 5\r\n\r\nEVIL!"])
+    pool = UpstreamPool()
+    async with pool.post(url, b"{}", {}) as up:
+        assert await up.read() == b"hello" and "X-Evil" not in up.headers
+    assert pool.open_connections == 0  # not reused
+    assert await _exchange(pool, url) == (200, b"hello")
+    assert seen["connections"] == 2
+    server.close()
+    await pool.close()
+
+
+async def test_a_big_answer_left_unread_does_not_stall_the_next_exchange(monkeypatch) -> None:
+    monkeypatch.setattr(upstream_module, "READ_PAUSE_BYTES", 8)  # "big": over 8 unread bytes
+    server, url, seen = await _scripted([
+        b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n" + b"x" * 20,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nsmall"])
+    pool = UpstreamPool()
+    async with asyncio.timeout(5), pool.post(url, b"{}", {}) as up:
+        while not up.complete:  # all of it arrives; the caller reads none of it
+            await asyncio.sleep(0.01)
+        assert up._conn._paused  # and reading stopped there
+    assert await _exchange(pool, url) == (200, b"small")
+    assert seen["connections"] == 1  # the same connection, reading again
+    server.close()
+    await pool.close()
+
+
+async def test_a_connection_closing_in_the_pool_is_not_handed_out() -> None:
+    server, url, seen = await _scripted([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"] * 2)
+    pool = UpstreamPool()
+    assert await _exchange(pool, url) == (200, b"ok")
+    (conn,) = pool._open
+    conn.transport.close()  # as the loop does on the peer's close, a turn before it says so
+    assert await _exchange(pool, url) == (200, b"ok")  # on a new connection
+    assert seen["connections"] == 2
+    server.close()
+    await pool.close()

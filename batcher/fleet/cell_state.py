@@ -71,13 +71,16 @@ def aggregate(ctx: RouterContext, cfg: BalancerConfig | None = None) -> dict[str
 
 
 HEADER_MAX_AGE_S = 0.02
+# A value this many max ages old is recomputed before the answer that finds it, not after.
+STALE_AFTER_MAX_AGES = 5
 
 
 class StateHeader:
     """The `X-Replica-State` value on a router's answers: the cell's aggregate without the
     rollout weights. An answer takes the value as it is; one that finds it older than `max_age`
     seconds has it recomputed after it left (on the loop's next turn; at once when no loop
-    runs), so the answers of a busy moment share one computation and none waits for it (a
+    runs), so the answers of a busy moment share one computation and none waits for it; one
+    that finds it older than `STALE_AFTER_MAX_AGES` max ages (after a quiet spell) waits (a
     balancer reads it as a router reads a replica's heartbeat: a little old is fine;
     `GET /v1/state` is always fresh)."""
 
@@ -91,9 +94,10 @@ class StateHeader:
         self._pending = False
 
     def value(self) -> str:
-        if self._value is None:
-            self._refresh()
-        elif not self._pending and self.clock() - self._at >= self.max_age:
+        age = self.clock() - self._at
+        if self._value is None or age >= STALE_AFTER_MAX_AGES * self.max_age:
+            self._refresh()  # the first answer after a quiet spell carries a fresh one
+        elif not self._pending and age >= self.max_age:
             self._pending = True
             self.ctx.later(self._refresh)
         assert self._value is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -13,8 +14,6 @@ from typing import Any
 
 import aiohttp
 from yarl import URL
-
-from batcher.http.upstream import UpstreamPool
 
 from batcher.fleet.discovery import Discovery
 from batcher.fleet.health import HealthChecker, HealthConfig
@@ -31,6 +30,9 @@ from batcher.fleet.policy import (
 )
 from batcher.fleet.registry import Registry, Replica
 from batcher.fleet.rollout import Rollout
+from batcher.http.upstream import UpstreamPool
+
+log = logging.getLogger("batcher.fleet.context")
 
 
 @dataclass(slots=True)
@@ -149,6 +151,7 @@ class RouterContext:
         self.loads: dict[str, ReplicaLoad] = {}  # replica id -> the router's own account
         self._turn = 0  # round-robin's position
         self._urls: dict[tuple[str, str], URL] = {}
+        self._later: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
 
     def use_registry(self, registry: Registry) -> None:
         """Route over `registry`; the load account learns of each state as it arrives (an
@@ -174,11 +177,23 @@ class RouterContext:
     def later(self, fn: Callable[..., Any], *args: Any) -> None:
         """Bookkeeping that need not delay an answer and that nothing routed next depends on
         (metrics, access lines, trace ends): run on the loop's next turn, after the handler's
-        current step has written what it had; at once when no loop runs."""
-        try:
-            asyncio.get_running_loop().call_soon(fn, *args)
-        except RuntimeError:
-            fn(*args)
+        current step has written what it had, in the order given and all in one callback; at
+        once when no loop runs."""
+        if not self._later:
+            try:
+                asyncio.get_running_loop().call_soon(self._run_later)
+            except RuntimeError:
+                fn(*args)
+                return
+        self._later.append((fn, args))
+
+    def _run_later(self) -> None:
+        work, self._later = self._later, []
+        for fn, args in work:
+            try:
+                fn(*args)
+            except Exception:  # one failed record must not drop the others
+                log.exception("router bookkeeping failed")
 
     # routing -------------------------------------------------------------------------------
     def candidates(self, now: float) -> list[Candidate]:

@@ -208,9 +208,12 @@ class Relay:
         else:
             att.state_after = raw
 
-    def _read_state(self, rep: Replica, raw: str) -> None:
+    def _read_state(self, rep: Replica, raw: str, at: float | None = None) -> None:
+        """`raw` as `rep`'s state seen at `at` (now by default): a fresher state that arrived
+        in between (a heartbeat, a stream's answer) is kept."""
         try:
-            self.ctx.registry.observe(rep.replica_id, orjson.loads(raw), self.ctx.clock())
+            self.ctx.registry.observe(rep.replica_id, orjson.loads(raw),
+                                      self.ctx.clock() if at is None else at)
         except orjson.JSONDecodeError:
             pass
 
@@ -221,8 +224,9 @@ class Relay:
             self.ctx.report_failure(rep, "an attempt timed out")
             return Failure(f"replica {rep.replica_id} timed out")
         conclusive = isinstance(exc, UpstreamConnectError)
-        self.ctx.report_failure(rep, f"{type(exc).__name__} on live traffic", conclusive)
-        return Failure(f"replica {rep.replica_id} failed: {type(exc).__name__}")
+        what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self.ctx.report_failure(rep, f"{what} on live traffic", conclusive)
+        return Failure(f"replica {rep.replica_id} failed: {what}")
 
     async def _status(self, up: UpstreamResponse) -> Failure | web.Response:
         data = await up.read()
@@ -302,8 +306,8 @@ class Relay:
 
     def _end(self, rep: Replica, att: Attempt, outcome: str) -> None:
         self.ctx.end(att)
-        if att.state_after is not None:  # after the end, and after the answer left
-            self.ctx.later(self._read_state, rep, att.state_after)
+        if att.state_after is not None:  # after the end, and after the answer left, as of now
+            self.ctx.later(self._read_state, rep, att.state_after, self.ctx.clock())
         if self.ctx.owners.get(self.rkey) == rep.replica_id:
             del self.ctx.owners[self.rkey]
         self.ctx.later(self.ctx.metrics.attempt, rep.replica_id, rep.version, outcome)

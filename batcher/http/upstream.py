@@ -44,7 +44,12 @@ class UpstreamError(Exception):
 
 
 class UpstreamConnectError(UpstreamError):
-    """No connection could be made: the request was not sent."""
+    """No connection could be made (or the address is not an http(s) one): nothing was sent."""
+
+
+class _BadAnswer(Exception):
+    """Raised from a parser callback: bytes after the end of the answer, or a switch of
+    protocols. The connection cannot be trusted again."""
 
 
 class UpstreamResponse:
@@ -172,9 +177,16 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._paused = False
+        self._interim = False  # parsing a 1xx answer, which the final one follows
+
+    @property
+    def usable(self) -> bool:
+        """Open, and not closing: the loop learns of a close one turn after the transport."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
 
     def begin(self) -> UpstreamResponse:
         self.response = UpstreamResponse(self)
+        self._interim = False
         return self.response
 
     def close(self) -> None:
@@ -204,25 +216,35 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            resp._fail(UpstreamError(f"the answer is not valid HTTP: {exc}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade, _BadAnswer) as exc:
+            # An answer that already ended stays whole; bytes after it close the connection.
+            inner = exc.__cause__ or exc.__context__  # httptools wraps a callback's error
+            why = (str(inner) if isinstance(inner, _BadAnswer) else
+                   "the server switched protocols"
+                   if isinstance(exc, httptools.HttpParserUpgrade) else str(exc))
+            resp._fail(UpstreamError(f"the answer is not valid HTTP: {why}"))
             self.close()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
         resp = self.response
         if resp is not None and not resp._done:
-            if resp._to_eof and resp._head.done() and exc is None:
+            if resp._to_eof and resp._head.done() and exc is None and not self.closed:
                 resp._finish(False)  # a body delimited by the connection's end
             else:
                 why = f": {exc}" if exc is not None else ""
                 resp._fail(UpstreamError(f"the connection closed before the answer ended{why}"))
+        self.closed = True
         self.pool._lost(self)
 
     # httptools callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        assert self.response is not None
+        if self.response._done:
+            raise _BadAnswer("bytes after the end of the answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
         self.response._raw_headers.append((name, value))
@@ -230,9 +252,15 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         resp = self.response
         assert resp is not None
+        status = self.parser.get_status_code()
+        if status == 101:
+            raise _BadAnswer("the server switched protocols")
+        if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): the final one follows
+            self._interim = True
+            resp._raw_headers.clear()
+            return
         names = {k.lower() for k, _ in resp._raw_headers}
-        resp._got_head(self.parser.get_status_code(),
-                       b"content-length" not in names and b"transfer-encoding" not in names)
+        resp._got_head(status, b"content-length" not in names and b"transfer-encoding" not in names)
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
@@ -240,6 +268,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
+        if self._interim:
+            self._interim = False  # the final answer follows on the same connection
+            return
         self.response._finish(self.parser.should_keep_alive())
 
 
@@ -276,7 +307,8 @@ class UpstreamPool:
             reuse = resp._done and resp._keep_alive and resp._error is None
         finally:
             conn.response = None
-            if reuse and not conn.closed and not self._closed:
+            if reuse and conn.usable and not self._closed:
+                conn.resume()  # a caller that left a big answer unread left reading paused
                 self._release(conn)
             else:
                 conn.close()
@@ -292,13 +324,13 @@ class UpstreamPool:
     async def _acquire(self, url: URL) -> _Connection:
         scheme, host = url.scheme, url.raw_host
         if scheme not in ("http", "https") or not host or url.port is None:
-            raise ValueError(f"not an http(s) address: {url}")
+            raise UpstreamConnectError(f"not an http(s) address: {url}")
         key = (scheme, host, url.port)
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_timeout:
+            if conn.usable and now - conn.idle_since < self.idle_timeout:
                 return conn
             conn.close()
         return await self._connect(key)

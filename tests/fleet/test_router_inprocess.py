@@ -4,6 +4,8 @@ same claims against real processes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -75,3 +77,28 @@ async def test_admin_key_checks_never_raise(aiohttp_client, ctx) -> None:
     resp = await client.post("/admin/canary", headers={"Authorization": f"Bearer {ADMIN}"},
                              data=b'{"version": "v2", "weight": 2}')
     assert resp.status == 400
+
+
+async def test_bookkeeping_runs_after_in_order_and_one_failure_drops_nothing(caplog) -> None:
+    ctx = RouterContext(RouterConfig())
+    seen: list[int] = []
+
+    def boom() -> None:
+        raise RuntimeError("bad record")
+
+    ctx.later(seen.append, 1)
+    ctx.later(boom)
+    ctx.later(seen.append, 2)
+    assert seen == []  # nothing before the loop's next turn
+    await asyncio.sleep(0)
+    assert seen == [1, 2] and "router bookkeeping failed" in caplog.text
+    ctx.later(seen.append, 3)  # a new batch after the last ran
+    await asyncio.sleep(0)
+    assert seen == [1, 2, 3]
+
+
+def test_bookkeeping_without_a_loop_runs_at_once() -> None:
+    ctx = RouterContext(RouterConfig())
+    seen: list[int] = []
+    ctx.later(seen.append, 1)
+    assert seen == [1]
