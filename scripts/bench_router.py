@@ -49,6 +49,16 @@ def start(argv: list[str], cwd: Path = ROOT) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
 
 
+def cpu_seconds(proc: subprocess.Popen) -> float | None:
+    """User + system CPU the process has used (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def checkout(rev: str, into: Path) -> None:
     """`batcher/` as it was at `rev`, under `into` (run from there, it is what imports)."""
     archive = subprocess.run(["git", "archive", rev, "batcher"], cwd=ROOT, check=True,
@@ -266,8 +276,14 @@ def main() -> int:
         for url, proc in zip(urls, [rep, router, forwarder, sockfwd, *procs[4:]]):
             wait_up(url + "/ready", proc)
         rows = []
+        # CPU per request of each forwarding process, over the whole alternation (the replica's
+        # is shared, so not shown): less noisy than latency on a shared machine.
+        servers = [router, forwarder, sockfwd, *procs[4:]]
         for stream in (False, True):
+            before = [cpu_seconds(p) for p in servers]
             d, r, b, k, *o = asyncio.run(measure(urls, args.requests, stream))
+            cpu = [None if x is None or (y := cpu_seconds(p)) is None
+                   else (y - x) / args.requests * 1000 for p, x in zip(servers, before)]
             added = [(y - x) * 1000 for x, y in zip(d, r)]
             floor = [(y - x) * 1000 for x, y in zip(d, b)]
             raw_floor = [(y - x) * 1000 for x, y in zip(d, k)]
@@ -277,8 +293,9 @@ def main() -> int:
                    f"{pct(added, 50):.2f}", f"{pct(added, 99):.2f}",
                    f"{pct(floor, 50):.2f}", f"{pct(raw_floor, 50):.2f}"]
             if o:
-                before = [(y - x) * 1000 for x, y in zip(d, o[0])]
-                row.append(f"{pct(before, 50):.2f}")
+                earlier = [(y - x) * 1000 for x, y in zip(d, o[0])]
+                row.append(f"{pct(earlier, 50):.2f}")
+            row.append(" / ".join("-" if c is None else f"{c:.2f}" for c in cpu))
             rows.append([*row, "yes" if pct(added, 50) <= 1.0 else "no"])
     finally:
         for p in procs:
@@ -290,10 +307,13 @@ def main() -> int:
     load = f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after"
     header = ["mode", "setup", "rounds", "direct p50 ms", "routed p50 ms", "added p50 ms",
               "added p99 ms", "bare forwarder added p50 ms", "socket forwarder added p50 ms",
-              *([f"router at {args.against} added p50 ms"] if args.against else []), "<= 1 ms"]
+              *([f"router at {args.against} added p50 ms"] if args.against else []),
+              "CPU ms / request: router / bare / socket"
+              + (f" / router at {args.against}" if args.against else ""), "<= 1 ms"]
     notes = ("Sequential requests on loopback, direct, routed, bare-forwarder (aiohttp server "
              "and client) and socket-forwarder (aiohttp server, hand-written upstream HTTP/1.1) "
-             "calls alternated; 'added' is the per-round difference from the direct call. "
+             "calls alternated; 'added' is the per-round difference from the direct call; CPU: "
+             "each forwarding process's user + system time over the mode's calls, per call. "
              f"{os.cpu_count()} CPUs, {load}.")
     dheader = ["replicas", "mode", "scored", "picks", "p50 ms", "p99 ms", "CPU ms / pick"]
     dnotes = ("`RouterContext.pick` in-process: candidates built from the registry and the "
