@@ -129,7 +129,9 @@ async def test_a_router_publishes_its_aggregate(aiohttp_client) -> None:
     assert body["healthy_replicas"] == 1 and body["total_blocks"] == 100
 
 
-async def test_the_state_header_is_shared_for_its_max_age_then_recomputed_after() -> None:
+def header_seen_at_50_free_now_20() -> tuple[RouterContext, list[float], StateHeader]:
+    """A state header over one replica: computed at 50 free blocks (time 0, max age 20 ms), the
+    replica has since reported 20."""
     ctx = RouterContext(RouterConfig())
     ctx.registry.add_static("http://r0:1", "r0")
     assert ctx.registry.observe("r0", state(50, 100), ctx.clock(), poll=True)
@@ -137,6 +139,11 @@ async def test_the_state_header_is_shared_for_its_max_age_then_recomputed_after(
     header = StateHeader(ctx, max_age=0.02, clock=lambda: now[0])
     assert orjson.loads(header.value())["free_blocks"] == 50
     assert ctx.registry.observe("r0", state(20, 100), ctx.clock() + 1, poll=True)
+    return ctx, now, header
+
+
+async def test_the_state_header_is_shared_for_its_max_age_then_recomputed_after() -> None:
+    ctx, now, header = header_seen_at_50_free_now_20()
     now[0] = 0.019
     assert orjson.loads(header.value())["free_blocks"] == 50  # one computation, shared
     now[0] = 0.02
@@ -158,13 +165,7 @@ async def test_the_state_header_is_shared_for_its_max_age_then_recomputed_after(
 
 
 def test_without_a_loop_the_state_header_is_recomputed_at_once() -> None:
-    ctx = RouterContext(RouterConfig())
-    ctx.registry.add_static("http://r0:1", "r0")
-    assert ctx.registry.observe("r0", state(50, 100), ctx.clock(), poll=True)
-    now = [0.0]
-    header = StateHeader(ctx, max_age=0.02, clock=lambda: now[0])
-    assert orjson.loads(header.value())["free_blocks"] == 50
-    assert ctx.registry.observe("r0", state(20, 100), ctx.clock() + 1, poll=True)
+    _, now, header = header_seen_at_50_free_now_20()
     now[0] = 0.02
     assert orjson.loads(header.value())["free_blocks"] == 20
 
