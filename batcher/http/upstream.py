@@ -98,9 +98,8 @@ class UpstreamResponse:
             if self._chunks:
                 data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
                 self._chunks.clear()
-                if self._buffered >= READ_PAUSE_BYTES:
-                    self._conn.resume()
                 self._buffered = 0
+                self._conn.resume()  # if reading paused on a full buffer
                 return data
             if self._error is not None:
                 raise self._error
@@ -316,8 +315,7 @@ class UpstreamPool:
     async def close(self) -> None:
         self._closed = True
         for conn in list(self._open):
-            conn.close()
-        self._idle.clear()
+            conn.close()  # each leaves the pool (`_lost`) as it closes
         await asyncio.sleep(0)  # let the transports' close callbacks run
 
     # the pool ----------------------------------------------------------------------------------
