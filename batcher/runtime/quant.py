@@ -31,6 +31,12 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def dequantize_int8_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per-row int8 values back in the scales' dtype: q [N, K] int8, scales [N] -> [N, K]. The
+    one formula a tied table's lookups and its head's dense copy share."""
+    return q.to(scales.dtype) * scales[:, None]
+
+
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 in groups along K: w [N, K] -> (q int32 in [0, 15] [N, K],
@@ -169,8 +175,8 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scales", head.scales)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.qweight.index_select(0, ids).to(self.scales.dtype)
-        return rows * self.scales.index_select(0, ids)[:, None]
+        return dequantize_int8_rows(self.qweight.index_select(0, ids),
+                                    self.scales.index_select(0, ids))
 
     def extra_repr(self) -> str:
         return f"int8, {self.num_embeddings}, {self.embedding_dim}"
@@ -199,7 +205,7 @@ def quantize_tied_table(model: nn.Module, rows_per_slice: int = 4096,
         dense = w.new_empty(w.shape)
         for start in range(0, w.shape[0], rows_per_slice):
             rows = slice(start, start + rows_per_slice)
-            dense[rows] = q[rows].to(head.scales.dtype) * head.scales[rows, None]
+            dense[rows] = dequantize_int8_rows(q[rows], head.scales[rows])
         head.dense, head.dense_above = dense, dense_above
     model.lm_head = head
     model.embed_tokens = Int8Embedding(head)
