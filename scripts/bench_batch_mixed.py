@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,14 +28,9 @@ sys.path.insert(0, str(ROOT))
 from batcher.bench.client import ClientConfig
 from batcher.bench.common import append_rows
 from batcher.bench.mixed import HEADER, MixedConfig, report_rows, run_mixed
+from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 MODEL = "smollm2-135m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen,

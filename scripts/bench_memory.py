@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from bench_common import ROOT, append_rows
+from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
@@ -50,12 +50,6 @@ def _status(pid: int) -> dict[str, float]:
             if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[key] = int(value.split()[0]) / 1024
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get_ok(url: str) -> bool:
@@ -164,7 +158,7 @@ def main() -> None:
          [*matched, "--quantization", "int4", "--quantized-dense-above", "0"]),
     ]
     for label, extra in configs:
-        port = _free_port()
+        port = free_port()
         rows.append(measure_server(label, [*serve, "--port", str(port), *extra], port, "/ready"))
     binary = next((b for b in PEER_BINARIES if b.is_file() and os.access(b, os.X_OK)), None)
     peer_label = f"llama-server -c {a.context} (same GGUF, f16 KV)"
@@ -172,7 +166,7 @@ def main() -> None:
         rows.append(Row(peer_label, None, None, note="not built: run scripts/bench_peers.sh "
                         "--build-only"))
     else:
-        port = _free_port()
+        port = free_port()
         rows.append(measure_server(peer_label, [
             str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
             "-c", str(a.context), "-np", "1", "-t", "2"], port, "/health"))

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,12 +35,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, append_rows, pct
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 
 def start(argv: list[str], cwd: Path = ROOT) -> subprocess.Popen:

@@ -21,16 +21,9 @@ import urllib.request
 from pathlib import Path
 
 from bench_common import ROOT, append_rows, pct
+from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 POLICIES = ("predicted-wait", "round-robin")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:

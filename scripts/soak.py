@@ -32,7 +32,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from batcher.server.auth import hash_key
+from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 KEYS = {"steady": "soak-steady-key", "bursty": "soak-bursty-key", "greedy": "soak-greedy-key"}
 MAX_IN_FLIGHT = 256
@@ -59,11 +59,6 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 # The server under test --------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_tenants(path: Path) -> None:
