@@ -124,6 +124,7 @@ async def test_report_file_and_json_form(aiohttp_client, tmp_path, capsys) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("frozen_gc")
 async def test_real_model_long_answers_are_decode(aiohttp_client) -> None:
     """The bundled SmolLM2 at `batcher serve`'s defaults (the embedding model left out)."""
     import argparse

@@ -9,40 +9,21 @@ in time.
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 
 from tests.server_process import DONE
 
 # The fake model: the real scheduler and block pool, a simulated step (fixed decode step time), so
 # capacity is known and stable even on a loaded 2-core machine.
 FAKE = ("--model", "fake", "--log-level", "warning")
-
-
-@pytest.fixture
-def frozen_gc() -> Iterator[None]:
-    """Keep the test process's own garbage collector out of latency figures.
-
-    The test process holds torch, hypothesis and whatever earlier tests left, so a full (gen 2)
-    collection takes up to a quarter of a second, and every request in flight on the client
-    during one looks that much slower. Freezing what exists now leaves later collections only
-    the objects made during the test.
-    """
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def rss_bytes(pid: int) -> int:
