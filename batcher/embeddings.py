@@ -16,6 +16,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from batcher.bundled import minilm_dir
 from batcher.flusher import Flusher, FlusherMetrics
+from batcher.threads import release_openmp_pool
 
 MAX_INPUT_TOKENS = 256  # the length all-MiniLM-L6-v2 was trained at; longer inputs are truncated
 _DTYPES = {
@@ -82,6 +83,7 @@ class EmbeddingModel:
         # The process's intra-op thread count at load: a thread started while a generation step
         # runs with fewer (`batcher.runtime.thread_tuner`) would otherwise keep that count.
         self.threads = torch.get_num_threads()
+        release_openmp_pool()  # batches run on the flusher's thread
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
@@ -107,7 +109,12 @@ class EmbeddingModel:
         mask = enc["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, T, 1]
         summed = (hidden * mask).sum(dim=1)  # [B, H]
         mean = summed / mask.sum(dim=1).clamp(min=1e-9)
-        return F.normalize(mean, p=2, dim=1).cpu().tolist()
+        vectors = F.normalize(mean, p=2, dim=1).cpu().tolist()
+        # This thread's OpenMP workers go with the batch: kept, they would make a generation
+        # engine's model thread in the same process wait by futex between its parallel regions
+        # (`batcher.threads.release_openmp_pool`; starting them again costs no measurable time).
+        release_openmp_pool()
+        return vectors
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens per text as the model sees them: special tokens included, after truncation."""

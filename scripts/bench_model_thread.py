@@ -41,14 +41,13 @@ def _one(mode: str, steps: int, quantization: str) -> float:
                         quantization=quantization)
         runner = ModelRunner(lm, num_blocks=64, block_size=16)
         runner.tune_threads = False  # the thread count under test, every step
-        prompt = list(range(100, 164))
-        runner.execute(SchedulerOutput([ScheduledSeq("s", prompt, 0, list(range(8)), True,
-                                                     SamplingParams(temperature=0.0))]))
         state["runner"] = runner
 
     def step() -> None:
         runner = state["runner"]
         greedy = SamplingParams(temperature=0.0)
+        runner.execute(SchedulerOutput([ScheduledSeq("s", list(range(100, 164)), 0,
+                                                     list(range(8)), True, greedy)]))
         times = []
         for i in range(steps):
             sched = SchedulerOutput([ScheduledSeq("s", [7], 64 + i, list(range(8)), True,

@@ -28,6 +28,7 @@ from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_int4 import load_int4_gguf
 from batcher.models.llama import LlamaConfig, LlamaModel
 from batcher.runtime.quant import QUANTIZATIONS, QUANTIZED_LINEARS, quantize_model
+from batcher.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
             raise ModelLoadError(f"cannot quantize {name} to {quantization}: {exc}") from exc
     release_free_memory()
     set_mmap_threshold(SERVE_MMAP_THRESHOLD)
+    release_openmp_pool()  # steps run on another thread, whose pool must be the only one
     took = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
     return LoadedModel(name, model, cfg, dt, dev, tok_src, took, quantization)

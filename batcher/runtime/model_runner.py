@@ -16,6 +16,7 @@ from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
 from batcher.runtime.prefill_staging import PrefillStaging
 from batcher.runtime.sampler import Sampler
 from batcher.runtime.thread_tuner import ThreadTuner
+from batcher.threads import release_openmp_pool
 
 
 class Loaded(Protocol):
@@ -81,6 +82,8 @@ class ModelRunner:
         self.tune_threads = loaded.device.type == "cpu"
         self.max_threads = torch.get_num_threads()
         self.tuner = ThreadTuner(self.max_threads) if self.tune_threads else None
+        # The KV pool's fill ran parallel work on this thread; the steps run on another.
+        release_openmp_pool()
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
