@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import sys
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -47,34 +48,38 @@ def cpu_quota_threads(root: Path = CGROUP_ROOT) -> int | None:
 _OMP_PAUSE_SOFT = 1
 
 
-_gomp: ctypes.CDLL | None = None
+_runtimes: tuple[ctypes.CDLL, ...] | None = None
 
 
-def _gnu_openmp() -> ctypes.CDLL | None:
-    """The GNU OpenMP runtime this process has loaded (torch's CPU builds ship one), if any;
-    looked for again until found (torch may not be imported yet)."""
-    global _gomp
-    if _gomp is None:
-        _gomp = _find_gnu_openmp()
-    return _gomp
+def _gnu_openmp() -> tuple[ctypes.CDLL, ...]:
+    """The GNU OpenMP runtimes this process has loaded (torch's CPU builds ship one; another
+    library may bring its own); looked for again until torch is imported."""
+    global _runtimes
+    if _runtimes is not None:
+        return _runtimes
+    found = _find_gnu_openmp()
+    if "torch" in sys.modules:
+        _runtimes = found
+    return found
 
 
-def _find_gnu_openmp() -> ctypes.CDLL | None:
+def _find_gnu_openmp() -> tuple[ctypes.CDLL, ...]:
     try:
         with open("/proc/self/maps") as f:
-            paths = sorted({parts[5] for line in f
+            paths = sorted({parts[5].strip() for line in f
                             if len(parts := line.split(maxsplit=5)) == 6
                             and "libgomp" in parts[5]})
     except OSError:  # no /proc (macOS): torch there uses its own runtime
-        return None
+        return ()
+    libs = []
     for path in paths:
         try:
-            lib = ctypes.CDLL(path.strip())
+            lib = ctypes.CDLL(path)
         except OSError:
             continue
         if hasattr(lib, "omp_pause_resource_all"):
-            return lib
-    return None
+            libs.append(lib)
+    return tuple(libs)
 
 
 def release_openmp_pool() -> bool:
@@ -88,5 +93,5 @@ def release_openmp_pool() -> bool:
     model took 30-45 ms on the engine's model thread once the loading thread's pool existed,
     16-18 ms without it. A thread that loaded weights or built tensors for another thread to
     run calls this when it is done. The next parallel region on this thread starts a new pool."""
-    lib = _gnu_openmp()
-    return lib is not None and lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0
+    codes = [lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) for lib in _gnu_openmp()]
+    return bool(codes) and not any(codes)
