@@ -19,7 +19,12 @@ from batcher.models import gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_weights import Q4_1Blocks
 from batcher.models.llama import LlamaConfig, LlamaModel
-from batcher.runtime.quant import HEAD_DENSE_ABOVE_ROWS, PackedLinear, quantize_tied_table
+from batcher.runtime.quant import (
+    HEAD_DENSE_ABOVE_ROWS,
+    PackedLinear,
+    int8_rows_of,
+    tie_int8_table,
+)
 
 # Our fused linears and the Hugging Face weights they stack by rows, in order.
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -32,7 +37,8 @@ def load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None,
                    ) -> tuple[LlamaConfig, LlamaModel, int]:
     """-> (config, model on the CPU, how many linears came from Q4_1 blocks). A fused linear
     whose parts are not all Q4_1 is dequantized and quantized to int4 like any dense weight."""
-    cfg, dense, q4 = gguf_weights.read_gguf_q4(path, dtype=dtype)
+    table_name = "model.embed_tokens.weight"
+    cfg, dense, q4 = gguf_weights.read_gguf_q4(path, dtype=dtype, lazy=frozenset({table_name}))
     with torch.device("meta"):
         model = LlamaModel(cfg)
     direct = 0
@@ -42,8 +48,9 @@ def load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None,
             biases = [dense.pop(f"model.layers.{n}.{p}.bias", None) for p in parts]
             bias = torch.cat(biases) if all(b is not None for b in biases) else None
             if all(name in q4 for name in names):
-                packed = PackedLinear.from_int4(
-                    *_stack([q4.pop(name) for name in names]), dtype, dense_above, bias)
+                blocks = [q4.pop(name) for name in names]
+                packed = PackedLinear.from_int4(*_stack(blocks), dtype, dense_above, bias)
+                gguf_weights.drop_file_pages(blocks[0].raw)  # repacked: the file's copy can go
                 direct += 1
             else:
                 if any(name not in q4 and name not in dense for name in names):
@@ -57,6 +64,11 @@ def load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None,
                 packed = PackedLinear(lin, "int4", dense_above)
             parent_name, _, attr = ours.rpartition(".")
             setattr(layer.get_submodule(parent_name), attr, packed)
+    # A tied table is read from the file a slice of rows at a time straight into int8: its
+    # dense form (56 MiB in bf16 on the bundled model) was the largest piece of the load's peak.
+    table = dense.pop(table_name, None)
+    if table is not None and not cfg.tie_word_embeddings:  # an untied table stays dense
+        dense[table_name], table = table.rows(0, table.num_rows), None
     # What is left (embeddings, norms, an untied LM head) is small or must stay dense.
     rest = {k.removeprefix("model."): v for k, v in dense.items()}
     rest |= {k.removeprefix("model."): v.dense() for k, v in q4.items()}
@@ -65,16 +77,20 @@ def load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None,
         rest.pop("lm_head.weight", None)
     missing = {k for k, t in model.state_dict().items() if t.is_meta} - set(rest)
     if cfg.tie_word_embeddings:
-        missing.discard("lm_head.weight")
+        missing -= {"lm_head.weight", "embed_tokens.weight"}  # the table, below
     if missing:
         raise ModelLoadError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
     model.load_state_dict({k: v.to(dtype) for k, v in rest.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
         # The tied table as int8 as well; with the layers' dense copies, the head keeps one too
         # (for steps past a few rows, where the dense matmul is faster).
-        quantize_tied_table(model, dense_above=None if dense_above is None else min(
-            dense_above, HEAD_DENSE_ABOVE_ROWS))
+        head_dense_above = None if dense_above is None else min(dense_above,
+                                                                 HEAD_DENSE_ABOVE_ROWS)
+        if table is None:
+            raise ModelLoadError("weights missing from the checkpoint: token_embd")
+        q, scale = int8_rows_of(table.rows, table.num_rows, cfg.hidden_size)
+        del table  # its view into the file's mapping
+        tie_int8_table(model, q, scale, dtype, head_dense_above)
     return cfg, model.eval().requires_grad_(False), direct
 
 

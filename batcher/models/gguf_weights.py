@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,17 +71,49 @@ class Q4_1Blocks:
                 + lo[..., None]).reshape(n, k)
 
 
+@dataclass(slots=True)
+class GGUFRows:
+    """A matrix left in the file (any GGUF type), dequantized a slice of rows at a time on
+    request, so that its dense form never exists whole."""
+
+    data: np.ndarray  # as the file holds it: rows first
+    kind: object  # GGMLQuantizationType
+
+    @property
+    def num_rows(self) -> int:
+        return self.data.shape[0]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) as fp32; the file's pages they came from leave the resident set."""
+        out = _dequantize(self.data[start:stop], self.kind, torch.float32)
+        drop_file_pages(self.data)
+        return out
+
+
+def drop_file_pages(data: np.ndarray) -> None:
+    """Let the pages of the file mapping behind `data` (any tensor of a `GGUFFile`) leave this
+    process's resident set. They stay in the page cache; reading them again maps them again.
+    A load that copies every weight out of the file would otherwise hold the whole file
+    resident on top of its copies until the mapping closes."""
+    mm = getattr(data, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if mm is not None and advice is not None and hasattr(mm, "madvise"):
+        mm.madvise(advice)
+
+
 def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """The config and every tensor dequantized to fp32, in Hugging Face names."""
     cfg, dense, _ = read_gguf_q4(path, keep_q4_1=False)
     return cfg, dense
 
 
-def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.float32
-                 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Q4_1Blocks]]:
+def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.float32,
+                 lazy: frozenset[str] = frozenset(),
+                 ) -> tuple[LlamaConfig, dict[str, torch.Tensor | GGUFRows],
+                            dict[str, Q4_1Blocks]]:
     """The config, the tensors dequantized to `dtype` and, with `keep_q4_1`, the Q4_1 matrices
     left in their blocks (their bytes stay in the file's mapping until unpacked), both in
-    Hugging Face names."""
+    Hugging Face names. Matrices named in `lazy` come as `GGUFRows`, whatever their type."""
     from gguf import GGMLQuantizationType
 
     try:
@@ -101,6 +134,9 @@ def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.
             continue
         heads = (cfg.num_heads if base.endswith("attn_q") else
                  cfg.num_kv_heads if base.endswith("attn_k") else None)
+        if hf in lazy and heads is None and len(t.data.shape) == 2:
+            dense[hf] = GGUFRows(t.data, t.tensor_type)
+            continue
         if (keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1
                 and len(t.data.shape) == 2):
             q4[hf] = Q4_1Blocks(t.data, heads)

@@ -9,6 +9,8 @@ steps with more rows than `dense_above`: memory for throughput, chosen by `--qua
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -182,28 +184,28 @@ class Int8Embedding(nn.Module):
         return f"int8, {self.num_embeddings}, {self.embedding_dim}"
 
 
-def quantize_tied_table(model: nn.Module, rows_per_slice: int = 4096,
-                        dense_above: int | None = None) -> None:
-    """Replace a tied embedding table and LM head (`model.embed_tokens`, `model.lm_head`) with one
-    per-row int8 table: the head runs the packed int8 kernel on it, the embedding dequantizes only
-    the rows it looks up. Half of the 16-bit table's bytes; quantized a slice of rows at a time,
-    so no fp32 copy of the whole table is made. With `dense_above`, the head also keeps the
-    table's dequantized values densely for steps with more rows (the two paths compute the same
-    function, as a layer's dense copy does)."""
-    w = model.embed_tokens.weight.detach()
-    if model.lm_head.weight is not model.embed_tokens.weight:
-        raise ValueError("the embedding table and the LM head are not tied")
-    q = torch.empty(w.shape, dtype=torch.int8)
-    scale = torch.empty(w.shape[0], dtype=torch.float32)
-    for start in range(0, w.shape[0], rows_per_slice):
-        q[start:start + rows_per_slice], scale[start:start + rows_per_slice] = quantize_int8(
-            w[start:start + rows_per_slice])
-    head = PackedLinear.from_int8(q, scale, w.dtype)
+def int8_rows_of(rows: Callable[[int, int], torch.Tensor], num_rows: int, width: int,
+                 rows_per_slice: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 of a [num_rows, width] matrix read by `rows(start, stop)` a slice at a
+    time, so no fp32 copy of the whole is made: (q int8 [num_rows, width], scale fp32)."""
+    q = torch.empty((num_rows, width), dtype=torch.int8)
+    scale = torch.empty(num_rows, dtype=torch.float32)
+    for start in range(0, num_rows, rows_per_slice):
+        stop = min(start + rows_per_slice, num_rows)
+        q[start:stop], scale[start:stop] = quantize_int8(rows(start, stop))
+    return q, scale
+
+
+def tie_int8_table(model: nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   dense_above: int | None = None, rows_per_slice: int = 4096) -> None:
+    """Make `model.embed_tokens` and `model.lm_head` one per-row int8 table (w ~ q * scale): the
+    head runs the packed int8 kernel on it, the embedding dequantizes only the rows it looks
+    up. With `dense_above`, the head also keeps the table's dequantized values densely for steps
+    with more rows (the two paths compute the same function, as a layer's dense copy does)."""
+    head = PackedLinear.from_int8(q, scale, dtype)
     if dense_above is not None:
-        # A new tensor (the 16-bit table may be a read-only view of the file); the old one is
-        # freed once the modules that held it are replaced below.
-        dense = w.new_empty(w.shape)
-        for start in range(0, w.shape[0], rows_per_slice):
+        dense = torch.empty(q.shape, dtype=dtype)
+        for start in range(0, q.shape[0], rows_per_slice):
             rows = slice(start, start + rows_per_slice)
             dense[rows] = dequantize_int8_rows(q[rows], head.scales[rows])
         head.dense, head.dense_above = dense, dense_above
