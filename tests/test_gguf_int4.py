@@ -237,3 +237,28 @@ def test_bundled_model_header_reads_as_the_gguf_package_does() -> None:
 def test_bundled_model_int4_from_q4_1_blocks_computes_the_files_weights() -> None:
     # Two loads of the bundled model in fp32 (~15 s on a loaded 2-core machine).
     assert_computes_the_files_weights("smollm2-135m", [0, 29])
+
+
+def _resident_kib(path: Path) -> int:
+    # Resident KiB of this process's mappings of `path` (/proc/self/smaps).
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc")
+def test_read_weights_leave_the_resident_set(gguf_file: Path) -> None:
+    # A load copies every weight out of the file: once copied, its pages need not stay ours.
+    from batcher.models.gguf_weights import drop_file_pages
+
+    reader = GGUFFile(gguf_file)
+    assert sum(int(np.asarray(t.data).view(np.uint8).sum() > 0) for t in reader.tensors)
+    read = _resident_kib(gguf_file.resolve())
+    assert read > 256  # the tensors' pages were read in
+    drop_file_pages(reader.tensors[0].data)  # any tensor: they share the mapping
+    assert _resident_kib(gguf_file.resolve()) < read / 4
