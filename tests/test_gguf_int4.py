@@ -257,7 +257,8 @@ def test_read_weights_leave_the_resident_set(gguf_file: Path) -> None:
     from batcher.models.gguf_weights import drop_file_pages
 
     reader = GGUFFile(gguf_file)
-    assert sum(int(np.asarray(t.data).view(np.uint8).sum() > 0) for t in reader.tensors)
+    for t in reader.tensors:
+        np.asarray(t.data).view(np.uint8).sum()  # every page read in
     read = _resident_kib(gguf_file.resolve())
     assert read > 256  # the tensors' pages were read in
     drop_file_pages(reader.tensors[0].data)  # any tensor: they share the mapping
