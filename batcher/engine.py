@@ -122,7 +122,8 @@ class AsyncEngine:
     @classmethod
     def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
                     cache_config: CacheConfig, attention_backend: str = "auto",
-                    cuda_graphs: bool = True, **kw: Any) -> AsyncEngine:
+                    cuda_graphs: bool = True, compile_decode: bool = False,
+                    **kw: Any) -> AsyncEngine:
         """Build the real model runner for a loaded model, sizing the KV pool from the budget."""
         from batcher.runtime.kv_cache import default_kv_budget
         from batcher.runtime.model_runner import ModelRunner
@@ -132,6 +133,7 @@ class AsyncEngine:
         num_blocks = cache_config.resolve_num_blocks(per_token, default_kv_budget(loaded.device))
         runner = ModelRunner(loaded, num_blocks, cache_config.block_size,
                              attention_backend=attention_backend, cuda_graphs=cuda_graphs,
+                             compile_decode=compile_decode,
                              max_graph_batch=sched_config.max_num_seqs,
                              max_model_len=sched_config.max_model_len)
         return cls(runner, tokenizer, sched_config,

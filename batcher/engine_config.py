@@ -48,6 +48,7 @@ class EngineConfig:
     quantized_dense_above: int = 8
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    compile_decode: bool = False  # CPU: one-stream decode steps through torch.compile
     torch_threads: int | None = None  # None: the cgroup CPU quota, else all cores
     speculative: str = "none"  # or "ngram": draft tokens by prompt lookup, verified in one step
     num_speculative_tokens: int = 4

@@ -72,7 +72,8 @@ def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
     return AsyncEngine.from_loaded(lm, tok, sched.validate(), cache, metrics=metrics,
                                    version=args.version,
                                    attention_backend=args.attention_backend,
-                                   cuda_graphs=not args.no_cuda_graphs)
+                                   cuda_graphs=not args.no_cuda_graphs,
+                                   compile_decode=args.compile_decode)
 
 
 def build_embedder(args: argparse.Namespace):

@@ -109,27 +109,48 @@ def _decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tenso
 
 def _decode_group(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                   meta: AttentionMetadata, g: DecodeGroup, idx: int) -> torch.Tensor:
-    # q: [rows, heads, head_dim] -> [rows, heads * head_dim]
+    k_cache, v_cache = kv_cache
+    shape = (g.table.shape[0], meta.block_size, *k_cache.shape[2:])
+    # One index_select per K and V into a reused buffer: 3x faster than cache[table].
+    return _attend_blocks(q, kv_cache, g.table, g.mask, meta.block_size, meta.fold_gqa,
+                          meta.gather_buffer(f"k{idx}", shape, k_cache),
+                          meta.gather_buffer(f"v{idx}", shape, v_cache))
+
+
+def _attend_blocks(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   table: torch.Tensor, mask: torch.Tensor, block_size: int, fold_gqa: bool,
+                   k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    # q: [rows, heads, head_dim]; table: [rows * max_blocks] -> [rows, heads * head_dim]
     k_cache, v_cache = kv_cache
     rows, heads, hd = q.shape
     kvh = k_cache.shape[2]
-    ctx = g.max_blocks * meta.block_size
-    shape = (g.table.shape[0], meta.block_size, kvh, hd)
-    # One index_select per K and V into a reused buffer: 3x faster than cache[table].
-    kb = torch.index_select(k_cache, 0, g.table, out=meta.gather_buffer(f"k{idx}", shape,
-                                                                          k_cache))
-    vb = torch.index_select(v_cache, 0, g.table, out=meta.gather_buffer(f"v{idx}", shape,
-                                                                          v_cache))
+    ctx = table.shape[0] // rows * block_size
+    kb = torch.index_select(k_cache, 0, table, out=k_out)
+    vb = torch.index_select(v_cache, 0, table, out=v_out)
     k = kb.view(rows, ctx, kvh, hd).transpose(1, 2)  # [rows, kv_heads, ctx, head_dim]
     v = vb.view(rows, ctx, kvh, hd).transpose(1, 2)
-    if meta.fold_gqa:
+    if fold_gqa:
         qg = q.view(rows, kvh, heads // kvh, hd)  # [rows, kv_heads, group, head_dim]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     else:
         qh = q.unsqueeze(2)  # [rows, heads, 1, head_dim]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=g.mask,
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask,
                                              enable_gqa=heads != kvh)
     return out.reshape(rows, heads * hd)
+
+
+@dataclass(slots=True)
+class OneGroupDecode:
+    """A decode-only step whose rows share one context group, held in tensors alone: what a
+    compiled forward takes in place of `AttentionMetadata` (`batcher.runtime.compiled_decode`),
+    so that its graph holds no Python lists or per-step integers."""
+
+    block_size: int
+    fold_gqa: bool
+    slot_mapping: torch.Tensor  # [rows] long
+    table: torch.Tensor  # [rows * max_blocks] long
+    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool
 
 
 def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -179,11 +200,13 @@ def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor],
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata | OneGroupDecode) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (RoPE applied) -> [T, heads*dim].
 
     Writes the new K/V into the cache first, so every query sees its own token."""
     write_kv(k, v, kv_cache, meta.slot_mapping)
+    if isinstance(meta, OneGroupDecode):
+        return _attend_blocks(q, kv_cache, meta.table, meta.mask, meta.block_size, meta.fold_gqa)
     t, heads, hd = q.shape
     if meta.num_decodes == t:
         return _decode_attention(q, kv_cache, meta)

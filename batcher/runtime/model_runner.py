@@ -46,7 +46,8 @@ class ModelRunner:
 
     def __init__(self, loaded: Loaded, num_blocks: int, block_size: int,
                  attention_backend: str = "auto", cuda_graphs: bool = True,
-                 max_graph_batch: int = 256, max_model_len: int = 8192):
+                 max_graph_batch: int = 256, max_model_len: int = 8192,
+                 compile_decode: bool = False):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -82,14 +83,24 @@ class ModelRunner:
         self.tune_threads = loaded.device.type == "cpu"
         self.max_threads = torch.get_num_threads()
         self.tuner = ThreadTuner(self.max_threads) if self.tune_threads else None
-        # The KV pool's fill ran parallel work on this thread; the steps run on another.
+        # CPU, `--compile-decode`: one-row decode steps through torch.compile, compiled now.
+        self.compiled = None
+        if compile_decode and loaded.device.type == "cpu":
+            from batcher.runtime.compiled_decode import compile_decode as build_compiled
+
+            self.compiled = build_compiled(self.model, self.kv_caches, block_size, self.fold_gqa)
+        # The KV pool's fill (and compiling) ran parallel work on this thread; the steps run on
+        # another.
         release_openmp_pool()
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
         if sched.is_empty:
             return RunnerOutput()
-        if not self.tune_threads or self.tuner is None:
+        if not self.tune_threads or self.tuner is None or (
+                self.compiled is not None and self.compiled.takes(sched)):
+            # A compiled step keeps the thread count it was compiled with (its graph guards on
+            # it: another count would compile again, mid-serving).
             return self._execute(sched)
         rows = sched.num_batched_tokens
         threads = self.tuner.threads(rows)
@@ -118,7 +129,10 @@ class ModelRunner:
             ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched)
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)
-            logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
+            if self.compiled is not None and self.compiled.takes(sched):
+                logits = self.compiled.run(ids, positions, meta)
+            else:
+                logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
         ns = len(sample_seqs)
         out = RunnerOutput(prompt_logprobs=score_prompts(logits[ns:], scored) if scored else {})
         if not sample_seqs:
