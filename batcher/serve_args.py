@@ -143,8 +143,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--compile-decode", action="store_true", default=_E.compile_decode,
       help="CPU: run one-stream decode steps (one row, no drafts) as one torch.compile graph, "
       "compiled at start-up (20-100 s with a C++ compiler; without one the steps run eagerly). "
-      "Measured on the bundled model, int4, 2 cores: such a step takes about 0.7x the eager "
-      "one; batches and prefills are unchanged. Off by default for its start-up time "
+      "Measured on the bundled model, 2 cores: such a step took 0.6x (int4) and 0.8x (bf16) "
+      "the eager step's CPU. Batches and prefills run eagerly, yet measured 12-22%% slower in "
+      "a process that compiled (cause not found): for one-stream use, so off by default "
       "(BENCHMARKS.md)")
     a("--torch-threads", type=positive_int, default=_E.torch_threads,
       help="most intra-op threads for the model; on a CPU each step size (rows, in powers of "

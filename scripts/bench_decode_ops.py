@@ -1,8 +1,9 @@
 """Where a decode step's CPU time goes, and what fusing its small ops buys: the bundled model at
-batch 1 and 32, bf16 dense and int4, eager vs `torch.compile` (inductor) of each decoder layer with
-paged attention left eager, and optionally this tree's model file vs an earlier revision's. Each
-(quantization, variant) runs in its own process, interleaved round by round; loading on the main
-thread and stepping on a fresh one, as the engine does. Appends a table to BENCHMARKS.md.
+batch 1 and 32, bf16 dense and int4, eager vs `--compile-decode` (one-row decode steps as one
+torch.compile graph; batch 32 stays eager), and optionally this tree's model file vs an earlier
+revision's. Each (quantization, variant) runs in its own process, interleaved round by round;
+loading on the main thread and stepping on a fresh one, as the engine does. Appends a table to
+BENCHMARKS.md.
 
 Usage: python scripts/bench_decode_ops.py [--rounds 2] [--steps 16] [--threads N] [--against REV]
        [--no-append]
@@ -30,21 +31,6 @@ QUANTS = ("none", "int4")
 BATCHES = (1, 32)
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu",
               "aten::_weight_int8pack_mm")
-
-
-def _compile_layers(model) -> None:
-    """Each decoder layer through inductor; paged attention (Python control flow over the step's
-    metadata) stays eager, so a layer compiles to two graphs: norm + QKV + RoPE, and o_proj +
-    residual + norm + MLP + residual. `dynamic=True`: the row count varies without recompiles."""
-    import torch
-    import torch._dynamo
-
-    from batcher.models import llama
-
-    torch._dynamo.config.cache_size_limit = 64
-    llama.paged_attention = torch._dynamo.disable(llama.paged_attention)
-    for layer in model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 def _split(prof, steps: int) -> dict[str, float]:
@@ -94,23 +80,34 @@ def _child(variant: str, quant: str, steps: int, threads: int | None) -> dict[st
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
 
-    lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu", quantization=quant)
-    runner = ModelRunner(lm, num_blocks=32 * 8, block_size=16)
-    runner.tune_threads = False  # the thread count under test, every step
     if threads:
         torch.set_num_threads(threads)
+    lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu", quantization=quant)
     out: dict[str, object] = {"tree": str(Path(batcher.__file__).parent.parent)}
-    if variant != "compile":
-        out["layer_us"] = _layer_us(lm.model)
+    t0, c0 = time.perf_counter(), time.process_time()
+    # (only when asked: an earlier revision's runner may not know the argument)
+    runner = ModelRunner(lm, num_blocks=32 * 8, block_size=16,
+                         **({"compile_decode": True} if variant == "compile" else {}))
+    if variant == "compile":
+        if runner.compiled is None:
+            raise RuntimeError("--compile-decode did not compile (see the log)")
+        out["compile_s"] = time.perf_counter() - t0
+        out["compile_cpu_s"] = time.process_time() - c0
     else:
-        _compile_layers(lm.model)
-    worker = threading.Thread(target=_steps, args=(runner, steps, out, variant == "compile"))
+        out["layer_us"] = _layer_us(lm.model)
+        # Its calls ran parallel regions on this thread: let that pool go before the steps
+        # run on another (two pools on 2 CPUs slow both; `batcher.threads`).
+        from batcher.threads import release_openmp_pool
+
+        release_openmp_pool()
+    runner.tune_threads = False  # the thread count under test, every step
+    worker = threading.Thread(target=_steps, args=(runner, steps, out))
     worker.start()
     worker.join()
     return out
 
 
-def _steps(runner, steps: int, out: dict[str, object], warm_compile: bool) -> None:
+def _steps(runner, steps: int, out: dict[str, object]) -> None:
     import torch
 
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
@@ -122,12 +119,6 @@ def _steps(runner, steps: int, out: dict[str, object], warm_compile: bool) -> No
         return SchedulerOutput([ScheduledSeq(str(r), [7], 64 + i, list(range(8 * r, 8 * r + 8)),
                                              True, greedy) for r in range(batch)])
 
-    if warm_compile:  # every shape the measurement meets, plus one more row count
-        t0, c0 = time.perf_counter(), time.process_time()
-        for b in (*BATCHES, 3):
-            runner.execute(sched(b, 0))
-        out["compile_s"] = time.perf_counter() - t0
-        out["compile_cpu_s"] = time.process_time() - c0
     for batch in BATCHES:
         for i in range(3):
             runner.execute(sched(batch, i))
@@ -213,7 +204,7 @@ def main() -> None:
                         if k in got:
                             cur[k] = min(cur[k], got[k])
     name = {"base": f"llama.py at {a.against}", "eager": "this tree, eager",
-            "compile": "this tree, torch.compile per layer"}
+            "compile": "this tree, --compile-decode"}
     lines = [("| quantization | model | batch 1 ms (wall / CPU) | CPU vs first | batch 32 ms "
               "(wall / CPU) | CPU vs first | aten ops per batch-1 step | matmul / SDPA / other "
               "% of op CPU | attention half of a layer, us | compile wall / CPU s |"),
@@ -237,7 +228,7 @@ def main() -> None:
     cmd = " ".join(["python", "scripts/bench_decode_ops.py", *sys.argv[1:]])
     stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     with open(ROOT / "BENCHMARKS.md", "a") as f:
-        f.write(f"\n### Decode step: eager vs torch.compile per layer, bundled model, bf16 "
+        f.write(f"\n### Decode step: eager vs --compile-decode, bundled model, bf16 "
                 f"(scripts/bench_decode_ops.py) — {stamp}\n\n`{cmd}` on {_cpu_name()}, {os.cpu_count()} cores, shared with other work (load "
                 f"average {min(loads):.1f}-{max(loads):.1f} at the runs' starts)\n\n{table}\n\n"
                 f"Best median step of {a.steps} per case over {a.rounds} rounds, each case in its "
@@ -245,7 +236,8 @@ def main() -> None:
                 "the ratio to compare on a shared machine. Op split: self CPU time of 4 profiled "
                 "batch-1 steps. Attention half of a layer: layer 0's input norm + QKV matmul + "
                 "RoPE + o_proj at one row with attention stubbed out, best thread-CPU mean of "
-                "6 x 500 calls.\n")
+                "6 x 500 calls. Compile: building the runner, which compiles the one-row step "
+                "(inductor's cache warm or cold as it happens to be).\n")
 
 
 if __name__ == "__main__":
