@@ -95,6 +95,16 @@ class EmbeddingModel:
         if len(texts) == 0:
             return []
         _check_texts(texts)
+        try:
+            return self._embed(texts)
+        finally:
+            # This thread's OpenMP workers go with the batch: kept, they would make a generation
+            # engine's model thread in the same process wait by futex between its parallel
+            # regions (`batcher.threads.release_openmp_pool`; restarting them costs no
+            # measurable time). The runtimes were found when the model loaded.
+            release_openmp_pool(rescan=False)
+
+    def _embed(self, texts: Sequence[str]) -> list[list[float]]:
         if torch.get_num_threads() != self.threads:  # this thread's own count
             torch.set_num_threads(self.threads)
         enc = self.tokenizer(
@@ -109,12 +119,7 @@ class EmbeddingModel:
         mask = enc["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, T, 1]
         summed = (hidden * mask).sum(dim=1)  # [B, H]
         mean = summed / mask.sum(dim=1).clamp(min=1e-9)
-        vectors = F.normalize(mean, p=2, dim=1).cpu().tolist()
-        # This thread's OpenMP workers go with the batch: kept, they would make a generation
-        # engine's model thread in the same process wait by futex between its parallel regions
-        # (`batcher.threads.release_openmp_pool`; starting them again costs no measurable time).
-        release_openmp_pool()
-        return vectors
+        return F.normalize(mean, p=2, dim=1).cpu().tolist()
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens per text as the model sees them: special tokens included, after truncation."""

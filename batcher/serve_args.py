@@ -142,7 +142,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     a("--compile-decode", action="store_true", default=_E.compile_decode,
       help="CPU: run one-stream decode steps (one row, no drafts) as one torch.compile graph, "
-      "compiled at start-up (20-100 s with a C++ compiler; without one the steps run eagerly). "
+      "compiled at start-up (7-10 s with inductor's cache warm, 40-100 s cold; without a C++ "
+      "compiler the steps run eagerly). In bf16 its logits differ from the eager step's in the "
+      "last bits (fp32 between fused ops), so a near-tie may flip. "
       "Measured on the bundled model, 2 cores: such a step took 0.6x (int4) and 0.8x (bf16) "
       "the eager step's CPU. Batches and prefills run eagerly, yet measured 12-22%% slower in "
       "a process that compiled (cause not found): for one-stream use, so off by default "
@@ -151,8 +153,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       help="most intra-op threads for the model; on a CPU each step size (rows, in powers of "
       "two) measures this many, one fewer and half, and keeps the fastest: with the bundled "
       "int4 model on 2 cores, a one-stream decode step took 18.0 ms on two threads and 23.4 on "
-      "one, so both are kept (default: the CPU quota of the container or cgroup, else all "
-      "cores)")
+      "one, so it keeps two; --compile-decode steps keep the count they were compiled with "
+      "(default: the CPU quota of the container or cgroup, else all cores)")
     a("--max-model-len", type=int_at_least(2), default=_E.max_model_len,
       help="context limit in tokens, "
       "prompt + output (default: %(default)s, capped by the model)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import sys
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -48,41 +47,35 @@ def cpu_quota_threads(root: Path = CGROUP_ROOT) -> int | None:
 _OMP_PAUSE_SOFT = 1
 
 
-_runtimes: tuple[ctypes.CDLL, ...] | None = None
+_loaded: dict[str, ctypes.CDLL | None] = {}  # path -> the runtime, None: not one we can pause
 
 
-def _gnu_openmp() -> tuple[ctypes.CDLL, ...]:
-    """The GNU OpenMP runtimes this process has loaded (torch's CPU builds ship one; another
-    library may bring its own); looked for again until torch is imported."""
-    global _runtimes
-    if _runtimes is not None:
-        return _runtimes
-    found = _find_gnu_openmp()
-    if "torch" in sys.modules:
-        _runtimes = found
-    return found
+def _gnu_openmp(rescan: bool) -> tuple[ctypes.CDLL, ...]:
+    """The GNU OpenMP runtimes this process has loaded (torch's CPU builds ship one; the kernels
+    torch.compile builds, or another library, may bring the system's): looked for in the
+    process's mappings when `rescan` or never yet (a scan costs about half a millisecond)."""
+    for path in _libgomp_paths() if rescan or not _loaded else ():
+        if path not in _loaded:
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                lib = None
+            if lib is not None and not hasattr(lib, "omp_pause_resource_all"):
+                lib = None  # too old to pause
+            _loaded[path] = lib
+    return tuple(lib for lib in _loaded.values() if lib is not None)
 
 
-def _find_gnu_openmp() -> tuple[ctypes.CDLL, ...]:
+def _libgomp_paths() -> set[str]:
     try:
         with open("/proc/self/maps") as f:
-            paths = sorted({parts[5].strip() for line in f
-                            if len(parts := line.split(maxsplit=5)) == 6
-                            and "libgomp" in parts[5]})
+            return {parts[5].strip() for line in f if "libgomp" in line
+                    and len(parts := line.split(maxsplit=5)) == 6}
     except OSError:  # no /proc (macOS): torch there uses its own runtime
-        return ()
-    libs = []
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        if hasattr(lib, "omp_pause_resource_all"):
-            libs.append(lib)
-    return tuple(libs)
+        return set()
 
 
-def release_openmp_pool() -> bool:
+def release_openmp_pool(rescan: bool = True) -> bool:
     """Let the calling thread's OpenMP worker threads go; whether a GNU OpenMP runtime took the
     request.
 
@@ -92,6 +85,7 @@ def release_openmp_pool() -> bool:
     decode step runs hundreds of small regions: on 2 CPUs, a batch-1 step of the bundled int4
     model took 30-45 ms on the engine's model thread once the loading thread's pool existed,
     16-18 ms without it. A thread that loaded weights or built tensors for another thread to
-    run calls this when it is done. The next parallel region on this thread starts a new pool."""
-    codes = [lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) for lib in _gnu_openmp()]
+    run calls this when it is done. The next parallel region on this thread starts a new pool.
+    `rescan=False` (a frequent caller): only the runtimes found by an earlier call."""
+    codes = [lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) for lib in _gnu_openmp(rescan)]
     return bool(codes) and not any(codes)

@@ -55,7 +55,7 @@ def work():
             break
         time.sleep(0.01)
     counts.append(tasks())
-if not threads._gnu_openmp() or len(os.sched_getaffinity(0)) < 2:
+if not threads._gnu_openmp(rescan=True) or len(os.sched_getaffinity(0)) < 2:
     print("skip")
     sys.exit()
 t = threading.Thread(target=work)

@@ -68,7 +68,10 @@ def load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None,
     # dense form (56 MiB in bf16 on the bundled model) was the largest piece of the load's peak.
     table = dense.pop(table_name, None)
     if table is not None and not cfg.tie_word_embeddings:  # an untied table stays dense
-        dense[table_name], table = table.rows(0, table.num_rows), None
+        dense[table_name], table = table.rows(0, table.num_rows, dtype), None
+    if table is not None and (table.num_rows, table.width) != (cfg.vocab_size, cfg.hidden_size):
+        raise ModelLoadError(f"token_embd is {table.num_rows} x {table.width}, the config says "
+                             f"{cfg.vocab_size} x {cfg.hidden_size}")
     # What is left (embeddings, norms, an untied LM head) is small or must stay dense.
     rest = {k.removeprefix("model."): v for k, v in dense.items()}
     rest |= {k.removeprefix("model."): v.dense() for k, v in q4.items()}

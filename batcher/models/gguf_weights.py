@@ -83,9 +83,14 @@ class GGUFRows:
     def num_rows(self) -> int:
         return self.data.shape[0]
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) as fp32; the file's pages they came from leave the resident set."""
-        out = _dequantize(self.data[start:stop], self.kind, torch.float32)
+    @property
+    def width(self) -> int:
+        return int(_dequantize(self.data[:1], self.kind, torch.float32).shape[-1])
+
+    def rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows [start, stop) in `dtype`; the file's pages they came from leave the resident
+        set."""
+        out = _dequantize(self.data[start:stop], self.kind, dtype)
         drop_file_pages(self.data)
         return out
 
@@ -95,10 +100,15 @@ def drop_file_pages(data: np.ndarray) -> None:
     process's resident set. They stay in the page cache; reading them again maps them again.
     A load that copies every weight out of the file would otherwise hold the whole file
     resident on top of its copies until the mapping closes."""
+    # NOTE: safe because `GGUFFile` maps the file read-only and shared: no page holds anything
+    # the file does not. On a writable private mapping this would throw writes away.
     mm = getattr(data, "_mmap", None)
     advice = getattr(mmap, "MADV_DONTNEED", None)
     if mm is not None and advice is not None and hasattr(mm, "madvise"):
-        mm.madvise(advice)
+        try:
+            mm.madvise(advice)
+        except OSError:  # a locked mapping (mlockall): the pages stay, nothing else changes
+            pass
 
 
 def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:

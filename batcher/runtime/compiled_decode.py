@@ -10,6 +10,11 @@ Only steps of one decode row run compiled: one row is a shape of its own to the 
 each further shape costs start-up time. Everything else (prefills, batches, drafts, prompt
 scoring) runs eagerly. The graph is compiled when the runner is built, before any request; a
 machine with no C++ compiler, or a model the compiler cannot take, logs why and runs eagerly.
+
+In bf16 the graph keeps fp32 between the ops it fuses where eager rounds to bf16 after each, so
+its logits differ from the eager step's in the last bits, and a near-tie may go the other way
+(one row alone runs compiled, the same row in a batch eagerly). In fp32 the tokens are the
+eager ones (tests/test_compiled_decode.py).
 """
 
 from __future__ import annotations
@@ -31,13 +36,16 @@ MIN_BLOCKS = 2
 
 
 class CompiledDecode:
-    """`run(ids, positions, meta)` for the steps `runs(...)` accepts; build with
+    """`run(ids, positions, meta)` for the steps `takes(...)` accepts; build with
     `compile_decode(...)`, which returns None where compiling failed."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, fold_gqa: bool) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.fold_gqa = block_size, fold_gqa
+        # The graph guards on the intra-op thread count: its steps run with the one it was
+        # compiled with (another would compile again, mid-serving).
+        self.threads = torch.get_num_threads()
         model.rotary()  # built before tracing, so the graph never holds its first-call branch
         # The forward without its own inference-mode wrapper: the mode is entered around the
         # graph's calls instead (inside a traced graph it makes the cache's views fail).
@@ -62,8 +70,8 @@ class CompiledDecode:
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [1, vocab] of a step `takes` accepted (`ModelRunner.prepare`'s tensors). Run
-        it with the intra-op thread count it was compiled with: the graph guards on it."""
+        """Logits [1, vocab] of a step `takes` accepted (`ModelRunner.prepare`'s tensors), on
+        the intra-op thread count the graph was compiled with."""
         group = meta.decode_groups[0]
         table, mask = group.table, group.mask
         if table.shape[0] < MIN_BLOCKS:  # padded with the row's own block, masked out
@@ -75,6 +83,8 @@ class CompiledDecode:
         # step's comparison, so it goes in as a tensor of its own (a context's worth of bools),
         # made outside inference mode like every other input (the graph guards on that too).
         mask = mask.clone()
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():  # entered around the graph, as when it was compiled
             return self._fn(ids, positions, meta.slot_mapping, table, mask, self.kv_caches)
 

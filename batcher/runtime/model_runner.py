@@ -3,6 +3,7 @@ it owns the KV cache tensors and never touches scheduler state."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Protocol
 
@@ -17,6 +18,8 @@ from batcher.runtime.prefill_staging import PrefillStaging
 from batcher.runtime.sampler import Sampler
 from batcher.runtime.thread_tuner import ThreadTuner
 from batcher.threads import release_openmp_pool
+
+log = logging.getLogger(__name__)
 
 
 class Loaded(Protocol):
@@ -85,7 +88,10 @@ class ModelRunner:
         self.tuner = ThreadTuner(self.max_threads) if self.tune_threads else None
         # CPU, `--compile-decode`: one-row decode steps through torch.compile, compiled now.
         self.compiled = None
-        if compile_decode and loaded.device.type == "cpu":
+        if compile_decode and (loaded.device.type != "cpu" or self.backend != "torch"):
+            log.warning("--compile-decode is for the CPU's torch attention; ignored on %s (%s)",
+                        loaded.device.type, self.backend)
+        elif compile_decode:
             from batcher.runtime.compiled_decode import compile_decode as build_compiled
 
             self.compiled = build_compiled(self.model, self.kv_caches, block_size, self.fold_gqa)
@@ -129,9 +135,16 @@ class ModelRunner:
             ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched)
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)
+            logits = None
             if self.compiled is not None and self.compiled.takes(sched):
-                logits = self.compiled.run(ids, positions, meta)
-            else:
+                try:
+                    logits = self.compiled.run(ids, positions, meta)
+                except Exception:  # noqa: BLE001 (the eager step is always there)
+                    # The step is run again eagerly: it writes its K/V before reading them.
+                    log.exception("--compile-decode: a compiled step failed; decode steps run "
+                                  "eagerly from now on")
+                    self.compiled = None
+            if logits is None:
                 logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
         ns = len(sample_seqs)
         out = RunnerOutput(prompt_logprobs=score_prompts(logits[ns:], scored) if scored else {})
