@@ -80,7 +80,9 @@ def load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None,
         rest.pop("lm_head.weight", None)
     missing = {k for k, t in model.state_dict().items() if t.is_meta} - set(rest)
     if cfg.tie_word_embeddings:
-        missing -= {"lm_head.weight", "embed_tokens.weight"}  # the table, below
+        missing.discard("lm_head.weight")
+    if table is not None:
+        missing.discard("embed_tokens.weight")  # the tied table, below
     if missing:
         raise ModelLoadError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
     model.load_state_dict({k: v.to(dtype) for k, v in rest.items()}, strict=False, assign=True)
@@ -89,8 +91,6 @@ def load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None,
         # (for steps past a few rows, where the dense matmul is faster).
         head_dense_above = None if dense_above is None else min(dense_above,
                                                                  HEAD_DENSE_ABOVE_ROWS)
-        if table is None:
-            raise ModelLoadError("weights missing from the checkpoint: token_embd")
         q, scale = int8_rows_of(table.rows, table.num_rows, cfg.hidden_size)
         del table  # its view into the file's mapping
         tie_int8_table(model, q, scale, dtype, head_dense_above)
