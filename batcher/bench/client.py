@@ -85,6 +85,7 @@ class RequestResult:
     error: str | None = None
     retry_after: str | None = None
     timings: dict[str, Any] | None = None  # the server's phase split, from the usage chunk
+    reconnected: bool = False  # sent again after its kept-alive connection turned out closed
 
     @property
     def ok(self) -> bool:
@@ -178,15 +179,7 @@ async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: B
     res.start = sent - t0
     try:
         async with asyncio.timeout(cfg.request_timeout):
-            async with session.post(cfg.url, data=payload, headers=cfg.headers()) as resp:
-                res.status = resp.status
-                if resp.status != 200:
-                    res.retry_after = resp.headers.get("Retry-After")
-                    text = await resp.text()
-                    res.error = _error_message(text)
-                    res.e2e = time.perf_counter() - sent
-                    return res
-                await _read_stream(resp, res, sent)
+            await _exchange(session, cfg, payload, res, sent)
     except TimeoutError:
         res.status, res.error = 0, "timeout"
     except (aiohttp.ClientError, ConnectionError, orjson.JSONDecodeError) as exc:
@@ -194,6 +187,30 @@ async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: B
     if res.e2e is None:
         res.e2e = time.perf_counter() - sent
     return res
+
+
+async def _exchange(session: aiohttp.ClientSession, cfg: ClientConfig, payload: bytes,
+                    res: RequestResult, sent: float) -> None:
+    for attempt in range(2):
+        try:
+            async with session.post(cfg.url, data=payload, headers=cfg.headers()) as resp:
+                res.status = resp.status
+                if resp.status != 200:
+                    res.retry_after = resp.headers.get("Retry-After")
+                    res.error = _error_message(await resp.text())
+                    res.e2e = time.perf_counter() - sent
+                    return
+                await _read_stream(resp, res, sent)
+                return
+        except aiohttp.ClientConnectorError:
+            raise  # no connection at all: nothing stale to replace
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            # A kept-alive connection that the server closed after its last response fails
+            # before anything comes back: sent again once, on a new connection, as HTTP clients
+            # do for a reused connection. A server that drops the new one too is an error.
+            if attempt or res.status:
+                raise
+            res.reconnected = True
 
 
 def _error_message(text: str) -> str:

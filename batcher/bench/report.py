@@ -203,6 +203,7 @@ def summarize(results: list[RequestResult], slo_ttft_ms: float | None = None,
     return {
         "sent": len(results), "ok": len(ok), "errors": sum(errors.values()),
         "errors_by_kind": dict(sorted(errors.items())), "duration_s": duration,
+        "reconnects": sum(r.reconnected for r in results),
         "request_throughput": len(ok) * per_s, "output_tokens": out_tokens,
         "output_tok_s": out_tokens * per_s,
         "input_tok_s": sum(r.prompt_len for r in ok) * per_s,
@@ -266,6 +267,8 @@ def _f(x: float | None, digits: int = 1) -> str:
 
 def table_row(label: str, s: dict[str, Any]) -> list[str]:
     errs = ", ".join(f"{k}: {v}" for k, v in s["errors_by_kind"].items()) or "0"
+    if s.get("reconnects"):  # sent again after a kept-alive connection turned out closed
+        errs += f" ({s['reconnects']} resent)"
 
     def pair(key: str, digits: int = 0) -> str:
         return f"{_f(s[key]['p50'], digits)} / {_f(s[key]['p99'], digits)}"
