@@ -127,16 +127,25 @@ class MetricsScraper:
         }
 
 
+# Fewer steps of a kind than this give no rate: one step is often a first-of-its-shape outlier
+# (a chat burst's one prefill-only step ran at a tenth of the prefill rate of its mixed steps).
+MIN_RATE_STEPS = 4
+
+
 def _rates(delta: Any) -> dict[str, float | None]:
     """Tokens per second of model time in prefill-only and in decode-only steps over the run
-    (None without such steps), and the mean decode rows the decode rate was measured at: the
-    replica rates `batcher plan --prefill-rate --decode-rate` takes. A decode rate holds at about
-    that many streams; measure at the concurrency the fleet will run."""
+    (None with fewer than `MIN_RATE_STEPS` such steps), how many steps each is from, and the
+    mean decode rows the decode rate was measured at: the replica rates `batcher plan
+    --prefill-rate --decode-rate` takes. A decode rate holds at about that many streams;
+    measure at the concurrency the fleet will run."""
     out: dict[str, float | None] = {}
     for kind in ("prefill", "decode"):
         seconds = delta(f"batcher_step_seconds_sum{{kind={kind}}}")
         tokens = delta(f"batcher_step_tokens_sum{{kind={kind}}}")
-        out[f"{kind}_rate"] = tokens / seconds if seconds > 0 and tokens > 0 else None
+        steps = delta(f"batcher_step_tokens_count{{kind={kind}}}")
+        out[f"{kind}_steps"] = steps
+        out[f"{kind}_rate"] = (tokens / seconds if seconds > 0 and tokens > 0
+                               and steps >= MIN_RATE_STEPS else None)
     steps = delta("batcher_step_tokens_count{kind=decode}")
     tokens = delta("batcher_step_tokens_sum{kind=decode}")
     out["decode_rows_mean"] = tokens / steps if steps > 0 else None
@@ -307,8 +316,15 @@ def server_lines(server: dict[str, Any] | None) -> list[str]:
 def _rates_line(server: dict[str, Any]) -> str:
     pre, dec, rows = (server.get("prefill_rate"), server.get("decode_rate"),
                       server.get("decode_rows_mean"))
-    text = (f"replica rates (model time): prefill {_f(pre, 0)} tok/s in prefill-only steps, "
-            f"decode {_f(dec, 0)} tok/s in decode-only steps at {_f(rows, 1)} streams")
+
+    def rate(value: float | None, kind: str) -> str:
+        steps = server.get(f"{kind}_steps") or 0
+        if value is None and 0 < steps < MIN_RATE_STEPS:
+            return f"— tok/s ({steps:.0f} {kind}-only steps, too few to measure)"
+        return f"{_f(value, 0)} tok/s in {kind}-only steps"
+
+    text = (f"replica rates (model time): prefill {rate(pre, 'prefill')}, "
+            f"decode {rate(dec, 'decode')} at {_f(rows, 1)} streams")
     if pre is not None and dec is not None:
         text += f" -> batcher plan --prefill-rate {pre:.0f} --decode-rate {dec:.0f}"
     return text
