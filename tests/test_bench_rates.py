@@ -30,7 +30,7 @@ def test_rates_from_step_metrics() -> None:
 def test_no_decode_steps_means_no_decode_rate() -> None:
     rates = _rates(lambda name: 0.0)
     assert rates == {"prefill_rate": None, "decode_rate": None, "decode_rows_mean": None,
-                     "prefill_steps": 0.0, "decode_steps": 0.0}
+                     "prefill_tokens": 0.0, "decode_tokens": 0.0}
     line = server_lines({"queue_wait": {"mean": None, "p50": None, "p99": None, "count": 0},
                          "service": {"mean": None, "p50": None, "p99": None},
                          "prefix_cache_hit_rate": None, "kv_blocks_used_max": 0,
@@ -40,22 +40,23 @@ def test_no_decode_steps_means_no_decode_rate() -> None:
 
 
 def test_too_few_steps_give_no_rate() -> None:
-    # One prefill-only step (a chat burst's first) is no rate to plan with: it is left out and
-    # the line says why; the decode rate from enough steps stays.
+    # A few prefill tokens (a chat burst's first step, its prompt mostly cached) are no rate to
+    # plan with: it is left out and the line says why; the decode rate from enough stays.
     m = Metrics()
     m.step_time.labels("prefill").observe(0.7)
-    m.step_tokens.labels("prefill").observe(50)
+    m.step_tokens.labels("prefill").observe(8)
     for _ in range(10):
         m.step_time.labels("decode").observe(0.02)
         m.step_tokens.labels("decode").observe(8)
     last = parse_metrics(m.exposition().decode())
     rates = _rates(lambda name: last.get(name, 0.0))
-    assert rates["prefill_rate"] is None and rates["prefill_steps"] == 1.0
+    assert rates["prefill_rate"] is None and rates["prefill_tokens"] == 8.0
     assert abs(rates["decode_rate"] - 400.0) < 1e-6
     line = server_lines({"queue_wait": {"mean": None, "p50": None, "p99": None, "count": 0},
                          "service": {"mean": None, "p50": None, "p99": None},
                          "prefix_cache_hit_rate": None, "kv_blocks_used_max": 0,
                          "kv_blocks_total": 0, "kv_blocks_used_mean": 0, "preemptions": 0,
                          **rates})[-1]
-    assert "1 prefill-only steps, too few to measure" in line and "batcher plan" not in line
+    assert "8 tokens in prefill-only steps, too few to measure" in line
+    assert "batcher plan" not in line
     assert "400 tok/s in decode-only steps" in line

@@ -127,25 +127,25 @@ class MetricsScraper:
         }
 
 
-# Fewer steps of a kind than this give no rate: one step is often a first-of-its-shape outlier
-# (a chat burst's one prefill-only step ran at a tenth of the prefill rate of its mixed steps).
-MIN_RATE_STEPS = 4
+# Fewer tokens than this in prefill-only steps give no prefill rate: a step's fixed cost (reading
+# the weights) swamps a few tokens (a chat burst's one prefill-only step, 8 tokens of a cached
+# prompt, read as a tenth of the prefill rate its big steps ran at). Each decode row is a sample.
+MIN_RATE_TOKENS = {"prefill": 128, "decode": 1}
 
 
 def _rates(delta: Any) -> dict[str, float | None]:
     """Tokens per second of model time in prefill-only and in decode-only steps over the run
-    (None with fewer than `MIN_RATE_STEPS` such steps), how many steps each is from, and the
-    mean decode rows the decode rate was measured at: the replica rates `batcher plan
+    (None from fewer than `MIN_RATE_TOKENS` of its tokens), the tokens each is from, and the mean
+    decode rows the decode rate was measured at: the replica rates `batcher plan
     --prefill-rate --decode-rate` takes. A decode rate holds at about that many streams;
     measure at the concurrency the fleet will run."""
     out: dict[str, float | None] = {}
     for kind in ("prefill", "decode"):
         seconds = delta(f"batcher_step_seconds_sum{{kind={kind}}}")
         tokens = delta(f"batcher_step_tokens_sum{{kind={kind}}}")
-        steps = delta(f"batcher_step_tokens_count{{kind={kind}}}")
-        out[f"{kind}_steps"] = steps
-        out[f"{kind}_rate"] = (tokens / seconds if seconds > 0 and tokens > 0
-                               and steps >= MIN_RATE_STEPS else None)
+        out[f"{kind}_tokens"] = tokens
+        out[f"{kind}_rate"] = (tokens / seconds
+                               if seconds > 0 and tokens >= MIN_RATE_TOKENS[kind] else None)
     steps = delta("batcher_step_tokens_count{kind=decode}")
     tokens = delta("batcher_step_tokens_sum{kind=decode}")
     out["decode_rows_mean"] = tokens / steps if steps > 0 else None
@@ -318,9 +318,9 @@ def _rates_line(server: dict[str, Any]) -> str:
                       server.get("decode_rows_mean"))
 
     def rate(value: float | None, kind: str) -> str:
-        steps = server.get(f"{kind}_steps") or 0
-        if value is None and 0 < steps < MIN_RATE_STEPS:
-            return f"— tok/s ({steps:.0f} {kind}-only steps, too few to measure)"
+        tokens = server.get(f"{kind}_tokens") or 0
+        if value is None and 0 < tokens < MIN_RATE_TOKENS[kind]:
+            return f"— tok/s ({tokens:.0f} tokens in {kind}-only steps, too few to measure)"
         return f"{_f(value, 0)} tok/s in {kind}-only steps"
 
     text = (f"replica rates (model time): prefill {rate(pre, 'prefill')}, "
