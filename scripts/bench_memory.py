@@ -156,6 +156,10 @@ def main() -> None:
         ("... --quantization int4", [*matched, "--quantization", "int4"]),
         ("... --quantization int4 --quantized-dense-above 0",
          [*matched, "--quantization", "int4", "--quantized-dense-above", "0"]),
+        # The one-stream configuration: its compiled graph and the compiler's modules resident.
+        ("... --quantization int4 --quantized-dense-above 0 --compile-decode",
+         [*matched, "--quantization", "int4", "--quantized-dense-above", "0",
+          "--compile-decode"]),
     ]
     for label, extra in configs:
         port = free_port()
