@@ -7,6 +7,15 @@ from batcher.bench.report import _rates, parse_metrics, server_lines
 from batcher.metrics import Metrics
 
 
+def _rates_line_of(rates: dict) -> str:
+    """The report's replica-rates line for a run whose other server figures are empty."""
+    return server_lines({"queue_wait": {"mean": None, "p50": None, "p99": None, "count": 0},
+                         "service": {"mean": None, "p50": None, "p99": None},
+                         "prefix_cache_hit_rate": None, "kv_blocks_used_max": 0,
+                         "kv_blocks_total": 0, "kv_blocks_used_mean": 0, "preemptions": 0,
+                         **rates})[-1]
+
+
 def test_rates_from_step_metrics() -> None:
     m = Metrics()
     m.step_time.labels("prefill").observe(9.0)  # before the run: not counted
@@ -31,11 +40,7 @@ def test_no_decode_steps_means_no_decode_rate() -> None:
     rates = _rates(lambda name: 0.0)
     assert rates == {"prefill_rate": None, "decode_rate": None, "decode_rows_mean": None,
                      "prefill_tokens": 0.0, "decode_tokens": 0.0}
-    line = server_lines({"queue_wait": {"mean": None, "p50": None, "p99": None, "count": 0},
-                         "service": {"mean": None, "p50": None, "p99": None},
-                         "prefix_cache_hit_rate": None, "kv_blocks_used_max": 0,
-                         "kv_blocks_total": 0, "kv_blocks_used_mean": 0, "preemptions": 0,
-                         **rates})[-1]
+    line = _rates_line_of(rates)
     assert "prefill — tok/s" in line and "batcher plan" not in line
 
 
@@ -52,11 +57,7 @@ def test_too_few_steps_give_no_rate() -> None:
     rates = _rates(lambda name: last.get(name, 0.0))
     assert rates["prefill_rate"] is None and rates["prefill_tokens"] == 8.0
     assert abs(rates["decode_rate"] - 400.0) < 1e-6
-    line = server_lines({"queue_wait": {"mean": None, "p50": None, "p99": None, "count": 0},
-                         "service": {"mean": None, "p50": None, "p99": None},
-                         "prefix_cache_hit_rate": None, "kv_blocks_used_max": 0,
-                         "kv_blocks_total": 0, "kv_blocks_used_mean": 0, "preemptions": 0,
-                         **rates})[-1]
+    line = _rates_line_of(rates)
     assert "8 tokens in prefill-only steps, too few to measure" in line
     assert "batcher plan" not in line
     assert "400 tok/s in decode-only steps" in line

@@ -147,8 +147,7 @@ def _rates(delta: Any) -> dict[str, float | None]:
         out[f"{kind}_rate"] = (tokens / seconds
                                if seconds > 0 and tokens >= MIN_RATE_TOKENS[kind] else None)
     steps = delta("batcher_step_tokens_count{kind=decode}")
-    tokens = delta("batcher_step_tokens_sum{kind=decode}")
-    out["decode_rows_mean"] = tokens / steps if steps > 0 else None
+    out["decode_rows_mean"] = out["decode_tokens"] / steps if steps > 0 else None
     return out
 
 
