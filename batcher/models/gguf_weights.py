@@ -88,8 +88,8 @@ class GGUFRows:
         return int(_dequantize(self.data[:1], self.kind, torch.float32).shape[-1])
 
     def rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows [start, stop) in `dtype`; the file's pages they came from leave the resident
-        set."""
+        """Rows [start, stop) in `dtype`; then the whole file mapping's pages leave the resident
+        set (`drop_file_pages`: the weights read before these were already copied out)."""
         out = _dequantize(self.data[start:stop], self.kind, dtype)
         drop_file_pages(self.data)
         return out
