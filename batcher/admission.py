@@ -49,7 +49,7 @@ from batcher.core.refusals import Refused
 from batcher.slo_limit import CEILING, SloLimit
 from batcher.tenants import PRIORITIES, TenantConfig
 from batcher.token_bucket import TokenBucket
-from batcher.ttft_predictor import Backlog, TtftPredictor
+from batcher.ttft_predictor import Backlog, PrefillStepFn, TtftPredictor
 
 REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "tpot_slo",
            "draining")
@@ -103,9 +103,10 @@ class Ticket:
     # Uncorrected TTFT prediction at admission (None: no estimate yet), compared with the actual
     # first token to correct later predictions.
     predicted_ttft_s: float | None = None
-    # The prefill rate that prediction used: a change of rate since is the raw model's to follow,
-    # not the correction's.
+    # The prefill rate that prediction used, and what it was asked for (`TtftPredictor.
+    # rate_query`): a change of that rate since is the raw model's to follow, not the correction's.
     predicted_at_rate: float | None = None
+    rate_query: tuple[int, float, int] | None = None
     first_token_seen: bool = False
     # Admitted because predicted within the SLO limit (not alone on an idle server, not a long
     # prompt held by its wait only): its TTFT is evidence for the limit's controller.
@@ -146,6 +147,9 @@ class Admission:
     slo_tpot_s: float | None = None
     decode_step_s: DecodeStepFn | None = None
     max_num_seqs: int = 1 << 30
+    # The scheduler's prefill chunk beside so many decodes and its step's price (see
+    # `TtftPredictor.prefill_step`).
+    prefill_step: PrefillStepFn | None = None
     predictor: TtftPredictor = field(default_factory=TtftPredictor)
     limit: SloLimit = field(default_factory=SloLimit)
     draining: bool = field(default=False, init=False)
@@ -156,6 +160,8 @@ class Admission:
 
     def __post_init__(self) -> None:
         self.rejections = dict.fromkeys(REASONS, 0)
+        if self.prefill_step is not None:
+            self.predictor.prefill_step = self.prefill_step
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.slo_ttft_s is not None and not self.slo_ttft_s > 0:
@@ -170,12 +176,14 @@ class Admission:
     # -- measurements -------------------------------------------------------------------------
 
     def observe_step(self, seconds: float, prefill_tokens: int, pending_after: bool,
-                     decode_rows: int = 0, modelled_s: float | None = None) -> None:
+                     decode_rows: int = 0, modelled_s: float | None = None,
+                     step_modelled_s: float | None = None, prefill_left: bool = True) -> None:
         """Feed one engine step that just ended: its model time, the prompt tokens it computed,
-        the decodes beside them, whether the engine still has work and the step-time model's
-        prediction for it (see `TtftPredictor.observe_step`)."""
+        the decodes beside them, whether the engine still has work, the step-time model's
+        prediction for its decodes and for the whole step, and whether prompt tokens were left
+        waiting (see `TtftPredictor.observe_step`)."""
         self.predictor.observe_step(self.clock(), seconds, prefill_tokens, pending_after,
-                                    decode_rows, modelled_s)
+                                    decode_rows, modelled_s, step_modelled_s, prefill_left)
 
     def observe_first_token(self, ticket: Ticket) -> None:
         """The admitted request's first token is out: compare with its prediction (once)."""
@@ -188,7 +196,8 @@ class Admission:
         if ticket.predicted_ttft_s is not None:
             now = self.clock()
             predicted = ticket.predicted_ttft_s
-            rate_now = self.predictor.prefill_rate
+            rate_now = (self.predictor.prefill_rate if ticket.rate_query is None
+                        else self.predictor.prefill_rate_with(*ticket.rate_query))
             if ticket.predicted_at_rate is not None and rate_now is not None:
                 # What the raw model would predict now that it has seen the rate change.
                 predicted *= ticket.predicted_at_rate / rate_now
@@ -298,9 +307,11 @@ class Admission:
             taken = st.bucket.try_take(cost)
             assert taken == 0.0, "bucket changed between check and take"
         st.in_flight += 1
+        query = self.predictor.rate_query(backlog, priority, prompt_tokens)
         ticket = Ticket(tenant=tenant.name, priority=priority, cost=cost, max_tokens=max_tokens,
                         admitted_at=now, predicted_ttft_s=raw,
-                        predicted_at_rate=self.predictor.prefill_rate, held_to_slo=held)
+                        predicted_at_rate=self.predictor.prefill_rate_with(*query),
+                        rate_query=query, held_to_slo=held)
         if held and raw is not None:
             ticket.predicted_corrected_s = raw * self.predictor.correction(now)
             self.limit.watch(ticket)

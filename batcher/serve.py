@@ -14,12 +14,11 @@ from collections.abc import Callable
 from aiohttp import web
 
 from batcher.admission import Admission
+from batcher.admission_feed import decode_step_fn, prefill_step_fn, step_observer
 from batcher.config import (
     CUDA_MAX_NUM_BATCHED_TOKENS,
     CUDA_MAX_NUM_SEQS,
 )
-from batcher.core.outputs import SchedulerOutput
-from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.engine import AsyncEngine
 from batcher.http.listener import server_log
 from batcher.metrics import Metrics
@@ -111,14 +110,17 @@ def gateway_factory(args: argparse.Namespace,
             if isinstance(tenants, _Unset) else tenants
         if auth is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("no --tenants file: authentication is off on a non-loopback address")
-        decode_step = _decode_step(engine.step_time_model,
-                                   engine.scheduler.config.min_prefill_chunk)
+        sched_cfg = engine.scheduler.config
+        decode_step = decode_step_fn(engine.step_time_model, sched_cfg.min_prefill_chunk)
         admission = Admission(auth, max_waiting=args.max_waiting,
                               slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                               slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
-                              max_num_seqs=engine.scheduler.config.max_num_seqs,
-                              decode_step_s=decode_step)
-        engine.step_listeners.append(_step_observer(admission, engine, decode_step))
+                              max_num_seqs=sched_cfg.max_num_seqs,
+                              decode_step_s=decode_step,
+                              prefill_step=prefill_step_fn(engine.scheduler,
+                                                          engine.step_time_model))
+        engine.step_listeners.append(step_observer(admission, engine.scheduler,
+                                                   engine.step_time_model, decode_step))
         name = "fake" if args.model == "fake" else engine_model_name(args.model)
         metrics.info.labels(args.version, name).set(1)
         metrics.configure(args.served_model_name or name, engine.scheduler.kv.block_size,
@@ -138,33 +140,6 @@ def gateway_factory(args: argparse.Namespace,
 
 def engine_model_name(source: str) -> str:
     return os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
-
-
-def _decode_step(model: OnlineStepTimeModel, min_chunk: int):
-    def predict(rows: int, ctx: int) -> float:
-        # The step the streams get while a prompt is read: the scheduler moves every pending
-        # prefill by at least `min_chunk` tokens a step, whatever the decodes.
-        return model.predict(StepShape(rows, ctx).plus(min_chunk, 0))
-
-    return predict
-
-
-def _step_observer(admission: Admission, engine: AsyncEngine,
-                   decode_step: Callable[[int, int], float]):
-    scheduler = engine.scheduler
-
-    def observe(sched: SchedulerOutput, seconds: float) -> None:
-        # Every step counts, decodes and all: admission predicts from the prefill rate the
-        # scheduler achieves in the steps it really runs. Each step with decodes is also
-        # compared with what the TPOT check would have predicted for its decode rows, so the
-        # check follows the step's measured wall time (a busy machine, the event loop's share,
-        # a step-time model still catching up) and takes only the shape from the model.
-        shape = StepShape.of(sched, scheduler.kv.block_size)
-        modelled = decode_step(shape.decode_rows, shape.decode_ctx) if shape.decode_rows else None
-        admission.observe_step(seconds, shape.prefill_tokens, scheduler.has_unfinished(),
-                               shape.decode_rows, modelled)
-
-    return observe
 
 
 async def run_server(args: argparse.Namespace) -> int:

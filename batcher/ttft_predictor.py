@@ -17,6 +17,15 @@ corrected online by the TTFTs the server actually delivers.
   of it). The event loop's own time between steps counts too. Time-decayed sums over the last few
   seconds (`RATE_TAU_S`), so a slower machine, a bigger model or a new batch shape shows up within
   seconds.
+  A step has a fixed cost, whatever its prefill (the decodes beside it, the model's per-step
+  overhead), so the rate depends on how many tokens a step carries: steps that each read one short
+  prompt, because no more was there, achieve a fraction of the rate of the steps a backlog fills.
+  So work ahead beyond the measured steps' mean chunk is predicted in the chunk the scheduler
+  would give it (`prefill_step`: the whole token budget with no decodes or while a burst fills,
+  the time target's chunk beside streams), priced by the shared step-time model and scaled by how
+  the measured steps compared with the model's price for them; never below the rate measured.
+  A time target's chunk is used only where the measured steps mostly took all the prefill there
+  was: where the target's chunks were their limit, their measured rate is that chunk's.
 - `steps_to_slot`: with every sequence slot held, the decode steps until one frees for this
   request (running requests end after at most their max_tokens; requests queued ahead take the
   first slots that open).
@@ -40,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,6 +59,10 @@ from batcher.request import Priority, Request
 # Time constant (s) of the prefill-rate and step-time averages: long enough to span a few steps of
 # a slow CPU step, short enough to follow a change of machine or load within a few seconds.
 RATE_TAU_S = 2.0
+# Steps of a bucket that took all the prefill waiting (none was left for the next step), as a
+# share of its steps, above which its chunks say nothing of the scheduler's limit: a bigger
+# backlog is predicted in the chunk `prefill_step` gives it.
+DRAINED_SHARE = 0.5
 # A bucket of the prefill rate with no step for this long is stale (see `prefill_rate_with`).
 STALE_S = RATE_TAU_S
 # Recent TTFT observations the correction is taken from: at most this many, none older than
@@ -175,6 +188,53 @@ class _Decayed:
 
 
 @dataclass(slots=True)
+class _PrefillSteps:
+    """Decayed sums over the steps of one bucket that carried prefill."""
+
+    tokens: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S))
+    seconds: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S))
+    steps: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S))
+    # Steps that took all the prefill there was (none left for the next step).
+    drained: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S))
+    # The steps the step-time model priced: their wall seconds, and the model's.
+    priced: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S))
+    modelled: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S))
+
+    def add(self, now: float, tokens: int, seconds: float, modelled_s: float | None,
+            drained: bool) -> None:
+        self.tokens.add(now, float(tokens))
+        self.seconds.add(now, seconds)
+        self.steps.add(now, 1.0)
+        self.drained.add(now, 1.0 if drained else 0.0)
+        if modelled_s is not None and modelled_s > 0:
+            self.priced.add(now, seconds)
+            self.modelled.add(now, modelled_s)
+
+    @property
+    def measured(self) -> bool:
+        return self.tokens.value > 0 and self.seconds.value > 0 and self.steps.value > 0
+
+    @property
+    def chunk(self) -> float:
+        """Mean prefill tokens a step."""
+        return self.tokens.value / self.steps.value
+
+    @property
+    def wall_over_model(self) -> float | None:
+        """These steps' wall time over the step-time model's price for them."""
+        if self.modelled.value <= 0 or self.priced.value <= 0:
+            return None
+        return self.priced.value / self.modelled.value
+
+
+# `(rows, ctx, tokens) -> (chunk, seconds, paced)`: of `tokens` of prompt, the chunk the
+# scheduler would put in one step beside `rows` decodes whose longest context is `ctx`, the
+# step-time model's price of that step, and whether the chunk is the streams' time target's
+# rather than the whole token budget (see `batcher.admission_feed.prefill_step_fn`).
+PrefillStepFn = Callable[[int, int, int], tuple[int, float, bool]]
+
+
+@dataclass(slots=True)
 class TtftPredictor:
     """Feed it every engine step (`observe_step`) and every admitted request's first token
     (`observe_ttft`); ask it `predict(now, backlog, priority, own_tokens)`. Times are on the
@@ -182,8 +242,11 @@ class TtftPredictor:
 
     _tokens: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
     _seconds: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
-    # By bucket of decode rows in the step (`_bucket`): (tokens, seconds).
-    _by_rows: dict[int, tuple[_Decayed, _Decayed]] = field(default_factory=dict, repr=False)
+    # The scheduler's chunk and its step's price beside so many decodes; None: only the chunks
+    # measured (no extrapolation to a bigger backlog).
+    prefill_step: PrefillStepFn | None = None
+    # By bucket of decode rows in the step (`_bucket`).
+    _by_rows: dict[int, _PrefillSteps] = field(default_factory=dict, repr=False)
     _step_sum: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
     _step_n: _Decayed = field(default_factory=lambda: _Decayed(RATE_TAU_S), repr=False)
     # Wall time of steps over what the step-time model predicted for them: what a stream waits
@@ -201,12 +264,15 @@ class TtftPredictor:
 
     def observe_step(self, now: float, seconds: float, prefill_tokens: int,
                      pending_after: bool, decode_rows: int = 0,
-                     modelled_s: float | None = None) -> None:
+                     modelled_s: float | None = None, step_modelled_s: float | None = None,
+                     prefill_left: bool = True) -> None:
         """One engine step ended at `now` after `seconds` of model time, having computed
         `prefill_tokens` prompt tokens next to `decode_rows` decodes; `pending_after`: the engine
         still has work, so the next step follows at once; `modelled_s`: what the step-time model
-        predicted for it. While the engine was busy since the previous step, the whole wall time
-        between the two step ends counts as this step's (the event loop's share delays first
+        predicted for its decodes, `step_modelled_s` for the whole step; `prefill_left`: prompt
+        tokens that were there when it started still wait (its chunks were the scheduler's limit,
+        not all there was). While the engine was busy since the previous step, the whole wall
+        time between the two step ends counts as this step's (the event loop's share delays first
         tokens and every stream's next token too)."""
         if seconds <= 0:
             return
@@ -223,11 +289,10 @@ class TtftPredictor:
             self._tokens.add(now, float(prefill_tokens))
             self._seconds.add(now, wall)
             b = _bucket(decode_rows)
-            pair = self._by_rows.get(b)
-            if pair is None:
-                pair = self._by_rows[b] = (_Decayed(RATE_TAU_S), _Decayed(RATE_TAU_S))
-            pair[0].add(now, float(prefill_tokens))
-            pair[1].add(now, wall)
+            sums = self._by_rows.get(b)
+            if sums is None:
+                sums = self._by_rows[b] = _PrefillSteps()
+            sums.add(now, prefill_tokens, wall, step_modelled_s, not prefill_left)
         self._last_end = now
         self._pending = pending_after
 
@@ -250,23 +315,46 @@ class TtftPredictor:
             return None
         return self._tokens.value / self._seconds.value
 
-    def prefill_rate_with(self, decoding: int) -> float | None:
-        """The prefill rate in steps carrying about `decoding` decode rows: that bucket's when
-        measured, else the nearest measured bucket with more rows (a lower rate, the safe side),
-        else the nearest with fewer; None before any measurement. Buckets measured within the
-        last `STALE_S` of steps are preferred: a decayed average stops moving when its steps stop
-        coming, so a bucket last seen while the machine was slower would go on saying so."""
+    def prefill_rate_with(self, decoding: int, tokens: float = 0.0,
+                          context: int = 0) -> float | None:
+        """The prefill rate for `tokens` of prompt in steps carrying about `decoding` decode rows
+        (the longest at `context`): that bucket's when measured, else the nearest measured bucket
+        with more rows (a lower rate, the safe side), else the nearest with fewer; None before
+        any measurement. Buckets measured within the last `STALE_S` of steps are preferred: a
+        decayed average stops moving when its steps stop coming, so a bucket last seen while the
+        machine was slower would go on saying so. Where the bucket's steps mostly took all the
+        prefill there was, `tokens` beyond their mean chunk are predicted in the bigger chunk
+        `prefill_step` gives them (see the module docstring)."""
         want = _bucket(decoding)
         if not self._by_rows:
             return None
         last = self._last_end if self._last_end is not None else 0.0
-        fresh = [b for b, (tokens, _) in self._by_rows.items()
-                 if tokens.last is not None and tokens.last >= last - STALE_S]
+        fresh = [b for b, sums in self._by_rows.items()
+                 if sums.tokens.last is not None and sums.tokens.last >= last - STALE_S]
         pool = fresh or list(self._by_rows)
         above = [b for b in pool if b >= want]
         b = min(above) if above else max(pool)
-        tokens, seconds = self._by_rows[b]
-        return tokens.value / seconds.value if seconds.value > 0 else self.prefill_rate
+        sums = self._by_rows[b]
+        if not sums.measured:
+            return self.prefill_rate
+        rate = sums.tokens.value / sums.seconds.value
+        scale = sums.wall_over_model
+        if tokens > sums.chunk and scale is not None and self.prefill_step is not None:
+            chunk, step_s, paced = self.prefill_step(decoding, context, math.ceil(tokens))
+            # NOTE: the measured chunks stand for paced ones unless they took all there was.
+            drained = sums.drained.value > DRAINED_SHARE * sums.steps.value
+            if chunk > sums.chunk and step_s > 0 and (drained or not paced):
+                rate = max(rate, chunk / (step_s * scale))
+        return rate
+
+    @staticmethod
+    def rate_query(backlog: Backlog, priority: str, own_tokens: int) -> tuple[int, float, int]:
+        """`prefill_rate_with`'s arguments for a request of `priority` with `own_tokens` of
+        prompt: the streams decoding while it waits, the tokens to prefill up to its own, the
+        context. Asked again at its first token, the rate tells how far the model's view of the
+        same backlog moved meanwhile."""
+        return (backlog.decoding_while_waiting(priority),
+                float(backlog.ahead(priority) + max(0, own_tokens)), backlog.max_context)
 
     @property
     def prefill_stale(self) -> bool:
@@ -306,7 +394,8 @@ class TtftPredictor:
         its first token, before correction; None until a prefill rate is measured. The later of
         two bounds: prefill (everything ahead, then its own prompt, at the achieved rate) and
         slots (a free slot, then its own prompt)."""
-        rate = self.prefill_rate_with(backlog.decoding_while_waiting(priority))
+        rate = self.prefill_rate_with(backlog.decoding_while_waiting(priority), own_tokens,
+                                      backlog.max_context)
         if rate is None:
             return None
         own = max(0, own_tokens) / rate
@@ -325,19 +414,20 @@ class TtftPredictor:
         # Streams whose end is not known (none, from the scheduler) decode throughout too.
         staying = max(0, backlog.decoding_while_waiting(priority) - backlog.running) + max(
             0, backlog.running - n)
+        ctx = backlog.max_context
         elapsed = 0.0
         done_steps = 0
         for i, steps in enumerate(backlog.steps_left):  # ascending: streams end one by one
             span = (steps - done_steps) * self.step_s
             if span <= 0:
                 continue
-            rate = self.prefill_rate_with(n - i + staying) or 1.0
+            rate = self.prefill_rate_with(n - i + staying, tokens, ctx) or 1.0
             if tokens <= rate * span:
                 return elapsed + tokens / rate
             tokens -= rate * span
             elapsed += span
             done_steps = steps
-        return elapsed + tokens / (self.prefill_rate_with(staying) or 1.0)
+        return elapsed + tokens / (self.prefill_rate_with(staying, tokens, ctx) or 1.0)
 
     def predict(self, now: float, backlog: Backlog, priority: str, own_tokens: int
                 ) -> float | None:
@@ -348,7 +438,8 @@ class TtftPredictor:
     def quiet_prefill_s(self, now: float, tokens: float) -> float | None:
         """Predicted seconds to prefill `tokens` at the best rate measured (as a rule, with no
         decodes beside them): how long a prompt is in itself, whatever else the server is doing."""
-        rates = [t.value / sec.value for t, sec in self._by_rows.values() if sec.value > 0]
+        rates = [v.tokens.value / v.seconds.value for v in self._by_rows.values()
+                 if v.seconds.value > 0]
         if not rates:
             return None
         return self.correction(now) * max(0.0, tokens) / max(rates)

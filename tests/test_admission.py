@@ -605,3 +605,96 @@ def test_a_stale_prefill_rate_is_passed_over_and_renewed_by_one_request() -> Non
         adm.observe_step(0.1, 100, True, decode_rows=8)
     assert not adm.predictor.prefill_stale
     assert adm.predictor.prefill_rate_with(2) == pytest.approx(1000.0)
+
+
+def _priced(fixed_s: float, per_token_s: float, cap: int, paced: bool):
+    """A `prefill_step` for a device whose step costs `fixed_s` plus `per_token_s` a prompt
+    token, the scheduler giving a new prompt at most `cap` tokens a step."""
+
+    def step(rows: int, ctx: int, tokens: int) -> tuple[int, float, bool]:
+        chunk = min(tokens, cap)
+        return chunk, fixed_s + per_token_s * chunk, paced
+
+    return step
+
+
+def test_a_backlog_is_predicted_in_the_chunks_the_scheduler_would_fill() -> None:
+    """Requests arriving one at a time are each read in a step of their own, which is mostly the
+    step's fixed cost: 40 tokens in 0.1 s. Ten of them queued are read in one step of the token
+    budget (about 0.12 s), not ten such steps (1 s): refusing the eleventh on the rate measured
+    one prompt a step refused what the server serves in a fraction of the SLO."""
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    for with_step in (False, True):
+        adm, clock = make(acme, slo_ttft_s=1.0)
+        if with_step:
+            adm.predictor.prefill_step = _priced(0.098, 0.00005, 320, paced=True)
+        for _ in range(5):  # each step took all the prefill there was
+            clock.advance(0.1)
+            adm.observe_step(0.1, 40, True, decode_rows=1, step_modelled_s=0.1,
+                             prefill_left=False)
+        backlog = Backlog(running=1, waiting=10, waiting_interactive=10, ahead_interactive=400,
+                          ahead_batch=400, steps_left=(30,), max_context=64)
+        if not with_step:  # 440 tokens at 400 tokens/s: over the limit
+            with pytest.raises(Rejected):
+                adm.admit(acme, "interactive", 40, 10, backlog)
+            continue
+        t = adm.admit(acme, "interactive", 40, 10, backlog)
+        # 440 tokens in steps of 320 at 0.114 s each, after the step in progress.
+        assert t.predicted_ttft_s == pytest.approx(0.1 + 440 / (320 / 0.114), rel=0.01)
+
+
+def test_chunks_the_scheduler_sized_stand_unless_a_burst_lifts_them() -> None:
+    """Steps that left prefill waiting were held to the streams' time target: their measured
+    rate is the rate, whatever the model says a bigger chunk would cost. A burst filling the
+    batch gets the whole budget, which only the model can price."""
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    backlog = Backlog(running=1, waiting=10, waiting_interactive=10, ahead_interactive=400,
+                      ahead_batch=400, steps_left=(30,), max_context=64)
+    for paced, admitted in ((True, False), (False, True)):
+        adm, clock = make(acme, slo_ttft_s=1.0)
+        adm.predictor.prefill_step = _priced(0.098, 0.00005, 320, paced=paced)
+        for _ in range(5):
+            clock.advance(0.1)
+            adm.observe_step(0.1, 40, True, decode_rows=1, step_modelled_s=0.1,
+                             prefill_left=True)
+        if admitted:
+            adm.admit(acme, "interactive", 40, 10, backlog)
+        else:
+            with pytest.raises(Rejected):
+                adm.admit(acme, "interactive", 40, 10, backlog)
+
+
+def test_the_model_never_makes_a_measured_rate_slower() -> None:
+    """A model that prices the bigger chunk dearer per token than what was measured (or a
+    device compute-bound past a knot) does not push the prediction above the measured rate's."""
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    adm.predictor.prefill_step = _priced(0.0, 0.01, 320, paced=False)  # 100 tokens/s
+    for _ in range(5):
+        clock.advance(0.1)
+        adm.observe_step(0.1, 100, True, decode_rows=0, step_modelled_s=0.1,
+                         prefill_left=False)
+    assert adm.predictor.prefill_rate_with(0, 300.0) == pytest.approx(1000.0)
+
+
+def test_first_tokens_are_compared_with_the_rate_their_prediction_used() -> None:
+    """A prediction made in the budget's chunks is rescaled, at its first token, by the change
+    of that same rate, not of the rate measured one short prompt a step: otherwise every such
+    request would read as several times later than predicted, and the correction would go on
+    refusing what the server serves in time."""
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    adm.predictor.prefill_step = _priced(0.0995, 0.00005, 320, paced=False)
+    for _ in range(5):  # 10-token prompts, one a step: 100 tokens/s
+        clock.advance(0.1)
+        adm.observe_step(0.1, 10, True, decode_rows=1, step_modelled_s=0.1, prefill_left=False)
+    backlog = Backlog(running=1, waiting=5, waiting_interactive=5, ahead_interactive=230,
+                      ahead_batch=230, steps_left=(30,), max_context=64)
+    tickets = [adm.admit(acme, "interactive", 10, 10, backlog) for _ in range(CORRECTION_MIN)]
+    # The backlog is read in one step of 240 tokens, as the model priced it.
+    clock.advance(0.1115)
+    adm.observe_step(0.1115, 240, True, decode_rows=1, step_modelled_s=0.1115,
+                     prefill_left=False)
+    for t in tickets:
+        adm.observe_first_token(t)
+    assert adm.predictor.correction(clock()) < 1.5

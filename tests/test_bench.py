@@ -91,7 +91,7 @@ def test_run_report_counts_timings_and_plots(server: tuple[str, int], tmp_path: 
     s, reqs = doc["summary"], doc["requests"]
     assert s["sent"] == len(reqs) == 24
     assert s["sent"] == s["ok"] + s["errors"]
-    assert s["ok"] == 24 and s["errors_by_kind"] == {}
+    assert s["ok"] == 24 and s["errors_by_kind"] == {}, [r["error"] for r in reqs if r["error"]]
     assert s["length_mismatches"] == 0 and s["tokens_from_usage"] == 24
     for r in reqs:
         assert r["ttft"] is not None and 0 < r["ttft"] <= r["e2e"]

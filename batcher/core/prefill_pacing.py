@@ -47,13 +47,16 @@ class PrefillPacer:
             return None
         return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)
 
-    def one_burst(self, running: Sequence[Request], waiting: Sequence[Request]) -> bool:
+    def one_burst(self, running: Sequence[Request], waiting: Sequence[Request],
+                  arriving_at: float | None = None) -> bool:
         """At least BURST_MIN requests are here and every one arrived within
-        `burst_window_s` of the first."""
+        `burst_window_s` of the first; `arriving_at`: one more request, arriving then."""
         window = self.config.burst_window_s
-        if window <= 0 or len(running) + len(waiting) < BURST_MIN:
+        extra = arriving_at is not None
+        if window <= 0 or len(running) + len(waiting) + extra < BURST_MIN:
             return False
-        first = last = (waiting or running)[0].arrival_time
+        first = last = (arriving_at if arriving_at is not None
+                        else (waiting or running)[0].arrival_time)
         for q in (running, waiting):
             for r in q:
                 t = r.arrival_time

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batcher.admission import Admission, Ticket
+from batcher.admission_feed import decode_step_fn, prefill_step_fn, step_observer
 from batcher.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
@@ -87,6 +88,7 @@ class SimReplica:
         # The server's own admission control, when the driver turns it on (`use_admission`).
         self.admission: Admission | None = None
         self._tickets: dict[str, Ticket] = {}
+        self._observe_step: Callable[[SchedulerOutput, float], None] | None = None
         self._step_started = 0.0
 
     def _clock(self) -> float:
@@ -147,14 +149,13 @@ class SimReplica:
     def use_admission(self, **config: object) -> Admission:
         """Admit through `Admission(**config)` on this replica's clock, fed this replica's steps
         and first tokens as `batcher serve` feeds it; `offer` then refuses as the server would."""
-        config.setdefault("decode_step_s", self._decode_step)
+        model, cfg = self.step_time_model, self.scheduler.config
+        decode_step = decode_step_fn(model, cfg.min_prefill_chunk)
+        config.setdefault("decode_step_s", decode_step)
+        config.setdefault("prefill_step", prefill_step_fn(self.scheduler, model))
         self.admission = Admission(None, clock=self._clock, **config)  # type: ignore[arg-type]
+        self._observe_step = step_observer(self.admission, self.scheduler, model, decode_step)
         return self.admission
-
-    def _decode_step(self, rows: int, ctx: int) -> float:
-        """The replica's own step-time model, as `batcher serve` asks it (see serve.py)."""
-        chunk = self.scheduler.config.min_prefill_chunk
-        return self.step_time_model.predict(StepShape(rows, ctx).plus(chunk, 0))
 
     def offer(self, request: Request, timing: Timing, now: float) -> Ticket | None:
         """`add` through the replica's admission control, if any, returning its ticket: raises
@@ -202,7 +203,6 @@ class SimReplica:
         ids = [s.request_id for s in sched.seqs if s.sample]
         out = RunnerOutput(ids, [SYNTHETIC_TOKEN] * len(ids), [])
         done: list[Timing] = []
-        computed = self.scheduler.stats.prompt_tokens_computed
         for u in self.scheduler.update(sched, out):
             t = self.timings[u.request_id]
             if t.first_token is None:
@@ -219,11 +219,8 @@ class SimReplica:
                 del self.timings[u.request_id]
                 self._release(u.request_id, t.tokens)
                 done.append(t)
-        if self.admission is not None:
-            self.admission.observe_step(now - self._step_started,
-                                        self.scheduler.stats.prompt_tokens_computed - computed,
-                                        self.scheduler.has_unfinished(),
-                                        sched.num_decodes)
+        if self._observe_step is not None:
+            self._observe_step(sched, now - self._step_started)
         return done
 
     def _release(self, request_id: str, tokens: int) -> None:
