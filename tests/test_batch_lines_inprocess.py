@@ -6,7 +6,7 @@ requests by design, so they come late against their prediction)."""
 from __future__ import annotations
 
 from batcher.batch.lines import LineRunner
-from batcher.serve import _step_observer
+from batcher.admission_feed import step_observer
 from batcher.server.appkeys import GATEWAY
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory, auth, completion, tokenizer
 
@@ -18,7 +18,8 @@ async def test_a_line_teaches_the_ttft_correction_nothing(aiohttp_client, tiny_f
     client = await aiohttp_client(app_factory(tiny_fp32, tokenizer, TENANTS)())
     gw = client.server.app[GATEWAY]
     # As `batcher serve` wires it: every step feeds admission's prefill rate.
-    gw.engine.step_listeners.append(_step_observer(gw.admission, gw.engine, lambda r, c: 0.01))
+    gw.engine.step_listeners.append(step_observer(gw.admission, gw.engine.scheduler,
+                                                  gw.engine.step_time_model, lambda r, c: 0.01))
     predictor = gw.admission.predictor
 
     async def live() -> None:
