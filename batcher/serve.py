@@ -20,6 +20,7 @@ from batcher.config import (
     CUDA_MAX_NUM_SEQS,
 )
 from batcher.engine import AsyncEngine
+from batcher.heap import freeze_startup_heap
 from batcher.http.listener import server_log
 from batcher.metrics import Metrics
 from batcher.serve_startup import engine_configs, preflight
@@ -160,6 +161,7 @@ async def run_server(args: argparse.Namespace) -> int:
     except BaseException:
         pre.close()
         raise
+    freeze_startup_heap()
     await web.SockSite(runner, pre.sock).start()
     admin_runner = None
     if pre.admin_sock is not None and pre.admin_key:

@@ -80,11 +80,13 @@ def balancer_configs(args: argparse.Namespace, cell_key: str | None
 async def run_balancer(args: argparse.Namespace) -> int:
     from batcher.fleet.balancer_app import BalancerContext, serve_balancer
     from batcher.fleet.launcher import wait_for_signal
+    from batcher.heap import freeze_startup_heap
 
     cfg, bcfg = balancer_configs(args, args.cell_key or os.environ.get("BATCHER_CELL_KEY"))
     ctx = BalancerContext(cfg, bcfg)
     for url in args.cell:
         ctx.registry.add_static(url)
+    freeze_startup_heap()
     close = await serve_balancer(ctx, args.host, args.port, args.admin_port, args.admin_host,
                                  args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"),
                                  args.shutdown_timeout)

@@ -192,6 +192,7 @@ def ensure_fleet_key(cfg: RouterConfig, internal_host: str) -> None:
 
 async def run_router(args: argparse.Namespace) -> int:
     from batcher.fleet.launcher import serve_router, wait_for_signal
+    from batcher.heap import freeze_startup_heap
 
     cfg = router_config(args)
     if args.internal_port:
@@ -200,6 +201,7 @@ async def run_router(args: argparse.Namespace) -> int:
     for spec in args.replica:
         url, _, admin = spec.partition(",")
         ctx.registry.add_static(url, admin_url=admin or None)
+    freeze_startup_heap()
     close = await serve_router(ctx, args.host, args.port, args.admin_port, args.admin_host,
                                args.admin_key or os.environ.get("BATCHER_ADMIN_KEY"),
                                args.shutdown_timeout, args.internal_port, args.internal_host)
