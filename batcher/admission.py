@@ -49,7 +49,7 @@ from batcher.core.refusals import Refused
 from batcher.slo_limit import CEILING, SloLimit
 from batcher.tenants import PRIORITIES, TenantConfig
 from batcher.token_bucket import TokenBucket
-from batcher.ttft_predictor import Backlog, PrefillStepFn, TtftPredictor
+from batcher.ttft_predictor import Backlog, PrefillStepFn, RateQuery, TtftPredictor
 
 REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "tpot_slo",
            "draining")
@@ -106,7 +106,7 @@ class Ticket:
     # The prefill rate that prediction used, and what it was asked for (`TtftPredictor.
     # rate_query`): a change of that rate since is the raw model's to follow, not the correction's.
     predicted_at_rate: float | None = None
-    rate_query: tuple[int, float, int] | None = None
+    rate_query: RateQuery | None = None
     first_token_seen: bool = False
     # Admitted because predicted within the SLO limit (not alone on an idle server, not a long
     # prompt held by its wait only): its TTFT is evidence for the limit's controller.

@@ -32,42 +32,51 @@ def decode_step_fn(model: OnlineStepTimeModel, min_chunk: int) -> Callable[[int,
 
 
 def prefill_step_fn(scheduler: Scheduler, model: OnlineStepTimeModel
-                    ) -> Callable[[int, int, int], tuple[int, float, bool]]:
-    """`(rows, ctx, tokens) -> (chunk, seconds, paced)`: the tokens of a new prompt, at most
-    `tokens`, that one step carries beside `rows` decodes at context `ctx`, the model's price of
-    that step, and whether the chunk is the time target's (`paced`) rather than the whole token
-    budget. The scheduler gives the whole budget with no decodes, with a fixed budget, and while
-    a burst fills its batch (the new request counted in); otherwise the time target's chunk, at
-    least `min_prefill_chunk` (a first-token deadline only raises it). A paced chunk is
+                    ) -> Callable[[int, int, int, int, bool | None], tuple[int, float, bool]]:
+    """`(rows, ctx, tokens, prompt, paced) -> (chunk, seconds, paced)`: the prompt tokens, at
+    most `tokens`, that one step carries beside `rows` decodes at context `ctx`, the model's price
+    of that step, and whether the chunk is the time target's (`paced`) rather than the whole
+    token budget. The scheduler gives the whole budget with no decodes, with a fixed budget, and
+    while a burst fills its batch (the new request counted in); otherwise the time target's
+    chunk, `min_prefill_chunk` when not even two tokens fit (a first-token deadline only raises
+    it). `paced` given (not None) is taken as it is: a question asked again later about the
+    same backlog. The chunk is priced at the mean position of the chunks of a prompt of
+    `prompt` tokens (a long prompt's later chunks attend over more context). A paced chunk is
     remembered until the model observes another step."""
     config, block_size = scheduler.config, scheduler.kv.block_size
-    cache: dict[tuple[int, int], int] = {}
+    cache: dict[tuple[int, int, int], int] = {}
     seen = [-1]
 
-    def paced_chunk(rows: int, ctx: int, budget: int) -> int:
+    def paced_chunk(rows: int, ctx: int, pos: int, budget: int) -> int:
         if seen[0] != model.num_observations:
             cache.clear()
             seen[0] = model.num_observations
-        key = (rows, -(-ctx // block_size))
+        key = (rows, -(-ctx // block_size), pos // block_size)
         got = cache.get(key)
         if got is None:
             decode = StepShape(rows, key[1] * block_size)
             target = step_target(model, decode, config.slo_tpot_s, config.max_step_slowdown)
             assert target is not None
-            got = model.max_chunk(target / model.overrun(), decode, 0, budget, block_size)
-            got = cache[key] = max(got, min(config.min_prefill_chunk, budget))
+            got = model.max_chunk(target / model.overrun(), decode, key[2] * block_size, budget,
+                                  block_size)
+            got = cache[key] = got or min(config.min_prefill_chunk, budget)
         return got
 
-    def step(rows: int, ctx: int, tokens: int) -> tuple[int, float, bool]:
+    def step(rows: int, ctx: int, tokens: int, prompt: int,
+             paced: bool | None) -> tuple[int, float, bool]:
         rows = max(0, rows)
         budget = max(1, config.max_num_batched_tokens - rows)
-        pacer = scheduler.pacer
-        running = scheduler.running
-        paced = rows > 0 and pacer is not None and not (
-            len(running) < config.max_num_seqs
-            and pacer.one_burst(running, scheduler.waiting, scheduler.clock()))
-        chunk = min(max(0, tokens), paced_chunk(rows, ctx, budget) if paced else budget)
-        shape = StepShape(rows, ctx if rows else 0).plus(chunk, 0, block_size)
+        if paced is None:
+            pacer, running = scheduler.pacer, scheduler.running
+            paced = rows > 0 and pacer is not None and not (
+                len(running) < config.max_num_seqs
+                and pacer.one_burst(running, scheduler.waiting, scheduler.clock()))
+        paced = paced and rows > 0 and config.prefill_budget == "time"
+        span = min(max(0, prompt), max(0, tokens))
+        pos = max(0, span - budget) // 2
+        chunk = min(max(0, tokens), paced_chunk(rows, ctx, pos, budget) if paced else budget)
+        pos = max(0, span - chunk) // 2
+        shape = StepShape(rows, ctx if rows else 0).plus(chunk, pos, block_size)
         return chunk, model.predict(shape), paced
 
     return step

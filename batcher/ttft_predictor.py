@@ -100,6 +100,7 @@ class Backlog:
     `steps_left`: decode steps each running request has left at most (max_tokens minus its
     output), ascending: when slots free up. `new_steps`: mean max_tokens of the waiting requests
     (how long a slot they take holds it). `max_context`: the longest running sequence (tokens).
+    `longest_prompt`: the longest prompt still to be read, queued or in chunks (tokens).
     """
 
     waiting: int = 0
@@ -111,18 +112,20 @@ class Backlog:
     steps_left: tuple[int, ...] = ()
     new_steps: float = 0.0
     max_context: int = 0
+    longest_prompt: int = 0
 
     @classmethod
     def of(cls, waiting: Iterable[Request], running: Iterable[Request],
            max_num_seqs: int = 1 << 30) -> Backlog:
         """From the scheduler's queues (running first, then waiting in queue order)."""
-        run_tokens = max_ctx = 0
+        run_tokens = max_ctx = longest = 0
         steps: list[int] = []
         for r in running:
             left = r.num_tokens - r.num_computed_tokens
             # NOTE: one token left is a decode (the last sampled token is not yet fed back).
             if left > 1:
                 run_tokens += left
+                longest = max(longest, r.num_tokens)
             steps.append(max(1, r.sampling.max_tokens - r.num_output_tokens))
             max_ctx = max(max_ctx, r.num_tokens)
         high = low = n_wait = n_high = new_steps = 0
@@ -130,6 +133,7 @@ class Backlog:
             if r.priority < 0:
                 continue  # the operator's deep probe: one token, never in tenants' queue bound
             n_wait += 1
+            longest = max(longest, r.num_tokens)
             new_steps += max(1, r.sampling.max_tokens - r.num_output_tokens)
             if r.priority <= Priority.INTERACTIVE:
                 n_high += 1
@@ -141,7 +145,8 @@ class Backlog:
         return cls(waiting=n_wait, waiting_interactive=n_high, running=len(steps),
                    free_slots=max(0, max_num_seqs - len(steps)),
                    ahead_interactive=run_tokens + high, ahead_batch=run_tokens + high + low,
-                   steps_left=tuple(steps), new_steps=mean_new, max_context=max_ctx)
+                   steps_left=tuple(steps), new_steps=mean_new, max_context=max_ctx,
+                   longest_prompt=longest)
 
     @classmethod
     def of_scheduler(cls, sched: _Sched) -> Backlog:
@@ -227,11 +232,14 @@ class _PrefillSteps:
         return self.priced.value / self.modelled.value
 
 
-# `(rows, ctx, tokens) -> (chunk, seconds, paced)`: of `tokens` of prompt, the chunk the
-# scheduler would put in one step beside `rows` decodes whose longest context is `ctx`, the
-# step-time model's price of that step, and whether the chunk is the streams' time target's
-# rather than the whole token budget (see `batcher.admission_feed.prefill_step_fn`).
-PrefillStepFn = Callable[[int, int, int], tuple[int, float, bool]]
+# `(rows, ctx, tokens, prompt, paced) -> (chunk, seconds, paced)`: of `tokens` of prompt, the
+# longest prompt `prompt` tokens, the chunk the scheduler would put in one step beside `rows`
+# decodes whose longest context is `ctx`, the step-time model's price of that step, and whether
+# the chunk is the streams' time target's rather than the whole token budget (given, or None: as
+# the scheduler would decide now; see `batcher.admission_feed.prefill_step_fn`).
+PrefillStepFn = Callable[[int, int, int, int, "bool | None"], tuple[int, float, bool]]
+# `TtftPredictor.rate_query`: rows, tokens, context, longest prompt, paced.
+RateQuery = tuple[int, float, int, int, "bool | None"]
 
 
 @dataclass(slots=True)
@@ -315,10 +323,11 @@ class TtftPredictor:
             return None
         return self._tokens.value / self._seconds.value
 
-    def prefill_rate_with(self, decoding: int, tokens: float = 0.0,
-                          context: int = 0) -> float | None:
-        """The prefill rate for `tokens` of prompt in steps carrying about `decoding` decode rows
-        (the longest at `context`): that bucket's when measured, else the nearest measured bucket
+    def prefill_rate_with(self, decoding: int, tokens: float = 0.0, context: int = 0,
+                          prompt: int = 0, paced: bool | None = None) -> float | None:
+        """The prefill rate for `tokens` of prompt, the longest prompt `prompt` tokens, in steps
+        carrying about `decoding` decode rows (the longest at `context`); `paced`: whether the
+        scheduler holds prefill to the streams' time target (None: as it would now). That bucket's when measured, else the nearest measured bucket
         with more rows (a lower rate, the safe side), else the nearest with fewer; None before
         any measurement. Buckets measured within the last `STALE_S` of steps are preferred: a
         decayed average stops moving when its steps stop coming, so a bucket last seen while the
@@ -340,21 +349,26 @@ class TtftPredictor:
         rate = sums.tokens.value / sums.seconds.value
         scale = sums.wall_over_model
         if tokens > sums.chunk and scale is not None and self.prefill_step is not None:
-            chunk, step_s, paced = self.prefill_step(decoding, context, math.ceil(tokens))
+            chunk, step_s, paced = self.prefill_step(decoding, context, math.ceil(tokens),
+                                                     prompt, paced)
             # NOTE: the measured chunks stand for paced ones unless they took all there was.
             drained = sums.drained.value > DRAINED_SHARE * sums.steps.value
             if chunk > sums.chunk and step_s > 0 and (drained or not paced):
                 rate = max(rate, chunk / (step_s * scale))
         return rate
 
-    @staticmethod
-    def rate_query(backlog: Backlog, priority: str, own_tokens: int) -> tuple[int, float, int]:
+    def rate_query(self, backlog: Backlog, priority: str, own_tokens: int) -> RateQuery:
         """`prefill_rate_with`'s arguments for a request of `priority` with `own_tokens` of
         prompt: the streams decoding while it waits, the tokens to prefill up to its own, the
-        context. Asked again at its first token, the rate tells how far the model's view of the
-        same backlog moved meanwhile."""
-        return (backlog.decoding_while_waiting(priority),
-                float(backlog.ahead(priority) + max(0, own_tokens)), backlog.max_context)
+        context, the longest prompt and whether prefill is paced now. Asked again at its first
+        token (pacing as it was at admission, not as it is then), the rate tells how far the
+        model's view of the same backlog moved meanwhile."""
+        rows, tokens = backlog.decoding_while_waiting(priority), backlog.ahead(priority) + max(
+            0, own_tokens)
+        prompt = max(backlog.longest_prompt, own_tokens)
+        paced = None if self.prefill_step is None else self.prefill_step(
+            rows, backlog.max_context, tokens, prompt, None)[2]
+        return rows, float(tokens), backlog.max_context, prompt, paced
 
     @property
     def prefill_stale(self) -> bool:
@@ -394,18 +408,21 @@ class TtftPredictor:
         its first token, before correction; None until a prefill rate is measured. The later of
         two bounds: prefill (everything ahead, then its own prompt, at the achieved rate) and
         slots (a free slot, then its own prompt)."""
+        prompt = max(backlog.longest_prompt, own_tokens)
         rate = self.prefill_rate_with(backlog.decoding_while_waiting(priority), own_tokens,
-                                      backlog.max_context)
+                                      backlog.max_context, prompt)
         if rate is None:
             return None
         own = max(0, own_tokens) / rate
-        by_prefill = self._prefill_s(backlog, priority, backlog.ahead(priority) + own_tokens)
+        by_prefill = self._prefill_s(backlog, priority, backlog.ahead(priority) + own_tokens,
+                                     prompt)
         slot_steps = backlog.steps_to_slot(priority)
         # NOTE: with a slot open now the prefill bound covers its own prompt already.
         by_slot = slot_steps * self.step_s + own if slot_steps > 0 else 0.0
         return self.step_s + max(by_prefill, by_slot)
 
-    def _prefill_s(self, backlog: Backlog, priority: str, tokens: float) -> float:
+    def _prefill_s(self, backlog: Backlog, priority: str, tokens: float,
+                   prompt: int = 0) -> float:
         """Seconds to prefill `tokens` from now, the rate rising as running streams end: each
         decodes for at most its `steps_left` more steps, and the scheduler gives prefill more of
         a step with fewer decodes beside it. Streams queued ahead are counted as decoding
@@ -421,13 +438,13 @@ class TtftPredictor:
             span = (steps - done_steps) * self.step_s
             if span <= 0:
                 continue
-            rate = self.prefill_rate_with(n - i + staying, tokens, ctx) or 1.0
+            rate = self.prefill_rate_with(n - i + staying, tokens, ctx, prompt) or 1.0
             if tokens <= rate * span:
                 return elapsed + tokens / rate
             tokens -= rate * span
             elapsed += span
             done_steps = steps
-        return elapsed + tokens / (self.prefill_rate_with(staying, tokens, ctx) or 1.0)
+        return elapsed + tokens / (self.prefill_rate_with(staying, tokens, ctx, prompt) or 1.0)
 
     def predict(self, now: float, backlog: Backlog, priority: str, own_tokens: int
                 ) -> float | None:

@@ -611,9 +611,10 @@ def _priced(fixed_s: float, per_token_s: float, cap: int, paced: bool):
     """A `prefill_step` for a device whose step costs `fixed_s` plus `per_token_s` a prompt
     token, the scheduler giving a new prompt at most `cap` tokens a step."""
 
-    def step(rows: int, ctx: int, tokens: int) -> tuple[int, float, bool]:
+    def step(rows: int, ctx: int, tokens: int, prompt: int,
+             asked: bool | None) -> tuple[int, float, bool]:
         chunk = min(tokens, cap)
-        return chunk, fixed_s + per_token_s * chunk, paced
+        return chunk, fixed_s + per_token_s * chunk, paced if asked is None else asked
 
     return step
 

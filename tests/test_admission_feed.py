@@ -47,19 +47,23 @@ def test_no_decodes_get_the_whole_budget_and_streams_the_time_targets_chunk() ->
     clock = Clock()
     s, model = scheduler(clock)
     step = prefill_step_fn(s, model)
-    chunk, seconds, paced = step(0, 0, 1000)
+    chunk, seconds, paced = step(0, 0, 1000, 40, None)
     assert (chunk, paced) == (BUDGET, False)
+    # Forty-token prompts: every chunk starts near the front of its prompt.
     assert seconds == model.predict(StepShape().plus(BUDGET, 0, BS))
-    assert step(0, 0, 40)[0] == 40  # never more than there is
+    # One long prompt: its chunks are priced at their mean position, dearer.
+    assert step(0, 0, 4000, 4000, None)[1] > seconds
+    assert step(0, 0, 40, 40, None)[0] == 40  # never more than there is
     # Two streams decoding, nothing arriving together: the time target sizes the chunk.
     add(s, "a", 20, 0.0)
     clock.now = 5.0
     add(s, "b", 20, 5.0)
     for _ in range(3):
         run_step(s)
-    chunk, seconds, paced = step(2, 32, 1000)
+    chunk, seconds, paced = step(2, 32, 1000, 40, None)
     assert paced and s.config.min_prefill_chunk <= chunk < BUDGET - 2
-    assert seconds == model.predict(StepShape(2, 32).plus(chunk, 0, BS))
+    # Priced at the mean position of a 40-token prompt's chunks.
+    assert seconds == model.predict(StepShape(2, 32).plus(chunk, max(0, 40 - chunk) // 2, BS))
 
 
 def test_a_burst_filling_its_batch_lifts_the_time_target() -> None:
@@ -72,10 +76,11 @@ def test_a_burst_filling_its_batch_lifts_the_time_target() -> None:
     clock.now = 0.2
     run_step(s)  # all three read and decoding
     step = prefill_step_fn(s, model)
-    chunk, _, paced = step(3, 32, 1000)
+    chunk, _, paced = step(3, 32, 1000, 40, None)
     assert (chunk, paced) == (BUDGET - 3, False)
     clock.now = 3.0  # long after they arrived: the streams' target again
-    assert step(3, 32, 1000)[2]
+    assert step(3, 32, 1000, 40, None)[2]
+    assert not step(3, 32, 1000, 40, False)[2]  # as it was when first asked
 
 
 def test_prompt_tokens_left_count_only_what_was_there_when_the_step_began() -> None:
