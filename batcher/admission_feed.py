@@ -62,15 +62,27 @@ def prefill_step_fn(scheduler: Scheduler, model: OnlineStepTimeModel
             got = cache[key] = got or min(config.min_prefill_chunk, budget)
         return got
 
+    burst: list[object] = [None, False]
+
+    def bursting() -> bool:
+        # NOTE: asked once per stream ahead by one prediction: the scan is done once per
+        # 10 ms of the same queues (a burst's window is a second).
+        pacer, running, waiting = scheduler.pacer, scheduler.running, scheduler.waiting
+        if pacer is None:
+            return True  # nothing paces prefill: the whole budget
+        now = scheduler.clock()
+        key = (model.num_observations, len(running), len(waiting), int(now * 100))
+        if burst[0] != key:
+            burst[0], burst[1] = key, (len(running) < config.max_num_seqs
+                                       and pacer.one_burst(running, waiting, now))
+        return bool(burst[1])
+
     def step(rows: int, ctx: int, tokens: int, prompt: int,
              paced: bool | None) -> tuple[int, float, bool]:
         rows = max(0, rows)
         budget = max(1, config.max_num_batched_tokens - rows)
         if paced is None:
-            pacer, running = scheduler.pacer, scheduler.running
-            paced = rows > 0 and pacer is not None and not (
-                len(running) < config.max_num_seqs
-                and pacer.one_burst(running, scheduler.waiting, scheduler.clock()))
+            paced = rows > 0 and not bursting()
         paced = paced and rows > 0 and config.prefill_budget == "time"
         span = min(max(0, prompt), max(0, tokens))
         pos = max(0, span - budget) // 2
