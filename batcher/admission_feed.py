@@ -16,7 +16,7 @@ from collections.abc import Callable
 from batcher.admission import Admission
 from batcher.core.outputs import SchedulerOutput
 from batcher.core.scheduler import Scheduler
-from batcher.core.step_budget import step_target
+from batcher.core.step_budget import PrefillAllowance, step_target
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 
 
@@ -54,12 +54,13 @@ def prefill_step_fn(scheduler: Scheduler, model: OnlineStepTimeModel
         key = (rows, -(-ctx // block_size), pos // block_size)
         got = cache.get(key)
         if got is None:
+            # The scheduler's own allowance for a step's first chunk (see `PrefillPacer`).
             decode = StepShape(rows, key[1] * block_size)
             target = step_target(model, decode, config.slo_tpot_s, config.max_step_slowdown)
             assert target is not None
-            got = model.max_chunk(target / model.overrun(), decode, key[2] * block_size, budget,
-                                  block_size)
-            got = cache[key] = got or min(config.min_prefill_chunk, budget)
+            allowance = PrefillAllowance(model, target, decode, config.min_prefill_chunk,
+                                         block_size)
+            got = cache[key] = allowance.chunk(key[2] * block_size, budget)
         return got
 
     burst: list[object] = [None, False]
@@ -118,8 +119,9 @@ def step_observer(admission: Admission, scheduler: Scheduler, model: OnlineStepT
         shape = StepShape.of(sched, block_size)
         modelled = decode_step(shape.decode_rows, shape.decode_ctx) if shape.decode_rows else None
         pre = shape.prefill_tokens > 0
+        left = prefill_left(scheduler, scheduler.clock() - seconds) if pre else True
         admission.observe_step(seconds, shape.prefill_tokens, scheduler.has_unfinished(),
                                shape.decode_rows, modelled, model.predict(shape) if pre else None,
-                               prefill_left(scheduler, scheduler.clock() - seconds) if pre else True)
+                               left)
 
     return observe

@@ -14,13 +14,9 @@ its host's collector alone.
 from __future__ import annotations
 
 import gc
-import time
 
 
-def freeze_startup_heap() -> float:
-    """Collect once, then exempt every surviving object from later collections; the seconds the
-    collection took."""
-    started = time.perf_counter()
+def freeze_startup_heap() -> None:
+    """Collect once, then exempt every surviving object from later collections."""
     gc.collect()
     gc.freeze()
-    return time.perf_counter() - started

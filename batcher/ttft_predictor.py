@@ -327,11 +327,12 @@ class TtftPredictor:
                           prompt: int = 0, paced: bool | None = None) -> float | None:
         """The prefill rate for `tokens` of prompt, the longest prompt `prompt` tokens, in steps
         carrying about `decoding` decode rows (the longest at `context`); `paced`: whether the
-        scheduler holds prefill to the streams' time target (None: as it would now). That bucket's when measured, else the nearest measured bucket
-        with more rows (a lower rate, the safe side), else the nearest with fewer; None before
-        any measurement. Buckets measured within the last `STALE_S` of steps are preferred: a
-        decayed average stops moving when its steps stop coming, so a bucket last seen while the
-        machine was slower would go on saying so. Where the bucket's steps mostly took all the
+        scheduler holds prefill to the streams' time target (None: as it would now). That
+        bucket's when measured, else the nearest measured bucket with more rows (a lower rate,
+        the safe side), else the nearest with fewer; None before any measurement. Buckets
+        measured within the last `STALE_S` of steps are preferred: a decayed average stops moving
+        when its steps stop coming, so a bucket last seen while the machine was slower would go
+        on saying so. Where the bucket's steps mostly took all the
         prefill there was, `tokens` beyond their mean chunk are predicted in the bigger chunk
         `prefill_step` gives them (see the module docstring)."""
         want = _bucket(decoding)
