@@ -45,11 +45,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batcher.backlog import Backlog
 from batcher.core.refusals import Refused
 from batcher.slo_limit import CEILING, SloLimit
 from batcher.tenants import PRIORITIES, TenantConfig
 from batcher.token_bucket import TokenBucket
-from batcher.ttft_predictor import Backlog, PrefillStepFn, RateQuery, TtftPredictor
+from batcher.ttft_predictor import PrefillStepFn, RateQuery, TtftPredictor
 
 REASONS = ("tenant_tokens", "tenant_concurrency", "queue_full", "queue_slo", "tpot_slo",
            "draining")

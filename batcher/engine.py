@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from batcher.backlog import Backlog
 from batcher.config import CacheConfig, SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
@@ -31,7 +32,6 @@ from batcher.request_registry import RequestRegistry, iter_stream
 from batcher.sampling import SamplingParams
 from batcher.timings import EngineTimes
 from batcher.tokenizer import Tokenizer
-from batcher.ttft_predictor import Backlog
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from batcher.sampling import SamplingParams
 from batcher.server.auth import Authenticator, AuthError, main
 from batcher.tenants import DEFAULT_TENANT, TenantConfig, hash_key, load_tenants
 from batcher.token_bucket import TokenBucket
-from batcher.ttft_predictor import CORRECTION_MIN, CORRECTION_SAMPLES, Backlog
+from batcher.backlog import Backlog
+from batcher.ttft_predictor import CORRECTION_MIN, CORRECTION_SAMPLES
 
 IDLE = Backlog()
 

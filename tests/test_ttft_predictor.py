@@ -183,7 +183,7 @@ def test_admission_reopens_after_a_transient_slowdown(scale: float) -> None:
 
 
 def test_the_deep_probe_is_not_in_the_queue_tenants_are_bounded_by() -> None:
-    from batcher.ttft_predictor import Backlog
+    from batcher.backlog import Backlog
 
     probe = Request("probe-1", [1], SamplingParams(max_tokens=1), tenant="__probe__",
                     priority=-1)

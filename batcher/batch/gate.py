@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batcher.admission import Admission
+from batcher.backlog import Backlog
 from batcher.engine import AsyncEngine
 from batcher.request import Priority
 from batcher.slo_limit import CEILING
-from batcher.ttft_predictor import Backlog
 
 
 @dataclass(slots=True)
