@@ -165,7 +165,11 @@ def main() -> None:
         port = free_port()
         rows.append(measure_server(label, [*serve, "--port", str(port), *extra], port, "/ready"))
     binary = next((b for b in PEER_BINARIES if b.is_file() and os.access(b, os.X_OK)), None)
-    peer_label = f"llama-server -c {a.context} (same GGUF, f16 KV)"
+    # PEER_ARGS: extra llama-server flags, as for scripts/bench_peers.sh (--no-repack where its
+    # AMX matmul crashes at load).
+    peer_extra = os.environ.get("PEER_ARGS", "").split()
+    peer_label = " ".join(["llama-server -c", str(a.context), *peer_extra,
+                           "(same GGUF, f16 KV)"])
     if binary is None:
         rows.append(Row(peer_label, None, None, note="not built: run scripts/bench_peers.sh "
                         "--build-only"))
@@ -173,7 +177,7 @@ def main() -> None:
         port = free_port()
         rows.append(measure_server(peer_label, [
             str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-            "-c", str(a.context), "-np", "1", "-t", "2"], port, "/health"))
+            "-c", str(a.context), "-np", "1", "-t", "2", *peer_extra], port, "/health"))
     peer = rows[-1].rss_mib
 
     def fmt(v: float | None) -> str:

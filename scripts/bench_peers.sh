@@ -14,7 +14,9 @@
 # PEER_PORT (18290), BATCHER_PORT (18291), BATCHER_ARGS (extra `batcher serve` flags; default
 # --slo-ttft-ms 0: llama-server admits everything, so batcher's SLO admission, which refuses most of
 # 64 requests arriving at once, is off for a like-for-like throughput comparison), QUIET
-# (seconds each run may wait for an idle machine first, default 300). Each row records the CPU
+# (seconds each run may wait for an idle machine first, default 300), PEER_ARGS (extra
+# llama-server flags: `--no-repack` where its AMX matmul crashes at load, as seen on a
+# 2-core Xeon with AMX in a VM; its rows then run llama.cpp's AVX-512 kernels). Each row records the CPU
 # other processes used during it; contended rounds are left out of the ratio when clean ones exist.
 set -euo pipefail
 
@@ -106,12 +108,13 @@ wait_ready() {  # URL, pid, seconds
 
 # One server at a time: both would fight over the same 2 cores otherwise.
 run_llama() {  # round
+  # shellcheck disable=SC2086
   "$BIN" -m "$GGUF" --host 127.0.0.1 --port "$PEER_PORT" -np "$NP" -cb -c 16384 -t 2 -tb 2 \
-    --no-cache-prompt >"$OUT/llama-server.log" 2>&1 &
+    --no-cache-prompt ${PEER_ARGS:-} >"$OUT/llama-server.log" 2>&1 &
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$PEER_PORT/health" "${PIDS[-1]}" 120
   "$PY" -m batcher.bench.cli --base-url "http://127.0.0.1:$PEER_PORT" \
-    "${LOAD[@]}" --warmup 1 --no-metrics --label "llama-server -np $NP (round $1)" \
+    "${LOAD[@]}" --warmup 1 --no-metrics --label "llama-server -np $NP${PEER_ARGS:+ $PEER_ARGS} (round $1)" \
     --server-pid "${PIDS[-1]}" --wait-quiet "$QUIET" --out "$OUT/llama-$1"
   stop_all
 }
@@ -138,4 +141,4 @@ done
 MODE=()
 [ "$SINGLE" -gt 0 ] && MODE=(--single)
 "$PY" -m batcher.bench.peers "$OUT" --rounds "$ROUNDS" "${MODE[@]}" \
-  --command "${BATCHER_ARGS:+BATCHER_ARGS=\"$BATCHER_ARGS\" }scripts/bench_peers.sh $ARGS"
+  --command "${PEER_ARGS:+PEER_ARGS=\"$PEER_ARGS\" }${BATCHER_ARGS:+BATCHER_ARGS=\"$BATCHER_ARGS\" }scripts/bench_peers.sh $ARGS"
