@@ -18,7 +18,9 @@ DEFAULT_MODEL = "smollm2-135m"  # bundled
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, CPU (batcher.runtime.quant)
+# Weight-only, CPU (batcher.runtime.quant); auto: int4 for a Q4_1 GGUF in native bf16, else
+# none (batcher.models.loader.resolve_quantization).
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(slots=True)
@@ -42,7 +44,7 @@ class EngineConfig:
     slo_tpot_ms: float | None = None
     dtype: str = "auto"
     device: str = "auto"
-    quantization: str = "none"
+    quantization: str = "auto"
     # Quantized steps with more rows than this use a dense copy of the quantized weights; 0: no
     # copy (packed kernels at every size: less memory, slower large steps).
     quantized_dense_above: int = 8

@@ -59,13 +59,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--quantization", default=_E.quantization, type=lower, choices=QUANTIZATIONS,
       help="weight-only quantization of the decoder layers on the CPU (int8 per row, int4 in "
       "groups of 32), run by packed kernels for steps of up to 8 rows and by a dense copy of "
-      "the quantized weights above that. Measured on the bundled model: a batch-1 decode step "
-      "about 2x (int4) or 1.4x (int8) faster, held-out perplexity within 1%% (int4) or 2%% (int8). "
-      "int4 takes a GGUF file's Q4_1 blocks as stored (the bundled model's perplexity is then "
-      "unchanged) and holds about as much resident memory as none with its dense copy, a "
-      "quarter less without it (--quantized-dense-above 0); int8 holds more. none is the "
-      "default because it keeps outputs identical to the checkpoint (int4 rounds differently "
-      "and changes greedy choices at near-ties); int4 is the choice for one stream on a CPU (BENCHMARKS.md) (default: %(default)s)")
+      "the quantized weights above that. auto is int4 for a GGUF file of Q4_1 blocks (the "
+      "bundled model) in bfloat16 on a CPU that computes it natively, else none: int4 then "
+      "takes the file's blocks as stored and, measured on the bundled model (2-core Xeon, "
+      "BENCHMARKS.md), one stream decodes at x0.81 of llama-server's rate against none's "
+      "x0.36, 64 requests at once run as fast as none (dense copy), and resident memory is a "
+      "little lower; greedy output agrees with none's for a mean 0.6 of 16 tokens (a "
+      "different rounding of the same Q4_1 weights; held-out perplexity 1.2%% higher). none keeps the "
+      "dense weights (the HF-equality reference in float32); on a CPU without native bf16 "
+      "auto is none because the packed kernels need bf16, which is 3-6x slower than fp32 for "
+      "batches there. int8 holds more memory for less speed (default: %(default)s)")
     a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
       metavar="ROWS", help="with --quantization int8/int4, steps of more than ROWS rows use a "
       "dense copy of the quantized weights; 0 keeps no copy, the packed kernels run every "

@@ -16,7 +16,8 @@ from batcher.engine_config import EngineConfig
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_file import GGUFFile, StringArray
 from batcher.models.llama import LlamaModel
-from batcher.models.loader import load_model
+from batcher.models import loader
+from batcher.models.loader import load_model, resolve_quantization
 from batcher.runtime.quant import Int8Embedding, PackedLinear
 from batcher.serve_args import add_serve_args
 
@@ -263,3 +264,41 @@ def test_read_weights_leave_the_resident_set(gguf_file: Path) -> None:
     assert read > 256  # the tensors' pages were read in
     drop_file_pages(reader.tensors[0].data)  # any tensor: they share the mapping
     assert _resident_kib(gguf_file.resolve()) < read / 4
+
+
+def test_auto_quantization_is_int4_only_for_q4_1_files_in_native_bf16(
+        gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_quantization("auto", str(gguf_file), "auto", cpu) == "int4"
+    assert resolve_quantization("auto", str(gguf_file), "bfloat16", cpu) == "int4"
+    assert resolve_quantization("auto", "smollm2-135m", "auto", cpu) == "int4"  # Q4_1 file
+    # float32 asks for the dense reference path; a GPU has no int4 kernel here.
+    assert resolve_quantization("auto", str(gguf_file), "float32", cpu) == "none"
+    assert resolve_quantization("auto", str(gguf_file), "auto", torch.device("cuda")) == "none"
+    # No Q4_1 blocks to keep: the random model, a file mostly in Q8_0, a folder, a bad file.
+    assert resolve_quantization("auto", "tiny", "auto", cpu) == "none"
+    mostly_q8 = write_gguf(tmp_path / "q8.gguf", not_q4_1=tuple(
+        f"blk.{i}.{n}.weight" for i in range(LAYERS)
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate")))
+    assert resolve_quantization("auto", str(mostly_q8), "auto", cpu) == "none"
+    assert resolve_quantization("auto", str(tmp_path), "auto", cpu) == "none"
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    assert resolve_quantization("auto", str(tmp_path / "bad.gguf"), "auto", cpu) == "none"
+    # Asked for by name: given as asked.
+    assert resolve_quantization("none", str(gguf_file), "auto", cpu) == "none"
+    assert resolve_quantization("int8", "tiny", "auto", cpu) == "int8"
+    # Without native bf16 the packed kernels would force bf16 onto the batch path.
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_quantization("auto", str(gguf_file), "auto", cpu) == "none"
+
+
+def test_auto_quantization_loads_the_blocks_as_int4(gguf_file: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    loaded = load_model(str(gguf_file), device="cpu", quantization="auto")
+    assert loaded.quantization == "int4" and loaded.dtype is torch.bfloat16
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, PackedLinear)
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    loaded = load_model(str(gguf_file), device="cpu", quantization="auto")
+    assert loaded.quantization == "none" and loaded.dtype is torch.float32

@@ -132,7 +132,7 @@ def test_bundled_model_quality_gate_without_dense_copies():
 def test_quantization_flag_and_config():
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    assert p.parse_args([]).quantization == EngineConfig().quantization == "none"
+    assert p.parse_args([]).quantization == EngineConfig().quantization == "auto"
     assert p.parse_args(["--quantization", "INT4"]).quantization == "int4"
     with pytest.raises(SystemExit):
         p.parse_args(["--quantization", "int3"])

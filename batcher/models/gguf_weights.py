@@ -117,6 +117,20 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return cfg, dense
 
 
+def mostly_q4_1(path: Path) -> bool:
+    """Whether most of the file's decoder-layer matrices are Q4_1 blocks (read from its header
+    only): the files `--quantization int4` runs as stored. False for a file it cannot read."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        reader = GGUFFile(path)
+    except (OSError, ValueError):
+        return False
+    kinds = [t.tensor_type for t in reader.tensors
+             if t.name.startswith("blk.") and len(t.data.shape) == 2]
+    return bool(kinds) and 2 * kinds.count(GGMLQuantizationType.Q4_1) > len(kinds)
+
+
 def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.float32,
                  lazy: frozenset[str] = frozenset(),
                  ) -> tuple[LlamaConfig, dict[str, torch.Tensor | GGUFRows],

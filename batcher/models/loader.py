@@ -95,6 +95,28 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device,
     return DTYPES[dtype]
 
 
+def resolve_quantization(quantization: str, source: str, dtype: str | torch.dtype | None,
+                         device: torch.device) -> str:
+    """`auto` is int4 where it wins and changes nothing else: a GGUF file whose decoder weights
+    are Q4_1 blocks (the bundled model), run in bfloat16 on a CPU that computes it natively. The
+    int4 kernels then read the file's own blocks, a quarter of bf16's bytes per token (one
+    stream about 2x faster on the bundled model), and steps of more than `DENSE_ABOVE_ROWS` rows
+    run the same dense bf16 matmul as `none` (BENCHMARKS.md). Anything else resolves to none:
+    on a CPU without native bf16 the int4 kernels would force bf16 onto the dense batch path
+    (3-6x slower than fp32 there), float32 asks for the reference path, a GPU has no int4
+    kernel here, and a dense checkpoint has no blocks to keep."""
+    if quantization != "auto":
+        return quantization
+    if device.type != "cpu" or not cpu_has_fast_bf16():
+        return "none"
+    if resolve_dtype(dtype, device, "int4") is not torch.bfloat16:
+        return "none"
+    path = smollm2_gguf_path() if source == DEFAULT_MODEL else Path(source).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return "none"
+    return "int4" if gguf_weights.mostly_q4_1(path) else "none"
+
+
 def cache_dir() -> Path:
     root = os.environ.get("BATCHER_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batcher")
@@ -106,7 +128,8 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
                dense_above: int | None = DENSE_ABOVE_ROWS,
                int4_via_dense: bool = False) -> LoadedModel:
     """Load `source` (a name, a .gguf path or a Hugging Face folder) onto `device` in `dtype`.
-    `quantization` int8/int4 packs the decoder layers' linears (CPU only); steps with more than
+    `quantization` int8/int4 packs the decoder layers' linears (CPU only; `auto`: see
+    `resolve_quantization`); steps with more than
     `dense_above` rows use a dense copy of the quantized weights (None: no copy). int4 from a
     GGUF file takes its Q4_1 blocks as they are; `int4_via_dense` instead dequantizes the whole
     model and re-quantizes it (the slower, larger load, kept to compare the two)."""
@@ -114,6 +137,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
     set_mmap_threshold(LOAD_MMAP_THRESHOLD)  # before the first large tensor is freed
     quantization_done = False
     dev = resolve_device(device)
+    quantization = resolve_quantization(quantization, source, dtype, dev)
     dt = resolve_dtype(dtype, dev, quantization)
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unsupported quantization {quantization!r}; "
