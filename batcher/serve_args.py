@@ -65,15 +65,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "BENCHMARKS.md), one stream decodes at x0.81 of llama-server's rate against none's "
       "x0.36, 64 requests at once run as fast as none (dense copy), and resident memory is a "
       "little lower; greedy output agrees with none's for a mean 0.6 of 16 tokens (a "
-      "different rounding of the same Q4_1 weights; held-out perplexity 1.2%% higher). none keeps the "
-      "dense weights (the HF-equality reference in float32); on a CPU without native bf16 "
-      "auto is none because the packed kernels need bf16, which is 3-6x slower than fp32 for "
-      "batches there. int8 holds more memory for less speed (default: %(default)s)")
+      "different rounding of the same Q4_1 weights; held-out perplexity 1.2%% higher). none "
+      "keeps the dense weights (the HF-equality reference in float32); on a CPU without native "
+      "bf16 auto is none because the packed kernels need bf16, which is 3-6x slower than fp32 "
+      "for batches there. int8 holds more memory for less speed (default: %(default)s)")
     a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
-      metavar="ROWS", help="with --quantization int8/int4, steps of more than ROWS rows use a "
-      "dense copy of the quantized weights; 0 keeps no copy, the packed kernels run every "
-      "step, and a tied embedding table and LM head (int4 from a GGUF) are one int8 table too. "
-      "Measured on the bundled model with int4: no copy holds about 200 MiB less "
+      metavar="ROWS", help="with int8/int4 quantization (auto included), steps of more than "
+      "ROWS rows use a dense copy of the quantized weights; 0 keeps no copy, the packed "
+      "kernels run every step, and a tied embedding table and LM head (int4 from a GGUF) are "
+      "one int8 table too. Measured on the bundled model with int4: no copy holds about 200 "
+      "MiB less "
       "resident memory and makes a batch-32 decode step about 1.8x slower (batch 1 runs the "
       "packed kernels either way); keep the copy for batches, drop it when memory is short "
       "(BENCHMARKS.md) (default: %(default)s)")

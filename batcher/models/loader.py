@@ -97,14 +97,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device,
 
 def resolve_quantization(quantization: str, source: str, dtype: str | torch.dtype | None,
                          device: torch.device) -> str:
-    """`auto` is int4 where it wins and changes nothing else: a GGUF file whose decoder weights
-    are Q4_1 blocks (the bundled model), run in bfloat16 on a CPU that computes it natively. The
-    int4 kernels then read the file's own blocks, a quarter of bf16's bytes per token (one
-    stream about 2x faster on the bundled model), and steps of more than `DENSE_ABOVE_ROWS` rows
-    run the same dense bf16 matmul as `none` (BENCHMARKS.md). Anything else resolves to none:
-    on a CPU without native bf16 the int4 kernels would force bf16 onto the dense batch path
-    (3-6x slower than fp32 there), float32 asks for the reference path, a GPU has no int4
-    kernel here, and a dense checkpoint has no blocks to keep."""
+    """`auto` is int4 where it wins: a GGUF file whose decoder weights are Q4_1 blocks (the
+    bundled model), run in bfloat16 on a CPU that computes it natively. The int4 kernels then
+    read the file's own blocks, a quarter of bf16's bytes per token (one stream about 2x faster
+    on the bundled model), and steps of more than `DENSE_ABOVE_ROWS` rows run the same dense
+    bf16 matmul as `none` (BENCHMARKS.md); greedy output then differs from `none`'s at
+    near-ties (the same Q4_1 weights, rounded differently). Anything else resolves to none: on
+    a CPU without native bf16 the int4 kernels would force bf16 onto the dense batch path (3-6x
+    slower than fp32 there), float32 asks for the reference path, a GPU has no int4 kernel
+    here, and a dense checkpoint has no blocks to keep."""
     if quantization != "auto":
         return quantization
     if device.type != "cpu" or not cpu_has_fast_bf16():
