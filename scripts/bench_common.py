@@ -16,4 +16,5 @@ from batcher.bench.common import (  # noqa: F401
     load_workload,
     machine,
     pct,
+    wait_until_up,
 )

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from bench_common import ROOT, append_rows
+from bench_common import ROOT, append_rows, wait_until_up
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 READY_TIMEOUT_S = 300.0
@@ -52,14 +52,6 @@ def _status(pid: int) -> dict[str, float]:
     return out
 
 
-def _get_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def _complete(base: str) -> str:
     body = json.dumps({"prompt": "The capital of France is", "max_tokens": 8,
                        "temperature": 0}).encode()
@@ -77,11 +69,8 @@ def measure_server(label: str, argv: list[str], port: int, ready_path: str) -> R
                             cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _get_ok(base + ready_path):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{label}: not ready (exit {proc.poll()}); see {log.name}")
-            time.sleep(0.5)
+        if not wait_until_up(base + ready_path, proc, READY_TIMEOUT_S, interval=0.5):
+            raise RuntimeError(f"{label}: not ready (exit {proc.poll()}); see {log.name}")
         text = _complete(base)
         st = _status(proc.pid)
         print(f"# {label}: {st} -> {text!r}", flush=True)

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, append_rows, pct
+from bench_common import ROOT, append_rows, pct, wait_until_up
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 
@@ -61,18 +60,9 @@ def checkout(rev: str, into: Path) -> None:
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"a process exited early (code {proc.returncode})")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} did not come up")
+    if not wait_until_up(url, proc, timeout, interval=0.1):
+        raise SystemExit(f"a process exited early (code {proc.returncode})"
+                         if proc.poll() is not None else f"{url} did not come up")
 
 
 async def timed(s: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> float:

@@ -22,11 +22,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-from bench_common import ROOT, append_rows, pct
+from bench_common import ROOT, append_rows, pct, wait_until_up
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 POLICIES = ("predicted-wait", "round-robin")
@@ -34,18 +32,10 @@ BUNDLED_RATE = 1.5
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"batcher fleet exited early (code {proc.returncode})")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} was not ready within {timeout:g} s")
+    if not wait_until_up(url + "/ready", proc, timeout):
+        raise SystemExit(f"a process exited early (code {proc.returncode})"
+                         if proc.poll() is not None else
+                         f"{url} was not ready within {timeout:g} s")
 
 
 def start(cmd: list[str]) -> subprocess.Popen:

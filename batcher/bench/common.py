@@ -6,8 +6,10 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from batcher.resources import DEFAULT_WORKLOAD
@@ -80,3 +82,21 @@ def append_rows(title: str, header: list[str], rows: list[list[str]], notes: str
     with target.open("a") as f:
         f.write(text)
     return text
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, timeout: float,
+                  interval: float = 0.2) -> bool:
+    """Poll `url` until it answers 200 (True), or until `proc` exits or `timeout` seconds pass
+    (False): how a bench script waits for a server it started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(interval)
+    return False
