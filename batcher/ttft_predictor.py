@@ -235,9 +235,9 @@ class TtftPredictor:
         the safe side), else the nearest with fewer; None before any measurement. Buckets
         measured within the last `STALE_S` of steps are preferred: a decayed average stops moving
         when its steps stop coming, so a bucket last seen while the machine was slower would go
-        on saying so. Where the bucket's steps mostly took all the
-        prefill there was, `tokens` beyond their mean chunk are predicted in the bigger chunk
-        `prefill_step` gives them (see the module docstring)."""
+        on saying so. Where the bucket's steps mostly took all the prefill there was, `tokens`
+        beyond their mean chunk are predicted in the bigger chunk `prefill_step` gives them (see
+        the module docstring)."""
         want = _bucket(decoding)
         if not self._by_rows:
             return None
