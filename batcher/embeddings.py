@@ -6,15 +6,15 @@ order), so `Flusher` runs it in its worker thread; `make_embedding_batcher` wire
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoTokenizer
-
 from batcher.bundled import minilm_dir
+from batcher.models.bert import BertEncoder
 from batcher.flusher import Flusher, FlusherMetrics
 from batcher.threads import release_openmp_pool
 
@@ -75,10 +75,10 @@ class EmbeddingModel:
         self.dtype = _resolve_dtype(dtype)
         self.device = torch.device(device)
         self.max_length = max_length
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model: Any = AutoModel.from_pretrained(folder, local_files_only=True, dtype=self.dtype)
-        self.model = model.to(self.device).eval()
-        self.dim: int = int(self.model.config.hidden_size)
+        self.tokenizer = _read_tokenizer(folder, max_length)
+        self.pad_id = _pad_id(folder, self.tokenizer)
+        self.model = BertEncoder.from_folder(folder, self.dtype).to(self.device)
+        self.dim: int = self.model.config.hidden_size
         self.name = "all-MiniLM-L6-v2"
         # The process's intra-op thread count at load: a thread started while a generation step
         # runs with fewer (`batcher.runtime.thread_tuner`) would otherwise keep that count.
@@ -107,18 +107,21 @@ class EmbeddingModel:
     def _embed(self, texts: Sequence[str]) -> list[list[float]]:
         if torch.get_num_threads() != self.threads:  # this thread's own count
             torch.set_num_threads(self.threads)
-        enc = self.tokenizer(
-            list(texts),
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-        )
-        enc = {k: v.to(self.device) for k, v in enc.items()}
-        hidden = self.model(**enc).last_hidden_state.float()  # [B, T, H]
-        mask = enc["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, T, 1]
-        summed = (hidden * mask).sum(dim=1)  # [B, H]
-        mean = summed / mask.sum(dim=1).clamp(min=1e-9)
+        encs = self.tokenizer.encode_batch(list(texts))
+        width = max(len(e.ids) for e in encs)
+        ids = torch.full((len(encs), width), self.pad_id, dtype=torch.long)
+        types = torch.zeros((len(encs), width), dtype=torch.long)
+        mask = torch.zeros((len(encs), width), dtype=torch.long)
+        for row, e in enumerate(encs):
+            n = len(e.ids)
+            ids[row, :n] = torch.tensor(e.ids)
+            types[row, :n] = torch.tensor(e.type_ids)
+            mask[row, :n] = 1
+        ids, types, mask = (t.to(self.device) for t in (ids, types, mask))
+        hidden = self.model(ids, types, mask).float()  # [B, T, H]
+        weights = mask.unsqueeze(-1).to(torch.float32)  # [B, T, 1]
+        summed = (hidden * weights).sum(dim=1)  # [B, H]
+        mean = summed / weights.sum(dim=1).clamp(min=1e-9)
         return F.normalize(mean, p=2, dim=1).cpu().tolist()
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
@@ -126,8 +129,28 @@ class EmbeddingModel:
         if len(texts) == 0:
             return []
         _check_texts(texts)
-        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
-        return [len(ids) for ids in enc["input_ids"]]
+        return [len(e.ids) for e in self.tokenizer.encode_batch(list(texts))]
+
+
+def _read_tokenizer(folder: Path, max_length: int) -> Any:
+    """The folder's tokenizer.json with the `tokenizers` library (what a Hugging Face fast
+    tokenizer wraps): truncation at `max_length`, no padding (batches are padded here)."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"no tokenizer.json in {folder}")
+    tok = Tokenizer.from_file(str(path))
+    tok.no_padding()
+    tok.enable_truncation(max_length=max_length)
+    return tok
+
+
+def _pad_id(folder: Path, tokenizer: Any) -> int:
+    config = folder / "tokenizer_config.json"
+    token = json.loads(config.read_text()).get("pad_token") if config.is_file() else None
+    pad = tokenizer.token_to_id(token) if isinstance(token, str) else None
+    return 0 if pad is None else pad
 
 
 def make_embedding_batcher(

@@ -43,6 +43,28 @@ def test_vectors_are_unit_length_with_the_expected_neighbours(model: EmbeddingMo
     assert all(food_bread > cos(vecs[BREAD], vecs[s]) for s in others)
 
 
+def test_equals_transformers_bert_with_mean_pooling(model: EmbeddingModel) -> None:
+    """Our encoder and tokenizer reading against Hugging Face's `BertModel` and fast tokenizer,
+    the reference sentence-transformers runs, on the same folder in float32."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModel, AutoTokenizer
+
+    from batcher.bundled import minilm_dir
+
+    texts = [*SENTENCES, "Short.", "Ünïcode, CAPS and    spaces!", "word " * 300]
+    tok = AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)
+    ref = AutoModel.from_pretrained(minilm_dir(), local_files_only=True, dtype=torch.float32)
+    enc = tok(texts, padding=True, truncation=True, max_length=MAX_INPUT_TOKENS,
+              return_tensors="pt")
+    assert model.count_tokens(texts) == enc["attention_mask"].sum(dim=1).tolist()
+    with torch.inference_mode():
+        hidden = ref(**enc).last_hidden_state
+    mask = enc["attention_mask"].unsqueeze(-1).float()
+    want = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1).tolist()
+    assert max_abs_diff(model.embed(texts), want) < 1e-5
+
+
 def test_batched_equals_unbatched_in_fp32(model: EmbeddingModel) -> None:
     # Different lengths, so the batch pads the short ones.
     texts = [*SENTENCES, "Short.", "A much longer sentence " * 8]
