@@ -141,6 +141,7 @@ def main() -> None:
     matched = ["--embedding-model", "none", "--num-blocks", str(a.context // BLOCK_SIZE)]
     configs = [
         ("batcher serve (defaults: --quantization auto, 2 GiB KV, embedding model)", []),
+        ("... defaults with --quantized-dense-above 0", ["--quantized-dense-above", "0"]),
         (f"batcher serve, {a.context}-token KV, no embedding model, --quantization none",
          [*matched, "--quantization", "none"]),
         ("... --quantization int4 (what auto is on a CPU with native bf16)",
