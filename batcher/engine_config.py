@@ -46,8 +46,8 @@ class EngineConfig:
     device: str = "auto"
     quantization: str = "auto"
     # Quantized steps with more rows than this use a dense copy of the quantized weights; 0: no
-    # copy (packed kernels at every size: less memory, slower large steps).
-    quantized_dense_above: int = 8
+    # copy (packed kernels, and int4 weights unpacked per step for big steps: less memory).
+    quantized_dense_above: int = 0
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     compile_decode: bool = False  # CPU: one-stream decode steps through torch.compile

@@ -58,26 +58,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "the bytes; BENCHMARKS.md) (default: %(default)s)")
     a("--quantization", default=_E.quantization, type=lower, choices=QUANTIZATIONS,
       help="weight-only quantization of the decoder layers on the CPU (int8 per row, int4 in "
-      "groups of 32), run by packed kernels for steps of up to 8 rows and by a dense copy of "
-      "the quantized weights above that. auto is int4 for a GGUF file of Q4_1 blocks (the "
-      "bundled model) in bfloat16 on a CPU that computes it natively, else none: int4 then "
-      "takes the file's blocks as stored and, measured on the bundled model (2-core Xeon, "
-      "BENCHMARKS.md), one stream decodes at x0.81 of llama-server's rate against none's "
-      "x0.36, 64 requests at once run as fast as none (dense copy), and resident memory is a "
-      "little lower; greedy output agrees with none's for a mean 0.6 of 16 tokens (a "
-      "different rounding of the same Q4_1 weights; held-out perplexity 1.2%% higher). none "
-      "keeps the dense weights (the HF-equality reference in float32); on a CPU without native "
-      "bf16 auto is none because the packed kernels need bf16, which is 3-6x slower than fp32 "
-      "for batches there. int8 holds more memory for less speed (default: %(default)s)")
+      "groups of 32), run by packed kernels (see --quantized-dense-above for big steps). auto "
+      "is int4 for a GGUF file of Q4_1 blocks (the bundled model) in bfloat16 on a CPU that "
+      "computes it natively, else none: int4 then takes the file's blocks as stored and, "
+      "measured on the bundled model (BENCHMARKS.md), one stream decodes at x0.74-0.79 of "
+      "llama-server's rate against none's x0.36, 64 requests at once at x2.25 (AMD EPYC, "
+      "AVX-512 BF16) and resident memory is x1.44 of llama-server's at the defaults; greedy "
+      "output agrees with none's for a mean 0.64 of 16 tokens (a different rounding of the "
+      "same Q4_1 weights; held-out perplexity 0.4%% higher). none keeps the dense weights "
+      "(the HF-equality reference in float32); on a CPU without native bf16 auto is none "
+      "because the packed kernels need bf16, which is 3-6x slower than fp32 for batches "
+      "there. int8 holds more memory for less speed (default: %(default)s)")
     a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
       metavar="ROWS", help="with int8/int4 quantization (auto included), steps of more than "
-      "ROWS rows use a dense copy of the quantized weights; 0 keeps no copy, the packed "
-      "kernels run every step, and a tied embedding table and LM head (int4 from a GGUF) are "
-      "one int8 table too. Measured on the bundled model with int4 at the other defaults: no "
-      "copy holds about 260 MiB less resident memory (441 against 703 MiB; llama-server 307) "
-      "and runs 64 chat requests at once at x0.78 (AMD EPYC, AVX-512 BF16) or x0.56 (Xeon, "
-      "AMX) of the copy's rate (batch 1 runs the packed kernels either way); keep the copy "
-      "for batches, drop it when memory is short (BENCHMARKS.md) (default: %(default)s)")
+      "ROWS rows use a dense bf16 copy of the quantized weights. 0 (the default) keeps no "
+      "copy: a tied embedding table and LM head (int4 from a GGUF) are one int8 table too, "
+      "and an int4 layer unpacks its weights into one reused dense buffer for steps past a "
+      "row count measured at start-up (a small C function built with the system's C "
+      "compiler; without one, the packed kernel runs every step). Measured on the bundled "
+      "model at the other defaults (AMD EPYC, AVX-512 BF16): no copy holds 441 MiB resident "
+      "against the copy's 703 (llama-server 307) and runs 64 chat requests at once at x2.25 "
+      "of llama-server's rate against x2.46 (x1.93 without the unpacking); set 8 to trade "
+      "the memory for the last of the batch speed (BENCHMARKS.md) (default: %(default)s)")
     a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
     a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,

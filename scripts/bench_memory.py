@@ -140,12 +140,14 @@ def main() -> None:
              "--log-level", "warning"]
     matched = ["--embedding-model", "none", "--num-blocks", str(a.context // BLOCK_SIZE)]
     configs = [
-        ("batcher serve (defaults: --quantization auto, 2 GiB KV, embedding model)", []),
-        ("... defaults with --quantized-dense-above 0", ["--quantized-dense-above", "0"]),
+        ("batcher serve (defaults: --quantization auto, no dense copy, 2 GiB KV, embedding "
+         "model)", []),
+        ("... defaults with the dense copy (--quantized-dense-above 8)",
+         ["--quantized-dense-above", "8"]),
         (f"batcher serve, {a.context}-token KV, no embedding model, --quantization none",
          [*matched, "--quantization", "none"]),
-        ("... --quantization int4 (what auto is on a CPU with native bf16)",
-         [*matched, "--quantization", "int4"]),
+        ("... --quantization int4 --quantized-dense-above 8 (the dense copy)",
+         [*matched, "--quantization", "int4", "--quantized-dense-above", "8"]),
         ("... --quantization int4 --quantized-dense-above 0",
          [*matched, "--quantization", "int4", "--quantized-dense-above", "0"]),
         # The one-stream configuration: its compiled graph and the compiler's modules resident.

@@ -219,8 +219,8 @@ def test_the_dense_copy_computes_what_the_packed_kernel_does(gguf_file: Path) ->
 def test_quantized_dense_above_flag_and_config() -> None:
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    assert p.parse_args([]).quantized_dense_above == EngineConfig().quantized_dense_above == 8
-    assert p.parse_args(["--quantized-dense-above", "0"]).quantized_dense_above == 0
+    assert p.parse_args([]).quantized_dense_above == EngineConfig().quantized_dense_above == 0
+    assert p.parse_args(["--quantized-dense-above", "8"]).quantized_dense_above == 8
     with pytest.raises(SystemExit):
         p.parse_args(["--quantized-dense-above", "-1"])
     with pytest.raises(ValueError, match="quantized_dense_above"):

@@ -27,7 +27,16 @@ from batcher.models import gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_int4 import load_int4_gguf
 from batcher.models.llama import LlamaConfig, LlamaModel
-from batcher.runtime.quant import QUANTIZATIONS, QUANTIZED_LINEARS, quantize_model
+from batcher.runtime import int4_unpack
+from batcher.runtime.quant import (
+    INT4_GROUP,
+    QUANTIZATIONS,
+    QUANTIZED_LINEARS,
+    PackedLinear,
+    attach_unpacker,
+    calibrate_unpacking,
+    quantize_model,
+)
 from batcher.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
@@ -100,9 +109,9 @@ def resolve_quantization(quantization: str, source: str, dtype: str | torch.dtyp
     """`auto` is int4 where it wins: a GGUF file whose decoder weights are Q4_1 blocks (the
     bundled model), run in bfloat16 on a CPU that computes it natively. The int4 kernels then
     read the file's own blocks, a quarter of bf16's bytes per token (one stream about 2x faster
-    on the bundled model), and steps of more than `DENSE_ABOVE_ROWS` rows run the same dense
-    bf16 matmul as `none` (BENCHMARKS.md); greedy output then differs from `none`'s at
-    near-ties (the same Q4_1 weights, rounded differently). Anything else resolves to none: on
+    on the bundled model), and big steps run a dense bf16 matmul as `none` does, on a dense
+    copy or on weights unpacked per step (BENCHMARKS.md); greedy output then differs from
+    `none`'s at near-ties (the same Q4_1 weights, rounded differently). Anything else resolves to none: on
     a CPU without native bf16 the int4 kernels would force bf16 onto the dense batch path (3-6x
     slower than fp32 there), float32 asks for the reference path, a GPU has no int4 kernel
     here, and a dense checkpoint has no blocks to keep."""
@@ -177,12 +186,29 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
             quantize_model(model, quantization, dense_above)
         except ValueError as exc:  # a shape the packed kernels cannot take
             raise ModelLoadError(f"cannot quantize {name} to {quantization}: {exc}") from exc
+    if quantization == "int4" and dense_above is None:
+        _attach_int4_unpacker(model)
     release_free_memory()
     set_mmap_threshold(SERVE_MMAP_THRESHOLD)
     release_openmp_pool()  # steps run on another thread, whose pool must be the only one
     took = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
     return LoadedModel(name, model, cfg, dt, dev, tok_src, took, quantization)
+
+
+def _attach_int4_unpacker(model: LlamaModel) -> None:
+    """Without dense copies, big steps unpack each int4 layer into a reused dense buffer
+    (`batcher.runtime.int4_unpack`) where the machine can build the small C function for it."""
+    unpacker = int4_unpack.load(cache_dir() / "kernels", INT4_GROUP)
+    if unpacker is None:
+        return
+    n = attach_unpacker(model, unpacker)
+    first = [m for layer in model.layers[:2] for m in layer.modules()
+             if isinstance(m, PackedLinear) and m.unpack]
+    start = time.perf_counter()
+    above = calibrate_unpacking(first, unpacker, repeats=5)
+    log.info("int4: %d linears unpack to bf16 for steps of more than %d rows (measured in "
+             "%.2fs)", n, above, time.perf_counter() - start)
 
 
 def _load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None, name: str

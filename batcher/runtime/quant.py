@@ -4,16 +4,21 @@ scale and a zero point per group, run by PyTorch's packed kernels.
 The packed kernels read a quarter (int4) or half (int8) of bf16's weight bytes, which is what a
 batch-1 decode step is bound by; at a few dozen rows they become slower than the dense matmul
 (they do not use the wide matrix units). So a layer may keep a dense copy as well and use it for
-steps with more rows than `dense_above`: memory for throughput, chosen by `--quantization`.
+steps with more rows than `dense_above`: memory for throughput, chosen by `--quantization`. An int4
+layer without the copy may instead unpack its weights into a reused dense buffer for steps of
+many rows (`batcher.runtime.int4_unpack`, attached by `attach_unpacker`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from batcher.runtime.int4_unpack import Int4Unpacker
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32  # the block size of the GGUF Q4 formats, and the kernel's finest group
@@ -61,6 +66,8 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
 
 class PackedLinear(nn.Module):
     """`y = x @ W.T (+ b)` with W held packed. x: [T, K] in the model's dtype."""
+
+    unpack: Int4Unpacker | None = None  # int4 without a dense copy: see `attach_unpacker`
 
     def __init__(self, linear: nn.Linear, kind: str, dense_above: int | None):
         super().__init__()
@@ -135,7 +142,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.dense_above:
             return F.linear(x, self.dense, self.bias)
-        if self.kind == "int8":
+        if self.unpack is not None and x.shape[0] > self.unpack.above_rows:
+            y = torch.mm(x, self.unpack.dense_t(self.qweight, self.scales, self.in_features,
+                                                self.out_features, INT4_GROUP))
+        elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP,
@@ -162,6 +172,59 @@ def quantize_model(model: nn.Module, kind: str, dense_above: int | None = None) 
             raise ValueError("weight-only quantization runs on the CPU only")
         setattr(parent, name, PackedLinear(child, kind, dense_above))
     return len(targets)
+
+
+def attach_unpacker(model: nn.Module, unpacker: Int4Unpacker) -> int:
+    """Let every int4 layer of `model` that keeps no dense copy unpack its weights for steps of
+    more than `unpacker.above_rows` rows. Returns how many layers can."""
+    n = 0
+    for m in model.modules():
+        if (isinstance(m, PackedLinear) and m.kind == "int4" and m.dense is None
+                and unpacker.fits(m.in_features, m.out_features, INT4_GROUP, m.scales)):
+            m.unpack = unpacker
+            n += 1
+    return n
+
+
+# Row counts at which `calibrate_unpacking` compares the two paths.
+UNPACK_CALIBRATION_ROWS = (16, 24, 32, 48, 64, 96, 128)
+
+
+def calibrate_unpacking(layers: list[PackedLinear], unpacker: Int4Unpacker,
+                        repeats: int = 3) -> int:
+    """Set `unpacker.above_rows` to where unpacking starts to pay on this machine: `layers` (one
+    decoder layer's linears) run packed and unpacked at each of `UNPACK_CALIBRATION_ROWS`, best
+    of `repeats`, interleaved; steps of more rows than the largest count at which the packed
+    kernel was still as fast unpack. CPUs differ most here: matrix units (AMX) make the dense
+    matmul after unpacking far faster, while the packed kernel does not use them."""
+    if not layers:
+        return unpacker.above_rows
+    above = 0
+    for rows in UNPACK_CALIBRATION_ROWS:
+        xs = {k: torch.randn(rows, k, dtype=torch.bfloat16)
+              for k in {m.in_features for m in layers}}
+        packed = unpacked = float("inf")
+        for _ in range(repeats):
+            packed = min(packed, _time_layers(layers, xs, None))
+            unpacked = min(unpacked, _time_layers(layers, xs, unpacker))
+        if packed <= unpacked:
+            above = rows
+    unpacker.above_rows = above
+    unpacker.drop_buffer()
+    return above
+
+
+def _time_layers(layers: list[PackedLinear], xs: dict[int, torch.Tensor],
+                 unpacker: Int4Unpacker | None) -> float:
+    start = time.perf_counter()
+    for m in layers:
+        x = xs[m.in_features]
+        if unpacker is None:
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, INT4_GROUP, m.scales)
+        else:
+            torch.mm(x, unpacker.dense_t(m.qweight, m.scales, m.in_features, m.out_features,
+                                         INT4_GROUP))
+    return time.perf_counter() - start
 
 
 class Int8Embedding(nn.Module):

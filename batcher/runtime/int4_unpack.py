@@ -1,0 +1,142 @@
+"""Dense bf16 weights of an int4 layer, unpacked per step, for steps with many rows.
+
+PyTorch's packed int4 kernel unpacks a layer's weights again for every four rows it multiplies, so
+a prefill chunk of a few hundred rows costs it far more than a dense matmul. Keeping a dense copy
+of every layer avoids that at about 2x the resident memory of the packed weights
+(`--quantized-dense-above`). Without the copy, a step of more than `UNPACK_ABOVE_ROWS` rows instead
+unpacks each layer's packed weights into one reused bf16 buffer just before its matmul: the
+bundled model's largest matrix (3072 x 576) takes about 0.25 ms on one core, the whole model
+about 15 ms a step, against the 90 ms a 256-token chunk loses on the packed kernel.
+
+The unpacking is a small C function (`int4_unpack.c`), built once per machine with the system's C
+compiler into the cache folder and loaded with ctypes; it reads PyTorch's packed layout, so before
+any layer uses it, it is checked against the packed kernel itself on a random matrix. With no
+compiler, a failed build or a failed check, the packed kernel runs every step, as before.
+`BATCHER_INT4_UNPACK=0` turns it off (to compare).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("batcher.runtime.int4_unpack")
+
+SOURCE = Path(__file__).with_name("int4_unpack.c")
+# Steps of more rows than this unpack; fewer run the packed kernel. Where it pays depends on the
+# CPU, so the loader measures it (`batcher.runtime.quant.calibrate_unpacking`); this is the
+# default before that. The bundled model's 120 int4 linears, bf16, 2 threads of an AMD EPYC
+# (AVX-512 BF16), packed vs unpacked ms: 24 rows 18.1 vs 26.6, 32 rows 23.8 vs 29.2, 48 rows 34.8
+# vs 35.4, 64 rows 45.8 vs 37.7, 128 rows 90.7 vs 53.0, 256 rows 197.6 vs 127.1 (unpacking about
+# 17 ms a step in all, the packed kernel 0.7 ms a row).
+UNPACK_ABOVE_ROWS = 48
+BLOCK_N = 64  # output rows per block of the packed layout the C code reads
+_FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler lacks -march=native
+
+
+class Int4Unpacker:
+    """`dense_t(qweight, scales, k, n, group)` -> the layer's weight transposed, [k, n] bf16, in
+    a buffer reused by every layer on the calling thread (valid until that thread's next call).
+    Layers use it for steps of more than `above_rows` rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.above_rows = UNPACK_ABOVE_ROWS
+        self._fn = lib.int4pack_to_bf16
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        self._local = threading.local()
+
+    def fits(self, k: int, n: int, group: int, scales: torch.Tensor) -> bool:
+        return (n % BLOCK_N == 0 and k % group == 0 and scales.dtype == torch.bfloat16
+                and scales.device.type == "cpu")
+
+    def dense_t(self, qweight: torch.Tensor, scales: torch.Tensor, k: int, n: int,
+                group: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < k * n:
+            buf = self._local.buf = torch.empty(k * n, dtype=torch.bfloat16)
+        out = buf[:k * n].view(k, n)
+        if self._fn(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group):
+            raise ValueError(f"int4 unpack cannot take a {n} x {k} weight in groups of {group}")
+        return out
+
+    def drop_buffer(self) -> None:
+        """Free the calling thread's buffer (the loading thread's, once calibrated)."""
+        self._local.buf = None
+
+
+def load(build_dir: Path, group: int) -> Int4Unpacker | None:
+    """The unpacker, built into `build_dir` if not there yet, or None (logged) where it cannot
+    be built or does not reproduce the packed kernel."""
+    if os.environ.get("BATCHER_INT4_UNPACK", "1") == "0":
+        log.info("int4 unpacking off (BATCHER_INT4_UNPACK=0): the packed kernel runs every step")
+        return None
+    try:
+        unpacker = Int4Unpacker(ctypes.CDLL(str(_build(build_dir))))
+        _check(unpacker, group)
+    except (OSError, subprocess.SubprocessError, ValueError, RuntimeError) as exc:
+        log.warning("int4 unpacking unavailable (%s): every step runs the packed kernel", exc)
+        return None
+    return unpacker
+
+
+def _build(build_dir: Path) -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc or $CC)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + cc.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    lib = build_dir / f"int4_unpack-{key}.so"
+    if lib.is_file():
+        return lib
+    build_dir.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in _FLAGS:
+        fd, tmp = tempfile.mkstemp(dir=build_dir, prefix=".int4_unpack-", suffix=".so")
+        os.close(fd)
+        done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            os.replace(tmp, lib)  # atomic: a concurrent build's copy is as good
+            return lib
+        os.unlink(tmp)
+        errors.append(done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"])
+    raise RuntimeError(f"{cc} failed: {errors[-1][0]}")
+
+
+def _cpu_signature() -> str:
+    """What a -march=native build depends on: a cache folder shared by unlike machines keeps one
+    library per kind of CPU."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()}|{flags}"
+
+
+def _check(unpacker: Int4Unpacker, group: int) -> None:
+    """The unpacked weight equals what the packed kernel multiplies by: x = I gives it back."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 2 * BLOCK_N, 2 * group
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    scales = (torch.rand(k // group, n, 2, generator=gen) - 0.5).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16),
+                                                       packed, group, scales)
+    got = unpacker.dense_t(packed, scales, k, n, group)
+    if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3):
+        raise RuntimeError("the unpacked weights differ from the packed kernel's (its layout "
+                           f"changed in torch {torch.__version__}?)")
