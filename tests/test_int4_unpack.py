@@ -16,6 +16,7 @@ from batcher.runtime.int4_unpack import UNPACK_ABOVE_ROWS, Int4Unpacker
 from batcher.runtime.quant import (
     INT4_GROUP,
     UNPACK_CALIBRATION_ROWS,
+    UNPACK_MIN_ABOVE_ROWS,
     PackedLinear,
     attach_unpacker,
     calibrate_unpacking,
@@ -83,7 +84,8 @@ def test_calibration_picks_a_measured_row_count(tmp_path: Path) -> None:
     layers = [_layer(256, 128, seed=2), _layer(128, 256, seed=3)]
     attach_unpacker(nn.ModuleList(layers), unpacker)
     above = calibrate_unpacking(layers, unpacker, repeats=1)
-    assert above == unpacker.above_rows and above in (0, *UNPACK_CALIBRATION_ROWS)
+    assert above == unpacker.above_rows
+    assert above in (UNPACK_MIN_ABOVE_ROWS, *UNPACK_CALIBRATION_ROWS)
     assert all(m.unpack is unpacker for m in layers)
     x = torch.randn(above + 1, 128, dtype=torch.bfloat16)
     torch.testing.assert_close(layers[0](x).float(), _layer(256, 128, seed=2)(x).float(),

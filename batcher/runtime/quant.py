@@ -186,8 +186,11 @@ def attach_unpacker(model: nn.Module, unpacker: Int4Unpacker) -> int:
     return n
 
 
+# Steps of this many rows or fewer never unpack: unpacking reads every weight of the model
+# once a step, which one-stream decoding must not pay whatever a noisy calibration says.
+UNPACK_MIN_ABOVE_ROWS = 16
 # Row counts at which `calibrate_unpacking` compares the two paths.
-UNPACK_CALIBRATION_ROWS = (16, 24, 32, 48, 64, 96, 128)
+UNPACK_CALIBRATION_ROWS = (24, 32, 48, 64, 96, 128)
 
 
 def calibrate_unpacking(layers: list[PackedLinear], unpacker: Int4Unpacker,
@@ -195,11 +198,12 @@ def calibrate_unpacking(layers: list[PackedLinear], unpacker: Int4Unpacker,
     """Set `unpacker.above_rows` to where unpacking starts to pay on this machine: `layers` (one
     decoder layer's linears) run packed and unpacked at each of `UNPACK_CALIBRATION_ROWS`, best
     of `repeats`, interleaved; steps of more rows than the largest count at which the packed
-    kernel was still as fast unpack. CPUs differ most here: matrix units (AMX) make the dense
-    matmul after unpacking far faster, while the packed kernel does not use them."""
+    kernel was still as fast unpack (never steps of `UNPACK_MIN_ABOVE_ROWS` or fewer). CPUs
+    differ most here: matrix units (AMX) make the dense matmul after unpacking far faster, while
+    the packed kernel does not use them."""
     if not layers:
         return unpacker.above_rows
-    above = 0
+    above = UNPACK_MIN_ABOVE_ROWS
     for rows in UNPACK_CALIBRATION_ROWS:
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16)
               for k in {m.in_features for m in layers}}
