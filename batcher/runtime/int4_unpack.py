@@ -1,12 +1,12 @@
 """Dense bf16 weights of an int4 layer, unpacked per step, for steps with many rows.
 
 PyTorch's packed int4 kernel unpacks a layer's weights again for every four rows it multiplies, so
-a prefill chunk of a few hundred rows costs it far more than a dense matmul. Keeping a dense copy
-of every layer avoids that at about 2x the resident memory of the packed weights
-(`--quantized-dense-above`). Without the copy, a step of more than `UNPACK_ABOVE_ROWS` rows instead
+a prefill chunk of a few hundred rows costs it far more than a dense matmul. A dense copy of every
+layer avoids that for about 260 MiB more resident memory on the bundled model
+(`--quantized-dense-above`). Without the copy, a step of more rows than `Int4Unpacker.above_rows`
 unpacks each layer's packed weights into one reused bf16 buffer just before its matmul: the
 bundled model's largest matrix (3072 x 576) takes about 0.25 ms on one core, the whole model
-about 15 ms a step, against the 90 ms a 256-token chunk loses on the packed kernel.
+about 17 ms a step, against the 70 ms a 256-token chunk loses on the packed kernel.
 
 The unpacking is a small C function (`int4_unpack.c`), built once per machine with the system's C
 compiler into the cache folder and loaded with ctypes; it reads PyTorch's packed layout, so before
@@ -59,7 +59,7 @@ class Int4Unpacker:
 
     def fits(self, k: int, n: int, group: int, scales: torch.Tensor) -> bool:
         return (n % BLOCK_N == 0 and k % group == 0 and scales.dtype == torch.bfloat16
-                and scales.device.type == "cpu")
+                and scales.device.type == "cpu" and scales.is_contiguous())
 
     def dense_t(self, qweight: torch.Tensor, scales: torch.Tensor, k: int, n: int,
                 group: int) -> torch.Tensor:
@@ -138,5 +138,5 @@ def _check(unpacker: Int4Unpacker, group: int) -> None:
                                                        packed, group, scales)
     got = unpacker.dense_t(packed, scales, k, n, group)
     if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3):
-        raise RuntimeError("the unpacked weights differ from the packed kernel's (its layout "
-                           f"changed in torch {torch.__version__}?)")
+        raise RuntimeError("the packed layout of torch "
+                           f"{torch.__version__} on this CPU is not the one the C function reads")
