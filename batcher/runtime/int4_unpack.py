@@ -9,9 +9,11 @@ bundled model's largest matrix (3072 x 576) takes about 0.25 ms on one core, the
 about 17 ms a step, against the 70 ms a 256-token chunk loses on the packed kernel.
 
 The unpacking is a small C function (`int4_unpack.c`), built once per machine with the system's C
-compiler into the cache folder and loaded with ctypes; it reads PyTorch's packed layout, so before
-any layer uses it, it is checked against the packed kernel itself on a random matrix. With no
-compiler, a failed build or a failed check, the packed kernel runs every step, as before.
+compiler into the cache folder and loaded with ctypes (where there is no compiler, a library built
+ahead for any CPU of the architecture, `build_portable`, as the container image does); it reads
+PyTorch's packed layout, so before any layer uses it, it is checked against the packed kernel
+itself on a random matrix. With neither, a failed build or a failed check, the packed kernel runs
+every step, as before.
 `BATCHER_INT4_UNPACK=0` turns it off (to compare).
 """
 
@@ -92,18 +94,44 @@ def load(build_dir: Path, group: int) -> Int4Unpacker | None:
 
 
 def _build(build_dir: Path) -> Path:
+    """The library for this machine: built for its CPU where a C compiler is at hand, else one
+    built ahead for any CPU of its architecture (`build_portable`, as the container image does)."""
+    source = SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    failure = "no C compiler (cc or $CC)"
+    if cc:
+        key = hashlib.sha256(source + cc.encode() + _cpu_signature().encode()).hexdigest()[:16]
+        try:
+            return _compile(cc, build_dir / f"int4_unpack-{key}.so", _FLAGS)
+        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:  # e.g. no C headers
+            failure = str(exc)
+    portable = _portable_path(build_dir, source)
+    if portable.is_file():
+        return portable
+    raise RuntimeError(f"{failure}, and no library built ahead")
+
+
+def build_portable(build_dir: Path) -> Path:
+    """Build the library for any CPU of this architecture (no -march=native), for machines that
+    will have no compiler: a container image builds it in its build stage."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc or $CC)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + cc.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    lib = build_dir / f"int4_unpack-{key}.so"
+    return _compile(cc, _portable_path(build_dir, SOURCE.read_bytes()), (["-O3"],))
+
+
+def _portable_path(build_dir: Path, source: bytes) -> Path:
+    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    return build_dir / f"int4_unpack-portable-{key}.so"
+
+
+def _compile(cc: str, lib: Path, flag_sets: tuple[list[str], ...]) -> Path:
     if lib.is_file():
         return lib
-    build_dir.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for flags in _FLAGS:
-        fd, tmp = tempfile.mkstemp(dir=build_dir, prefix=".int4_unpack-", suffix=".so")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    error = ""
+    for flags in flag_sets:
+        fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=".int4_unpack-", suffix=".so")
         os.close(fd)
         done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
                               capture_output=True, text=True, timeout=120)
@@ -111,8 +139,8 @@ def _build(build_dir: Path) -> Path:
             os.replace(tmp, lib)  # atomic: a concurrent build's copy is as good
             return lib
         os.unlink(tmp)
-        errors.append(done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"])
-    raise RuntimeError(f"{cc} failed: {errors[-1][0]}")
+        error = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+    raise RuntimeError(f"{cc} failed: {error}")
 
 
 def _cpu_signature() -> str:

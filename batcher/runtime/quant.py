@@ -187,35 +187,45 @@ def attach_unpacker(model: nn.Module, unpacker: Int4Unpacker) -> int:
 
 
 # Steps of this many rows or fewer never unpack: unpacking reads every weight of the model
-# once a step, which one-stream decoding must not pay whatever a noisy calibration says.
+# once a step, which one-stream decoding must not pay whatever a noisy calibration says; and
+# steps of more than the most always do.
 UNPACK_MIN_ABOVE_ROWS = 16
-# Row counts at which `calibrate_unpacking` compares the two paths.
-UNPACK_CALIBRATION_ROWS = (24, 32, 48, 64, 96, 128)
+UNPACK_MAX_ABOVE_ROWS = 256
+# The two row counts at which `calibrate_unpacking` times both paths.
+UNPACK_CALIBRATION_ROWS = (32, 128)
 
 
 def calibrate_unpacking(layers: list[PackedLinear], unpacker: Int4Unpacker,
-                        repeats: int = 3) -> int:
-    """Set `unpacker.above_rows` to where unpacking starts to pay on this machine: `layers` (one
-    decoder layer's linears) run packed and unpacked at each of `UNPACK_CALIBRATION_ROWS`, best
-    of `repeats`, interleaved; steps of more rows than the largest count at which the packed
-    kernel was still as fast unpack (never steps of `UNPACK_MIN_ABOVE_ROWS` or fewer). CPUs
-    differ most here: matrix units (AMX) make the dense matmul after unpacking far faster, while
-    the packed kernel does not use them."""
+                        repeats: int = 5) -> int:
+    """Set `unpacker.above_rows` to where unpacking starts to pay on this machine. `layers` (a
+    decoder layer's linears or two) run packed and unpacked at the two `UNPACK_CALIBRATION_ROWS`,
+    best of `repeats`, interleaved; each path's time is a line in the row count (the packed
+    kernel's cost grows with the rows much faster, unpacking costs the same at every size), and
+    steps of more rows than where the lines cross unpack, within [`UNPACK_MIN_ABOVE_ROWS`,
+    `UNPACK_MAX_ABOVE_ROWS`]. CPUs differ most here: matrix units (AMX) make the dense matmul
+    after unpacking far faster, while the packed kernel does not use them."""
     if not layers:
         return unpacker.above_rows
-    above = UNPACK_MIN_ABOVE_ROWS
+    times: dict[tuple[int, bool], float] = {}
     for rows in UNPACK_CALIBRATION_ROWS:
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16)
               for k in {m.in_features for m in layers}}
-        packed = unpacked = float("inf")
         for _ in range(repeats):
-            packed = min(packed, _time_layers(layers, xs, None))
-            unpacked = min(unpacked, _time_layers(layers, xs, unpacker))
-        if packed <= unpacked:
-            above = rows
-    unpacker.above_rows = above
+            for unpacked in (False, True):
+                t = _time_layers(layers, xs, unpacker if unpacked else None)
+                times[rows, unpacked] = min(times.get((rows, unpacked), t), t)
     unpacker.drop_buffer()
-    return above
+    (r0, r1), slopes, starts = UNPACK_CALIBRATION_ROWS, {}, {}
+    for unpacked in (False, True):
+        slopes[unpacked] = (times[r1, unpacked] - times[r0, unpacked]) / (r1 - r0)
+        starts[unpacked] = times[r0, unpacked] - slopes[unpacked] * r0
+    gain_per_row = slopes[False] - slopes[True]
+    if gain_per_row <= 0:  # the packed kernel grows no faster: unpacking never pays
+        cross = float(UNPACK_MAX_ABOVE_ROWS)
+    else:
+        cross = (starts[True] - starts[False]) / gain_per_row
+    unpacker.above_rows = int(min(max(cross, UNPACK_MIN_ABOVE_ROWS), UNPACK_MAX_ABOVE_ROWS))
+    return unpacker.above_rows
 
 
 def _time_layers(layers: list[PackedLinear], xs: dict[int, torch.Tensor],
