@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -186,10 +187,10 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
             quantize_model(model, quantization, dense_above)
         except ValueError as exc:  # a shape the packed kernels cannot take
             raise ModelLoadError(f"cannot quantize {name} to {quantization}: {exc}") from exc
-    if quantization == "int4" and dense_above is None:
-        _attach_int4_unpacker(model)
     release_free_memory()
     set_mmap_threshold(SERVE_MMAP_THRESHOLD)
+    if quantization == "int4" and dense_above is None:
+        _attach_int4_unpacker(model)  # measured as steps run: the serving threshold, a thread
     release_openmp_pool()  # steps run on another thread, whose pool must be the only one
     took = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
@@ -203,12 +204,19 @@ def _attach_int4_unpacker(model: LlamaModel) -> None:
     if unpacker is None:
         return
     n = attach_unpacker(model, unpacker)
-    first = [m for layer in model.layers[:2] for m in layer.modules()
+    first = [m for layer in model.layers[:4] for m in layer.modules()
              if isinstance(m, PackedLinear) and m.unpack]
-    start = time.perf_counter()
-    above = calibrate_unpacking(first, unpacker, repeats=5)
+    threads, start = torch.get_num_threads(), time.perf_counter()
+
+    def measure() -> None:  # on a thread of its own, as the engine's steps run
+        torch.set_num_threads(threads)
+        calibrate_unpacking(first, unpacker, repeats=7)
+
+    worker = threading.Thread(target=measure, name="int4-calibration")
+    worker.start()
+    worker.join()
     log.info("int4: %d linears unpack to bf16 for steps of more than %d rows (measured in "
-             "%.2fs)", n, above, time.perf_counter() - start)
+             "%.2fs)", n, unpacker.above_rows, time.perf_counter() - start)
 
 
 def _load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None, name: str

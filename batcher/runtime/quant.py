@@ -210,6 +210,8 @@ def calibrate_unpacking(layers: list[PackedLinear], unpacker: Int4Unpacker,
     for rows in UNPACK_CALIBRATION_ROWS:
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16)
               for k in {m.in_features for m in layers}}
+        for unpacked in (False, True):  # warm: the thread's pool, the matmul's kernels
+            _time_layers(layers, xs, unpacker if unpacked else None)
         for _ in range(repeats):
             for unpacked in (False, True):
                 t = _time_layers(layers, xs, unpacker if unpacked else None)
