@@ -13,14 +13,7 @@ from torch import nn
 
 from batcher.runtime import int4_unpack
 from batcher.runtime.int4_unpack import UNPACK_ABOVE_ROWS, Int4Unpacker
-from batcher.runtime.quant import (
-    INT4_GROUP,
-    UNPACK_MAX_ABOVE_ROWS,
-    UNPACK_MIN_ABOVE_ROWS,
-    PackedLinear,
-    attach_unpacker,
-    calibrate_unpacking,
-)
+from batcher.runtime.quant import INT4_GROUP, PackedLinear, attach_unpacker
 
 needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
                               reason="no C compiler")
@@ -76,22 +69,6 @@ def test_layers_the_unpacker_cannot_take_keep_the_packed_kernel(unpacker: Int4Un
     assert odd.unpack is None and with_copy.unpack is None
 
 
-def test_calibration_picks_a_measured_row_count(tmp_path: Path) -> None:
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler")
-    unpacker = int4_unpack.load(tmp_path, INT4_GROUP)  # its own: calibrating changes it
-    assert unpacker is not None
-    layers = [_layer(256, 128, seed=2), _layer(128, 256, seed=3)]
-    attach_unpacker(nn.ModuleList(layers), unpacker)
-    above = calibrate_unpacking(layers, unpacker, repeats=1)
-    assert above == unpacker.above_rows
-    assert UNPACK_MIN_ABOVE_ROWS <= above <= UNPACK_MAX_ABOVE_ROWS
-    assert all(m.unpack is unpacker for m in layers)
-    x = torch.randn(above + 1, 128, dtype=torch.bfloat16)
-    torch.testing.assert_close(layers[0](x).float(), _layer(256, 128, seed=2)(x).float(),
-                               rtol=2e-2, atol=2e-2)
-
-
 def test_no_compiler_or_switched_off_means_the_packed_kernel(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("BATCHER_INT4_UNPACK", "0")
@@ -131,3 +108,10 @@ def test_loader_attaches_it_only_without_dense_copies(monkeypatch: pytest.Monkey
                if isinstance(m, PackedLinear) and m.kind == "int4")
     assert all(m.unpack is None for m in copied.modules() if isinstance(m, PackedLinear))
     assert list((tmp_path / "kernels").glob("int4_unpack-*.so"))
+    unpack = next(m.unpack for m in bare.modules() if isinstance(m, PackedLinear) and m.unpack)
+    assert unpack.above_rows == UNPACK_ABOVE_ROWS
+    monkeypatch.setenv("BATCHER_INT4_UNPACK_ABOVE", "77")  # another CPU's crossover
+    fixed = load_model("smollm2-135m", dtype="bfloat16", device="cpu", quantization="int4",
+                       dense_above=None).model
+    assert {m.unpack.above_rows for m in fixed.modules()
+            if isinstance(m, PackedLinear) and m.unpack} == {77}

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,9 +32,7 @@ from batcher.runtime.quant import (
     INT4_GROUP,
     QUANTIZATIONS,
     QUANTIZED_LINEARS,
-    PackedLinear,
     attach_unpacker,
-    calibrate_unpacking,
     quantize_model,
 )
 from batcher.threads import release_openmp_pool
@@ -190,7 +187,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
     release_free_memory()
     set_mmap_threshold(SERVE_MMAP_THRESHOLD)
     if quantization == "int4" and dense_above is None:
-        _attach_int4_unpacker(model)  # measured as steps run: the serving threshold, a thread
+        _attach_int4_unpacker(model)
     release_openmp_pool()  # steps run on another thread, whose pool must be the only one
     took = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
@@ -204,19 +201,8 @@ def _attach_int4_unpacker(model: LlamaModel) -> None:
     if unpacker is None:
         return
     n = attach_unpacker(model, unpacker)
-    first = [m for layer in model.layers[:4] for m in layer.modules()
-             if isinstance(m, PackedLinear) and m.unpack]
-    threads, start = torch.get_num_threads(), time.perf_counter()
-
-    def measure() -> None:  # on a thread of its own, as the engine's steps run
-        torch.set_num_threads(threads)
-        calibrate_unpacking(first, unpacker, repeats=7)
-
-    worker = threading.Thread(target=measure, name="int4-calibration")
-    worker.start()
-    worker.join()
-    log.info("int4: %d linears unpack to bf16 for steps of more than %d rows (measured in "
-             "%.2fs)", n, unpacker.above_rows, time.perf_counter() - start)
+    log.info("int4: %d linears unpack to bf16 for steps of more than %d rows", n,
+             unpacker.above_rows)
 
 
 def _load_int4_gguf(path: Path, dtype: torch.dtype, dense_above: int | None, name: str

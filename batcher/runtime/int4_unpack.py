@@ -14,7 +14,8 @@ ahead for any CPU of the architecture, `build_portable`, as the container image 
 PyTorch's packed layout, so before any layer uses it, it is checked against the packed kernel
 itself on a random matrix. With neither, a failed build or a failed check, the packed kernel runs
 every step, as before.
-`BATCHER_INT4_UNPACK=0` turns it off (to compare).
+`BATCHER_INT4_UNPACK=0` turns it off (to compare) and `BATCHER_INT4_UNPACK_ABOVE=ROWS` sets the
+row count from which it is used.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ import torch
 log = logging.getLogger("batcher.runtime.int4_unpack")
 
 SOURCE = Path(__file__).with_name("int4_unpack.c")
-# Steps of more rows than this unpack; fewer run the packed kernel. Where it pays depends on the
-# CPU, so the loader measures it (`batcher.runtime.quant.calibrate_unpacking`); this is the
-# default before that. The bundled model's 120 int4 linears, bf16, 2 threads of an AMD EPYC
-# (AVX-512 BF16), packed vs unpacked ms: 24 rows 18.1 vs 26.6, 32 rows 23.8 vs 29.2, 48 rows 34.8
-# vs 35.4, 64 rows 45.8 vs 37.7, 128 rows 90.7 vs 53.0, 256 rows 197.6 vs 127.1 (unpacking about
-# 17 ms a step in all, the packed kernel 0.7 ms a row).
+# Steps of more rows than this unpack; fewer run the packed kernel. The bundled model's 120
+# int4 linears, bf16, 2 threads of an AMD EPYC (AVX-512 BF16), packed vs unpacked ms: 24 rows
+# 18.1 vs 26.6, 32 rows 23.8 vs 29.2, 48 rows 34.8 vs 35.4, 64 rows 45.8 vs 37.7, 128 rows 90.7
+# vs 53.0, 256 rows 197.6 vs 127.1 (unpacking about 17 ms a step in all, the packed kernel 0.7
+# ms a row). A CPU with matrix units (AMX) speeds the dense matmul, not the packed kernel, so its
+# crossover may lie lower: `BATCHER_INT4_UNPACK_ABOVE=ROWS` sets another. (Measuring it at
+# start-up was tried: a noisy 0.3 s measurement picked 40-100 rows, and servers that had
+# measured ran chat64 slower than with the row count fixed, for reasons not found.)
 UNPACK_ABOVE_ROWS = 48
 BLOCK_N = 64  # output rows per block of the packed layout the C code reads
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler lacks -march=native
@@ -52,7 +55,8 @@ class Int4Unpacker:
     Layers use it for steps of more than `above_rows` rows."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.above_rows = UNPACK_ABOVE_ROWS
+        fixed = os.environ.get("BATCHER_INT4_UNPACK_ABOVE", "")
+        self.above_rows = int(fixed) if fixed.isdigit() else UNPACK_ABOVE_ROWS
         self._fn = lib.int4pack_to_bf16
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -72,10 +76,6 @@ class Int4Unpacker:
         if self._fn(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group):
             raise ValueError(f"int4 unpack cannot take a {n} x {k} weight in groups of {group}")
         return out
-
-    def drop_buffer(self) -> None:
-        """Free the calling thread's buffer (the loading thread's, once calibrated)."""
-        self._local.buf = None
 
 
 def load(build_dir: Path, group: int) -> Int4Unpacker | None:

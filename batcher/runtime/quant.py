@@ -11,7 +11,6 @@ many rows (`batcher.runtime.int4_unpack`, attached by `attach_unpacker`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -184,63 +183,6 @@ def attach_unpacker(model: nn.Module, unpacker: Int4Unpacker) -> int:
             m.unpack = unpacker
             n += 1
     return n
-
-
-# Steps of this many rows or fewer never unpack: unpacking reads every weight of the model
-# once a step, which one-stream decoding must not pay whatever a noisy calibration says; and
-# steps of more than the most always do.
-UNPACK_MIN_ABOVE_ROWS = 16
-UNPACK_MAX_ABOVE_ROWS = 256
-# The two row counts at which `calibrate_unpacking` times both paths.
-UNPACK_CALIBRATION_ROWS = (32, 128)
-
-
-def calibrate_unpacking(layers: list[PackedLinear], unpacker: Int4Unpacker,
-                        repeats: int = 5) -> int:
-    """Set `unpacker.above_rows` to where unpacking starts to pay on this machine. `layers` (a
-    decoder layer's linears or two) run packed and unpacked at the two `UNPACK_CALIBRATION_ROWS`,
-    best of `repeats`, interleaved; each path's time is a line in the row count (the packed
-    kernel's cost grows with the rows much faster, unpacking costs the same at every size), and
-    steps of more rows than where the lines cross unpack, within [`UNPACK_MIN_ABOVE_ROWS`,
-    `UNPACK_MAX_ABOVE_ROWS`]. CPUs differ most here: matrix units (AMX) make the dense matmul
-    after unpacking far faster, while the packed kernel does not use them."""
-    if not layers:
-        return unpacker.above_rows
-    times: dict[tuple[int, bool], float] = {}
-    for rows in UNPACK_CALIBRATION_ROWS:
-        xs = {k: torch.randn(rows, k, dtype=torch.bfloat16)
-              for k in {m.in_features for m in layers}}
-        for unpacked in (False, True):  # warm: the thread's pool, the matmul's kernels
-            _time_layers(layers, xs, unpacker if unpacked else None)
-        for _ in range(repeats):
-            for unpacked in (False, True):
-                t = _time_layers(layers, xs, unpacker if unpacked else None)
-                times[rows, unpacked] = min(times.get((rows, unpacked), t), t)
-    unpacker.drop_buffer()
-    (r0, r1), slopes, starts = UNPACK_CALIBRATION_ROWS, {}, {}
-    for unpacked in (False, True):
-        slopes[unpacked] = (times[r1, unpacked] - times[r0, unpacked]) / (r1 - r0)
-        starts[unpacked] = times[r0, unpacked] - slopes[unpacked] * r0
-    gain_per_row = slopes[False] - slopes[True]
-    if gain_per_row <= 0:  # the packed kernel grows no faster: unpacking never pays
-        cross = float(UNPACK_MAX_ABOVE_ROWS)
-    else:
-        cross = (starts[True] - starts[False]) / gain_per_row
-    unpacker.above_rows = int(min(max(cross, UNPACK_MIN_ABOVE_ROWS), UNPACK_MAX_ABOVE_ROWS))
-    return unpacker.above_rows
-
-
-def _time_layers(layers: list[PackedLinear], xs: dict[int, torch.Tensor],
-                 unpacker: Int4Unpacker | None) -> float:
-    start = time.perf_counter()
-    for m in layers:
-        x = xs[m.in_features]
-        if unpacker is None:
-            torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, INT4_GROUP, m.scales)
-        else:
-            torch.mm(x, unpacker.dense_t(m.qweight, m.scales, m.in_features, m.out_features,
-                                         INT4_GROUP))
-    return time.perf_counter() - start
 
 
 class Int8Embedding(nn.Module):
