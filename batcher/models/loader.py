@@ -109,10 +109,10 @@ def resolve_quantization(quantization: str, source: str, dtype: str | torch.dtyp
     read the file's own blocks, a quarter of bf16's bytes per token (one stream about 2x faster
     on the bundled model), and big steps run a dense bf16 matmul as `none` does, on a dense
     copy or on weights unpacked per step (BENCHMARKS.md); greedy output then differs from
-    `none`'s at near-ties (the same Q4_1 weights, rounded differently). Anything else resolves to none: on
-    a CPU without native bf16 the int4 kernels would force bf16 onto the dense batch path (3-6x
-    slower than fp32 there), float32 asks for the reference path, a GPU has no int4 kernel
-    here, and a dense checkpoint has no blocks to keep."""
+    `none`'s at near-ties (the same Q4_1 weights, rounded differently). Anything else resolves
+    to none: on a CPU without native bf16 the int4 kernels would force bf16 onto the dense
+    batch path (3-6x slower than fp32 there), float32 asks for the reference path, a GPU has
+    no int4 kernel here, and a dense checkpoint has no blocks to keep."""
     if quantization != "auto":
         return quantization
     if device.type != "cpu" or not cpu_has_fast_bf16():
