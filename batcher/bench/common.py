@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from batcher.cpuinfo import cpuinfo_field
 from batcher.resources import DEFAULT_WORKLOAD
 
 # The repository root when run from a checkout (installed, the folder above the package).
@@ -47,15 +48,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
     return f"{cpu}, {os.cpu_count()} cores"
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from batcher.cpuinfo import cpuinfo_field
+
 log = logging.getLogger("batcher.runtime.int4_unpack")
 
 SOURCE = Path(__file__).with_name("int4_unpack.c")
@@ -146,13 +148,7 @@ def _compile(cc: str, lib: Path, flag_sets: tuple[list[str], ...]) -> Path:
 def _cpu_signature() -> str:
     """What a -march=native build depends on: a cache folder shared by unlike machines keeps one
     library per kind of CPU."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return f"{platform.machine()}|{flags}"
+    return f"{platform.machine()}|{cpuinfo_field('flags', 'Features') or ''}"
 
 
 def _check(unpacker: Int4Unpacker, group: int) -> None:
