@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from batcher.bundled import minilm_dir
-from batcher.models.bert import BertEncoder
 from batcher.flusher import Flusher, FlusherMetrics
+from batcher.models.bert import BertEncoder
 from batcher.threads import release_openmp_pool
 
 MAX_INPUT_TOKENS = 256  # the length all-MiniLM-L6-v2 was trained at; longer inputs are truncated
