@@ -49,6 +49,7 @@ SOURCE = Path(__file__).with_name("int4_unpack.c")
 UNPACK_ABOVE_ROWS = 48
 BLOCK_N = 64  # output rows per block of the packed layout the C code reads
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler lacks -march=native
+NO_COMPILER = "no C compiler (cc or $CC)"
 
 
 class Int4Unpacker:
@@ -99,8 +100,8 @@ def _build(build_dir: Path) -> Path:
     """The library for this machine: built for its CPU where a C compiler is at hand, else one
     built ahead for any CPU of its architecture (`build_portable`, as the container image does)."""
     source = SOURCE.read_bytes()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    failure = "no C compiler (cc or $CC)"
+    cc = _compiler()
+    failure = NO_COMPILER
     if cc:
         key = hashlib.sha256(source + cc.encode() + _cpu_signature().encode()).hexdigest()[:16]
         try:
@@ -116,10 +117,14 @@ def _build(build_dir: Path) -> Path:
 def build_portable(build_dir: Path) -> Path:
     """Build the library for any CPU of this architecture (no -march=native), for machines that
     will have no compiler: a container image builds it in its build stage."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     if not cc:
-        raise RuntimeError("no C compiler (cc or $CC)")
+        raise RuntimeError(NO_COMPILER)
     return _compile(cc, _portable_path(build_dir, SOURCE.read_bytes()), (["-O3"],))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _portable_path(build_dir: Path, source: bytes) -> Path:
