@@ -76,8 +76,9 @@ def test_no_compiler_or_switched_off_means_the_packed_kernel(
     monkeypatch.delenv("BATCHER_INT4_UNPACK")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="batcher.runtime.int4_unpack"):
-        assert int4_unpack.load(tmp_path, INT4_GROUP) is None
+        assert int4_unpack.load(tmp_path / "none", INT4_GROUP) is None
     assert "packed kernel" in caplog.text
+    assert not list((tmp_path / "none").iterdir())  # no temporary file left either
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     assert int4_unpack.load(tmp_path / "other", INT4_GROUP) is None
     assert not list((tmp_path / "other").glob("*.so"))  # no half-built library left behind

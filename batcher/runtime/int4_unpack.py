@@ -140,12 +140,15 @@ def _compile(cc: str, lib: Path, flag_sets: tuple[list[str], ...]) -> Path:
     for flags in flag_sets:
         fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=".int4_unpack-", suffix=".so")
         os.close(fd)
-        done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode == 0:
-            os.replace(tmp, lib)  # atomic: a concurrent build's copy is as good
-            return lib
-        os.unlink(tmp)
+        try:
+            done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                os.replace(tmp, lib)  # atomic: a concurrent build's copy is as good
+                return lib
+        finally:
+            if os.path.exists(tmp):  # a failed build, or a compiler that could not run
+                os.unlink(tmp)
         error = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
     raise RuntimeError(f"{cc} failed: {error}")
 
