@@ -10,8 +10,8 @@ ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# A C compiler in the build stage only: it builds the int4 unpacking library for any CPU ahead
-# (batcher/runtime/int4_unpack.py). A runtime image given one (RUNTIME_APT="gcc libc6-dev")
+# A C compiler in the build stage only: it builds the library of small CPU kernels (int4
+# unpacking, fused decode steps) for any CPU ahead (batcher/runtime/cpu_kernels.py). A runtime image given one (RUNTIME_APT="gcc libc6-dev")
 # builds its own for its CPU at start-up instead, about 2x faster at that step.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
@@ -30,7 +30,7 @@ RUN /opt/batcher/bin/pip install -q . \
 ENV BATCHER_CACHE=/opt/batcher-cache XDG_CACHE_HOME=/opt/batcher-cache
 RUN /opt/batcher/bin/python -c "from batcher.models.loader import load_model; \
 from batcher.tokenizer import load_tokenizer; load_model(dtype='bfloat16', device='cpu'); \
-load_tokenizer(); from pathlib import Path; from batcher.runtime.int4_unpack import build_portable; \
+load_tokenizer(); from pathlib import Path; from batcher.runtime.cpu_kernels import build_portable; \
 build_portable(Path('/opt/batcher-cache/kernels'))" \
  && test -n "$(ls /opt/batcher-cache/weights)" && test -n "$(ls /opt/batcher-cache/kernels)"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from batcher.runtime import int4_unpack
+from batcher.runtime import cpu_kernels, int4_unpack
 from batcher.runtime.int4_unpack import UNPACK_ABOVE_ROWS, Int4Unpacker
 from batcher.runtime.quant import INT4_GROUP, PackedLinear, attach_unpacker
 
@@ -87,9 +87,9 @@ def test_no_compiler_or_switched_off_means_the_packed_kernel(
 @needs_cc
 def test_a_library_built_ahead_serves_a_machine_with_no_compiler(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    built = int4_unpack.build_portable(tmp_path)
+    built = cpu_kernels.build_portable(tmp_path)
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(int4_unpack.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
     unpacker = int4_unpack.load(tmp_path, INT4_GROUP)  # checked against the packed kernel
     assert unpacker is not None and [p.name for p in tmp_path.glob("*.so")] == [built.name]
     assert int4_unpack.load(tmp_path / "empty", INT4_GROUP) is None
@@ -108,7 +108,7 @@ def test_loader_attaches_it_only_without_dense_copies(monkeypatch: pytest.Monkey
     assert all(isinstance(m.unpack, Int4Unpacker) for m in bare.modules()
                if isinstance(m, PackedLinear) and m.kind == "int4")
     assert all(m.unpack is None for m in copied.modules() if isinstance(m, PackedLinear))
-    assert list((tmp_path / "kernels").glob("int4_unpack-*.so"))
+    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
     unpack = next(m.unpack for m in bare.modules() if isinstance(m, PackedLinear) and m.unpack)
     assert unpack.above_rows == UNPACK_ABOVE_ROWS
     monkeypatch.setenv("BATCHER_INT4_UNPACK_ABOVE", "77")  # another CPU's crossover

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batcher.runtime.attention import AttentionMetadata, paged_attention
+from batcher.runtime.fused_decode import FusedDecode
 
 
 @dataclass(slots=True)
@@ -114,12 +115,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
+    fused: FusedDecode | None = None  # the C kernel for small bf16 steps: see `attach_fused`
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.fused
+        if fused is not None and fused.takes_norm(x) and not torch.compiler.is_compiling():
+            return fused.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 as the reference does, then cast back before the weight (its order of
         # rounding in bf16). F.rms_norm runs the same fp32 steps in one call from Python.
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
@@ -143,6 +149,11 @@ class Attention(nn.Module):
         # x: [T, hidden]
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        if isinstance(meta, AttentionMetadata) and meta.fused is not None:
+            # A decode-only step on the CPU: RoPE, the cache write and attention in one call.
+            return self.o_proj(meta.fused.kernels.attend(
+                qkv, cos, sin, kv_cache, meta.fused, self.num_heads, self.num_kv_heads,
+                self.head_dim))
         # Q and K heads lie side by side in the fused projection: one RoPE call rotates both.
         qk_end = self.q_size + self.kv_size
         qk = apply_rope(qkv[:, :qk_end].view(t, -1, self.head_dim), cos, sin)
@@ -175,6 +186,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, meta, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attach_fused(model: nn.Module, kernels: FusedDecode) -> int:
+    """Let every RMSNorm of `model` run small bf16 steps through `kernels` (decode attention
+    takes them through the step's metadata, `AttentionMetadata.fused`). Returns how many."""
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for m in norms:
+        m.fused = kernels
+    return len(norms)
 
 
 class LlamaModel(nn.Module):

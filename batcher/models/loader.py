@@ -27,8 +27,9 @@ from batcher.cpuinfo import CPUINFO, cpuinfo_field
 from batcher.models import gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_int4 import load_int4_gguf
-from batcher.models.llama import LlamaConfig, LlamaModel
-from batcher.runtime import int4_unpack
+from batcher.models.llama import LlamaConfig, LlamaModel, attach_fused
+from batcher.runtime import fused_decode, int4_unpack
+from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.quant import (
     INT4_GROUP,
     QUANTIZATIONS,
@@ -59,6 +60,9 @@ class LoadedModel:
     tokenizer_source: Path  # a .gguf file or a Hugging Face folder
     load_seconds: float
     quantization: str = "none"
+    # CPU, bf16: the C kernels its norms run small steps with, and decode steps' attention
+    # (`batcher.runtime.fused_decode`); None where they cannot be built or do not apply.
+    fused: FusedDecode | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -184,10 +188,25 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
     set_mmap_threshold(SERVE_MMAP_THRESHOLD)
     if quantization == "int4" and dense_above is None:
         _attach_int4_unpacker(model)
+    fused = _attach_fused(model) if dev.type == "cpu" and dt == torch.bfloat16 else None
     release_openmp_pool()  # steps run on another thread, whose pool must be the only one
     took = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
-    return LoadedModel(name, model, cfg, dt, dev, tok_src, took, quantization)
+    return LoadedModel(name, model, cfg, dt, dev, tok_src, took, quantization, fused)
+
+
+def _attach_fused(model: LlamaModel) -> FusedDecode | None:
+    """Small bf16 steps on the CPU run the norms, and decode steps the attention, as C kernels
+    (`batcher.runtime.fused_decode`) where the machine can build them."""
+    kernels = fused_decode.load(cache_dir() / "kernels")
+    if kernels is None:
+        return None
+    n = attach_fused(model, kernels)
+    cfg = model.config
+    attends = kernels.takes_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    log.info("fused CPU kernels: %d norms%s", n,
+             ", and decode steps' attention" if attends else " (attention: heads do not fit)")
+    return kernels if attends else None
 
 
 def _attach_int4_unpacker(model: LlamaModel) -> None:

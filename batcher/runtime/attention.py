@@ -10,11 +10,15 @@ layer (block tables, masks, slot mapping, the gather workspace) is built once pe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from batcher.runtime.prefill_staging import StagedKV
+
+if TYPE_CHECKING:
+    from batcher.runtime.fused_decode import FusedDecodeStep
 
 
 @dataclass(slots=True)
@@ -66,6 +70,9 @@ class AttentionMetadata:
     # Fold GQA into the query length for decode rows: one-token `enable_gqa` SDPA takes a much
     # slower kernel path on CPU in bf16; in fp32 `enable_gqa` is as fast or faster.
     fold_gqa: bool = True
+    # CPU, bf16, a step of decode rows only: the fused kernel's inputs (`fused_decode`); the
+    # model's attention then skips the torch path and `decode_groups` stays empty.
+    fused: FusedDecodeStep | None = None
     # Gather buffers reused by every layer of the step (allocated once per step, lazily).
     _workspace: dict[str, torch.Tensor] = field(default_factory=dict)
 

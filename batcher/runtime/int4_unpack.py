@@ -8,12 +8,10 @@ unpacks each layer's packed weights into one reused bf16 buffer just before its 
 bundled model's largest matrix (3072 x 576) takes about 0.25 ms on one core, the whole model
 about 17 ms a step, against the 70 ms a 256-token chunk loses on the packed kernel.
 
-The unpacking is a small C function (`int4_unpack.c`), built once per machine with the system's C
-compiler into the cache folder and loaded with ctypes (where there is no compiler, a library built
-ahead for any CPU of the architecture, `build_portable`, as the container image does); it reads
-PyTorch's packed layout, so before any layer uses it, it is checked against the packed kernel
-itself on a random matrix. With neither, a failed build or a failed check, the packed kernel runs
-every step, as before.
+The unpacking is a small C function (`cpu_kernels.c`, built and loaded by `cpu_kernels.py`); it
+reads PyTorch's packed layout, so before any layer uses it, it is checked against the packed kernel
+itself on a random matrix. Where the library cannot be had, or the check fails, the packed kernel
+runs every step, as before.
 `BATCHER_INT4_UNPACK=0` turns it off (to compare) and `BATCHER_INT4_UNPACK_ABOVE=ROWS` sets the
 row count from which it is used.
 """
@@ -21,23 +19,18 @@ row count from which it is used.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from batcher.cpuinfo import cpuinfo_field
+from batcher.runtime import cpu_kernels
 
 log = logging.getLogger("batcher.runtime.int4_unpack")
 
-SOURCE = Path(__file__).with_name("int4_unpack.c")
 # Steps of more rows than this unpack; fewer run the packed kernel. The bundled model's 120
 # int4 linears, bf16, 2 threads of an AMD EPYC (AVX-512 BF16), packed vs unpacked ms: 24 rows
 # 18.1 vs 26.6, 32 rows 23.8 vs 29.2, 48 rows 34.8 vs 35.4, 64 rows 45.8 vs 37.7, 128 rows 90.7
@@ -48,8 +41,6 @@ SOURCE = Path(__file__).with_name("int4_unpack.c")
 # measured ran chat64 slower than with the row count fixed, for reasons not found.)
 UNPACK_ABOVE_ROWS = 48
 BLOCK_N = 64  # output rows per block of the packed layout the C code reads
-_FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler lacks -march=native
-NO_COMPILER = "no C compiler (cc or $CC)"
 
 
 class Int4Unpacker:
@@ -88,75 +79,12 @@ def load(build_dir: Path, group: int) -> Int4Unpacker | None:
         log.info("int4 unpacking off (BATCHER_INT4_UNPACK=0): the packed kernel runs every step")
         return None
     try:
-        unpacker = Int4Unpacker(ctypes.CDLL(str(_build(build_dir))))
+        unpacker = Int4Unpacker(cpu_kernels.library(build_dir))
         _check(unpacker, group)
     except (OSError, subprocess.SubprocessError, ValueError, RuntimeError) as exc:
         log.warning("int4 unpacking unavailable (%s): every step runs the packed kernel", exc)
         return None
     return unpacker
-
-
-def _build(build_dir: Path) -> Path:
-    """The library for this machine: built for its CPU where a C compiler is at hand, else one
-    built ahead for any CPU of its architecture (`build_portable`, as the container image does)."""
-    source = SOURCE.read_bytes()
-    cc = _compiler()
-    failure = NO_COMPILER
-    if cc:
-        key = hashlib.sha256(source + cc.encode() + _cpu_signature().encode()).hexdigest()[:16]
-        try:
-            return _compile(cc, build_dir / f"int4_unpack-{key}.so", _FLAGS)
-        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:  # e.g. no C headers
-            failure = str(exc)
-    portable = _portable_path(build_dir, source)
-    if portable.is_file():
-        return portable
-    raise RuntimeError(f"{failure}, and no library built ahead")
-
-
-def build_portable(build_dir: Path) -> Path:
-    """Build the library for any CPU of this architecture (no -march=native), for machines that
-    will have no compiler: a container image builds it in its build stage."""
-    cc = _compiler()
-    if not cc:
-        raise RuntimeError(NO_COMPILER)
-    return _compile(cc, _portable_path(build_dir, SOURCE.read_bytes()), (["-O3"],))
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _portable_path(build_dir: Path, source: bytes) -> Path:
-    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
-    return build_dir / f"int4_unpack-portable-{key}.so"
-
-
-def _compile(cc: str, lib: Path, flag_sets: tuple[list[str], ...]) -> Path:
-    if lib.is_file():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    error = ""
-    for flags in flag_sets:
-        fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=".int4_unpack-", suffix=".so")
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
-                                  capture_output=True, text=True, timeout=120)
-            if done.returncode == 0:
-                os.replace(tmp, lib)  # atomic: a concurrent build's copy is as good
-                return lib
-        finally:
-            if os.path.exists(tmp):  # a failed build, or a compiler that could not run
-                os.unlink(tmp)
-        error = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-    raise RuntimeError(f"{cc} failed: {error}")
-
-
-def _cpu_signature() -> str:
-    """What a -march=native build depends on: a cache folder shared by unlike machines keeps one
-    library per kind of CPU."""
-    return f"{platform.machine()}|{cpuinfo_field('flags', 'Features') or ''}"
 
 
 def _check(unpacker: Int4Unpacker, group: int) -> None:

@@ -12,6 +12,7 @@ import torch
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from batcher.core.spec_verify import collapse, verify_rows
 from batcher.runtime.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from batcher.runtime.fused_decode import FusedDecode, FusedDecodeStep
 from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
 from batcher.runtime.prefill_staging import PrefillStaging
@@ -39,6 +40,9 @@ class Loaded(Protocol):
     @property
     def device(self) -> torch.device: ...
 
+    @property
+    def fused(self) -> FusedDecode | None: ...
+
 
 class ModelRunner:
     """Flatten a step's sequences into one varlen batch: single-token rows (decodes) first, then
@@ -58,6 +62,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.backend = resolve_backend(attention_backend, loaded.device)
+        # CPU, bf16: decode-only steps attend through one C kernel per layer (`fused_decode`).
+        self.fused = loaded.fused if self.backend == "torch" else None
         use_graphs = cuda_graphs and self.backend == "triton"
         # One scratch block past the pool takes the writes of padded graph rows.
         self.kv_caches = allocate_kv_cache(loaded.config, num_blocks + int(use_graphs),
@@ -183,7 +189,7 @@ class ModelRunner:
         meta = AttentionMetadata(block_size=bs, fold_gqa=self.fold_gqa,
                                  slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         if decodes:
-            self._decode_meta(meta, decodes)
+            self._decode_meta(meta, decodes, decode_only=not prefills)
         staging = self.staging
         if staging is not None:
             staging.begin_step(sched.freed_ids)
@@ -228,16 +234,22 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_idx,
                 sample_seqs)
 
-    def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledSeq]) -> None:
+    def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledSeq],
+                     decode_only: bool) -> None:
         bs, dev = self.block_size, self.device
         ctx_lens = [s.start_pos + 1 for s in decodes]
         max_blocks = -(-max(ctx_lens) // bs)
         meta.num_decodes = len(decodes)
-        if self.backend == "triton":
+        if self.backend == "triton" or (self.fused is not None and decode_only):
+            # Kernels that read the blocks in place take each row's table and length.
             rows = [s.block_ids[:-(-c // bs)] for s, c in zip(decodes, ctx_lens)]
-            rows = [r + [0] * (max_blocks - len(r)) for r in rows]
-            meta.decode_tables = torch.tensor(rows, dtype=torch.int32, device=dev)
-            meta.decode_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+            tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows],
+                                  dtype=torch.int32, device=dev)
+            lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+            if self.backend == "triton":
+                meta.decode_tables, meta.decode_lens = tables, lens
+            else:
+                meta.fused = FusedDecodeStep(self.fused, bs, meta.slot_mapping, tables, lens)
             return
         start = 0
         for end, blocks in split_decode_groups([-(-c // bs) for c in ctx_lens]):

@@ -1,0 +1,162 @@
+"""Decode steps on the CPU in bf16 with fewer, fused ops.
+
+A one-row decode step of the bundled model is a few hundred microseconds of arithmetic spread
+over about 1,600 torch ops, each with its own dispatch cost. Two C kernels (`cpu_kernels.c`) take
+the most numerous of them:
+- `rms_norm`: the norm's fp32 round trip (six ops) as one call;
+- `attend`: for a step of decode rows only, RoPE on Q and K, the new K and V written to the paged
+  cache, and attention over each row's cached blocks read in place, one call per layer in place
+  of about twenty ops (slicing, rotation, cache writes, gathers, the mask and SDPA).
+Both compute as the torch path does, in fp32 with bf16 rounding at the same points; attention's
+sums add in another order, so outputs agree to rounding (checked against torch at load).
+
+Prefill chunks, mixed steps, fp32 models and CUDA keep the torch path; so does a step being
+traced by `torch.compile`. `BATCHER_CPU_KERNELS=0` turns the kernels off, to compare.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from batcher.runtime import cpu_kernels
+from batcher.runtime.attention import write_kv
+
+log = logging.getLogger("batcher.runtime.fused_decode")
+
+# Norms of up to this many rows run in C (one thread); bigger ones are torch's, on every thread.
+NORM_MAX_ROWS = 64
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in cpu_kernels.c
+
+_p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+
+class FusedDecode:
+    """The kernels, bound to the loaded library."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._norm = lib.rms_norm_bf16
+        self._norm.argtypes = [_p, _p, _p, _i, _i, _f]
+        self._norm.restype = _i
+        self._attend = lib.decode_attention_bf16
+        self._attend.argtypes = [_p, _l, _p, _p, _p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _f,
+                                 _p]
+        self._attend.restype = _i
+
+    @staticmethod
+    def takes_norm(x: torch.Tensor) -> bool:
+        return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= NORM_MAX_ROWS
+                and x.is_contiguous() and x.device.type == "cpu")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [rows, dim] bf16 contiguous; weight: [dim] bf16."""
+        out = torch.empty_like(x)
+        if self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                      eps):
+            raise ValueError(f"rms_norm cannot take {tuple(x.shape)}")
+        return out
+
+    @staticmethod
+    def takes_attention(heads: int, kv_heads: int, head_dim: int) -> bool:
+        return (heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+                and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], step: FusedDecodeStep,
+               heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+        """qkv: [rows, (heads + 2 * kv_heads) * head_dim] (row-strided); cos, sin: [rows, 1,
+        head_dim] -> [rows, heads * head_dim]. Writes the rows' new K/V into `kv_cache`."""
+        k_cache, v_cache = kv_cache
+        rows = qkv.shape[0]
+        out = qkv.new_empty(rows, heads * head_dim)
+        if self._attend(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                        k_cache.data_ptr(), v_cache.data_ptr(), step.slots.data_ptr(),
+                        step.tables.data_ptr(), step.tables.shape[1], step.lens.data_ptr(),
+                        rows, heads, kv_heads, head_dim, step.block_size, head_dim ** -0.5,
+                        out.data_ptr()):
+            raise ValueError(f"decode attention cannot take {rows} rows of {heads} heads")
+        return out
+
+
+@dataclass(slots=True)
+class FusedDecodeStep:
+    """A decode-only step's inputs to `FusedDecode.attend`, shared by every layer."""
+
+    kernels: FusedDecode
+    block_size: int
+    slots: torch.Tensor  # [rows] int64: where each row's new K/V go
+    tables: torch.Tensor  # [rows, max_blocks] int32
+    lens: torch.Tensor  # [rows] int32: tokens each row attends to, its new one included
+
+
+def load(build_dir: Path) -> FusedDecode | None:
+    """The kernels, or None (logged) where they cannot be built or do not agree with torch."""
+    if os.environ.get("BATCHER_CPU_KERNELS", "1") == "0":
+        log.info("fused CPU kernels off (BATCHER_CPU_KERNELS=0): decode steps run torch's ops")
+        return None
+    try:
+        kernels = FusedDecode(cpu_kernels.library(build_dir))
+        _check(kernels)
+    except (OSError, subprocess.SubprocessError, ValueError, RuntimeError) as exc:
+        log.warning("fused CPU kernels unavailable (%s): decode steps run torch's ops", exc)
+        return None
+    return kernels
+
+
+def reference_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], step: FusedDecodeStep,
+                        heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """What `FusedDecode.attend` computes, in torch ops (the model's own path, row by row)."""
+    rows = qkv.shape[0]
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qk = qkv[:, :q_size + kv_size].reshape(rows, heads + kv_heads, head_dim)
+    qk = qk * cos + qk.roll(head_dim // 2, -1) * sin
+    q, k = qk.split([heads, kv_heads], dim=1)
+    v = qkv[:, q_size + kv_size:].reshape(rows, kv_heads, head_dim)
+    write_kv(k, v, kv_cache, step.slots)
+    k_cache, v_cache = kv_cache
+    out = []
+    for r in range(rows):
+        n = int(step.lens[r])
+        blocks = step.tables[r, :-(-n // step.block_size)].long()
+        kr = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+        vr = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[r].unsqueeze(1), kr, vr, enable_gqa=True)
+        out.append(o.reshape(1, q_size))
+    return torch.cat(out)
+
+
+def _check(kernels: FusedDecode) -> None:
+    """Both kernels agree with torch on random inputs: a library built from another source, or a
+    compiler that miscompiles, never serves."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    w = torch.rand(64, generator=gen).to(torch.bfloat16)
+    want = w * F.rms_norm(x.float(), (64,), eps=1e-5).to(torch.bfloat16)
+    if not torch.allclose(kernels.rms_norm(x, w, 1e-5).float(), want.float(), rtol=1e-2):
+        raise RuntimeError("rms_norm disagrees with torch")
+    heads, kv_heads, hd, bs = 4, 2, 32, 4
+    caches = [(torch.randn(8, bs, kv_heads, hd, generator=gen).to(torch.bfloat16),
+               torch.randn(8, bs, kv_heads, hd, generator=gen).to(torch.bfloat16))
+              for _ in range(2)]
+    caches[1] = (caches[0][0].clone(), caches[0][1].clone())
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * hd, generator=gen).to(torch.bfloat16)
+    angle = torch.rand(2, 1, hd // 2, generator=gen)
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(torch.bfloat16)
+    sin = torch.cat((-angle.sin(), angle.sin()), -1).to(torch.bfloat16)
+    step = FusedDecodeStep(kernels, bs, slots=torch.tensor([4 * 5 + 2, 4 * 2 + 0]),
+                           tables=torch.tensor([[7, 5, 0], [3, 2, 0]], dtype=torch.int32),
+                           lens=torch.tensor([7, 5], dtype=torch.int32))
+    got = kernels.attend(qkv, cos, sin, caches[0], step, heads, kv_heads, hd)
+    want = reference_attention(qkv, cos, sin, caches[1], step, heads, kv_heads, hd)
+    if not (torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+            and torch.equal(caches[0][0], caches[1][0])
+            and torch.equal(caches[0][1], caches[1][1])):
+        raise RuntimeError("decode attention disagrees with torch")

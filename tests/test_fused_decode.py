@@ -1,0 +1,180 @@
+"""The fused CPU decode kernels compute what torch's ops compute: the norm, and RoPE + the KV
+write + paged attention, for any mix of rows, context lengths and GQA groups; decode-only bf16
+steps take them, everything else keeps the torch path; and where they cannot be had, nothing
+changes but speed."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+from batcher.models.llama import RMSNorm
+from batcher.runtime import fused_decode
+from batcher.runtime.fused_decode import FusedDecode, FusedDecodeStep, reference_attention
+from batcher.runtime.model_runner import ModelRunner
+from batcher.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
+                                reason="no C compiler")
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> FusedDecode:
+    k = fused_decode.load(tmp_path_factory.mktemp("kernels"))
+    assert k is not None
+    return k
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (64, 2048), (3, 24)])
+def test_norm_is_torchs_norm(kernels: FusedDecode, rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(torch.bfloat16)
+    want = w * F.rms_norm(x.float(), (dim,), eps=1e-5).to(torch.bfloat16)
+    got = kernels.rms_norm(x, w, 1e-5)
+    # The sum of squares may add in another order: at most one bf16 step apart, rarely.
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
+    assert (got != want).float().mean() < 0.05
+
+
+def _random_step(kernels: FusedDecode, lens: list[int], block_size: int, kv_heads: int,
+                 head_dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_row) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # blocks anywhere in the pool
+    tables, slots, start = [], [], 0
+    for n, b in zip(lens, per_row):
+        row = perm[start:start + b]
+        start += b
+        slots.append(row[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+        tables.append(row + [0] * (max(per_row) - b))
+    step = FusedDecodeStep(kernels, block_size, torch.tensor(slots),
+                           torch.tensor(tables, dtype=torch.int32),
+                           torch.tensor(lens, dtype=torch.int32))
+    return k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16), step, gen
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,lens", [
+    (9, 3, 64, 16, [1, 17, 250]),  # the bundled model's shape, a fresh and two deep rows
+    (4, 4, 32, 8, [5, 40]),  # no GQA
+    (8, 1, 16, 4, [3]),  # one KV head for all
+    (4, 2, 16, 16, [16, 32, 33, 1, 2]),  # block edges
+])
+def test_attention_is_torchs_attention(kernels: FusedDecode, heads: int, kv_heads: int,
+                                       head_dim: int, block_size: int, lens: list[int]) -> None:
+    assert kernels.takes_attention(heads, kv_heads, head_dim)
+    k_cache, v_cache, step, gen = _random_step(kernels, lens, block_size, kv_heads, head_dim,
+                                               seed=len(lens) * heads)
+    rows = len(lens)
+    width = (heads + 2 * kv_heads) * head_dim
+    # Row-strided, as the model hands over Q/K/V: a view into a wider activation.
+    qkv = torch.randn(rows, width + 8, generator=gen).to(torch.bfloat16)[:, :width]
+    angle = torch.rand(rows, 1, head_dim // 2, generator=gen) * 50
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(torch.bfloat16)
+    sin = torch.cat((-angle.sin(), angle.sin()), -1).to(torch.bfloat16)
+    mine = (k_cache.clone(), v_cache.clone())
+    got = kernels.attend(qkv, cos, sin, mine, step, heads, kv_heads, head_dim)
+    want = reference_attention(qkv, cos, sin, (k_cache, v_cache), step, heads, kv_heads,
+                               head_dim)
+    assert got.shape == (rows, heads * head_dim)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
+    assert torch.equal(mine[0], k_cache) and torch.equal(mine[1], v_cache)  # same K/V written
+
+
+def test_shapes_the_kernel_cannot_take_are_refused(kernels: FusedDecode) -> None:
+    assert not kernels.takes_attention(34, 2, 64)  # a GQA group of 17
+    assert not kernels.takes_attention(4, 4, 512)
+    assert not kernels.takes_norm(torch.zeros(65, 64, dtype=torch.bfloat16))  # torch's, threaded
+    assert not kernels.takes_norm(torch.zeros(2, 64))  # fp32
+    assert not kernels.takes_norm(torch.zeros(64, 2, dtype=torch.bfloat16).t())
+
+
+def test_off_or_unbuildable_means_the_torch_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("BATCHER_CPU_KERNELS", "0")
+    assert fused_decode.load(tmp_path) is None
+    monkeypatch.delenv("BATCHER_CPU_KERNELS")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="batcher.runtime.fused_decode"):
+        assert fused_decode.load(tmp_path / "none") is None
+    assert "torch's ops" in caplog.text
+
+
+def _step(runner: ModelRunner, seqs: list[ScheduledSeq]):
+    return runner.prepare(SchedulerOutput(list(seqs)))
+
+
+def test_runner_fuses_decode_only_bf16_steps() -> None:
+    from batcher.models.loader import load_model
+
+    bf16 = load_model("tiny", dtype="bfloat16", device="cpu")
+    assert bf16.fused is not None
+    assert all(m.fused is bf16.fused for m in bf16.model.modules() if isinstance(m, RMSNorm))
+    runner = ModelRunner(bf16, num_blocks=32, block_size=16)
+    decode = [ScheduledSeq("a", [5], 20, [0, 1], True, GREEDY),
+              ScheduledSeq("b", [6], 3, [2], True, GREEDY)]
+    prefill = ScheduledSeq("c", [7, 8, 9], 0, [3], True, GREEDY)
+    _, _, meta, _, _ = _step(runner, decode)
+    assert meta.fused is not None and not meta.decode_groups
+    assert meta.fused.lens.tolist() == [21, 4] and meta.fused.tables.tolist() == [[0, 1], [2, 0]]
+    _, _, mixed, _, _ = _step(runner, [*decode, prefill])
+    assert mixed.fused is None and mixed.decode_groups  # a mixed step: torch's path
+    fp32 = load_model("tiny", dtype="float32", device="cpu")
+    assert fp32.fused is None  # fp32 keeps torch's ops (and the exact-reference tests)
+    _, _, meta32, _, _ = _step(ModelRunner(fp32, num_blocks=32, block_size=16), decode)
+    assert meta32.fused is None
+
+
+@pytest.mark.slow
+def test_bundled_model_decodes_the_same_tokens_fused_and_not(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """The claim on the real model: greedy decoding through the fused kernels picks the tokens
+    torch's ops pick (bf16, the default int4 weights), and its logits stay within bf16 noise."""
+    from batcher.models.loader import load_model
+
+    loaded = load_model("smollm2-135m", dtype="bfloat16", device="cpu")
+    assert loaded.fused is not None
+    from batcher.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ",
+               "Water boils at a temperature of", "Once upon a time, in a small village,"]
+    runs = {}
+    for fused in (True, False):
+        runner = ModelRunner(loaded, num_blocks=64, block_size=16)
+        runner.fused = loaded.fused if fused else None
+        for m in loaded.model.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = loaded.fused if fused else None
+        seqs = {f"r{i}": tok.encode(p) for i, p in enumerate(prompts)}
+        tables = {rid: list(range(16 * i, 16 * i + 16)) for i, rid in enumerate(seqs)}
+        out = runner.execute(SchedulerOutput([ScheduledSeq(rid, ids, 0, tables[rid], True, GREEDY)
+                                              for rid, ids in seqs.items()]))
+        tokens = {rid: [t] for rid, t in zip(out.request_ids, out.token_ids)}
+        logits = []
+        for _ in range(24):  # decode-only steps of all four rows
+            step = [ScheduledSeq(rid, [tokens[rid][-1]], len(seqs[rid]) + len(tokens[rid]) - 1,
+                                 tables[rid], True, GREEDY) for rid in seqs]
+            ids, pos, meta, idx, _ = runner.prepare(SchedulerOutput(step))
+            assert (meta.fused is not None) == fused
+            logits.append(runner.model(ids, pos, meta, runner.kv_caches, idx))
+            out = runner.execute(SchedulerOutput(step))  # writes the same K/V again, samples
+            for rid, t in zip(out.request_ids, out.token_ids):
+                tokens[rid].append(t)
+        runs[fused] = tokens, logits
+    (fused_tokens, fused_logits), (torch_tokens, torch_logits) = runs[True], runs[False]
+    same = sum(a == b for rid in fused_tokens
+               for a, b in zip(fused_tokens[rid], torch_tokens[rid]))
+    assert same / sum(len(t) for t in torch_tokens.values()) >= 0.95
+    first = (fused_logits[0] - torch_logits[0]).abs().max().item()
+    assert first < 0.05 * torch_logits[0].abs().max().item()
