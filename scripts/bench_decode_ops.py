@@ -1,7 +1,7 @@
 """Where a decode step's CPU time goes, and what fusing its small ops buys: the bundled model at
-batch 1 and 32, bf16 dense and int4, eager vs `--compile-decode` (one-row decode steps as one
-torch.compile graph; batch 32 stays eager), and optionally this tree's model file vs an earlier
-revision's. Each (quantization, variant) runs in its own process, interleaved round by round;
+batch 1 and 32, bf16 dense and int4, torch's ops alone (`BATCHER_CPU_KERNELS=0`) vs the fused C
+kernels (the default eager path) vs `--compile-decode` (one-row decode steps as one torch.compile
+graph; batch 32 stays eager), and optionally this tree's model file vs an earlier revision's. Each (quantization, variant) runs in its own process, interleaved round by round;
 loading on the main thread and stepping on a fresh one, as the engine does. Appends a table to
 BENCHMARKS.md.
 
@@ -152,6 +152,8 @@ def _base_tree(rev: str, into: str) -> str:
 def _run(variant: str, quant: str, steps: int, base: str | None,
          threads: int | None) -> dict[str, float]:
     env = dict(os.environ)
+    if variant == "torch-ops":
+        env["BATCHER_CPU_KERNELS"] = "0"
     if variant == "base":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [base, env.get("PYTHONPATH")]))
     res = subprocess.run([sys.executable, __file__, "--child", variant, quant, "--steps",
@@ -186,7 +188,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(_child(a.child[0], a.child[1], a.steps, a.threads)))
         return
-    variants = (["base"] if a.against else []) + ["eager", "compile"]
+    variants = (["base"] if a.against else []) + ["torch-ops", "eager", "compile"]
     ref = variants[0]
     best: dict[tuple[str, str], dict[str, float]] = {}
     loads = []
@@ -203,7 +205,9 @@ def main() -> None:
                               "layer_us"):
                         if k in got:
                             cur[k] = min(cur[k], got[k])
-    name = {"base": f"llama.py at {a.against}", "eager": "this tree, eager",
+    name = {"base": f"llama.py at {a.against}",
+            "torch-ops": "this tree, eager, torch's ops only (BATCHER_CPU_KERNELS=0)",
+            "eager": "this tree, eager (fused CPU kernels)",
             "compile": "this tree, --compile-decode"}
     lines = [("| quantization | model | batch 1 ms (wall / CPU) | CPU vs first | batch 32 ms "
               "(wall / CPU) | CPU vs first | aten ops per batch-1 step | matmul / SDPA / other "
@@ -228,7 +232,8 @@ def main() -> None:
     cmd = " ".join(["python", "scripts/bench_decode_ops.py", *sys.argv[1:]])
     stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     with open(ROOT / "BENCHMARKS.md", "a") as f:
-        f.write(f"\n### Decode step: eager vs --compile-decode, bundled model, bf16 "
+        f.write(f"\n### Decode step: torch's ops vs fused CPU kernels vs --compile-decode, bundled "
+                f"model, bf16 "
                 f"(scripts/bench_decode_ops.py) — {stamp}\n\n`{cmd}` on {_cpu_name()}, {os.cpu_count()} cores, shared with other work (load "
                 f"average {min(loads):.1f}-{max(loads):.1f} at the runs' starts)\n\n{table}\n\n"
                 f"Best median step of {a.steps} per case over {a.rounds} rounds, each case in its "

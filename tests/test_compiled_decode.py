@@ -27,8 +27,9 @@ def _decode(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_compiled_one_row_steps_match_eager_steps() -> None:
-    lm = load_model("tiny", dtype="float32", device="cpu")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: eager steps run C kernels
+def test_compiled_one_row_steps_match_eager_steps(dtype: str) -> None:
+    lm = load_model("tiny", dtype=dtype, device="cpu")
     eager = ModelRunner(lm, num_blocks=8, block_size=16)
     compiled = ModelRunner(lm, num_blocks=8, block_size=16, compile_decode=True)
     if compiled.compiled is None:
@@ -42,7 +43,14 @@ def test_compiled_one_row_steps_match_eager_steps() -> None:
     got = _decode(compiled, prompt, 40)
     assert len(calls) == 40  # every decode step ran the graph (the prefill did not)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiling
-    assert got == _decode(eager, prompt, 40)
+    want = _decode(eager, prompt, 40)
+    assert compiled.compiled is not None  # no step fell back to eager
+    if dtype == "bfloat16":
+        # The graph rounds as torch's ops do, the eager steps as the C kernels do: the tokens
+        # agree until a near-tie, and the caches after it differ with them.
+        assert got[:16] == want[:16]
+        return
+    assert got == want
     # The compiled steps wrote the cache as the eager ones did.
     for (k, v), (k_ref, v_ref) in zip(compiled.kv_caches, eager.kv_caches):
         torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)

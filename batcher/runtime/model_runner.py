@@ -189,7 +189,10 @@ class ModelRunner:
         meta = AttentionMetadata(block_size=bs, fold_gqa=self.fold_gqa,
                                  slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         if decodes:
-            self._decode_meta(meta, decodes, decode_only=not prefills)
+            # The fused kernel takes decode-only steps, except those a compiled graph runs (it
+            # reads `decode_groups`).
+            fuse = not prefills and not (self.compiled is not None and self.compiled.takes(sched))
+            self._decode_meta(meta, decodes, fuse)
         staging = self.staging
         if staging is not None:
             staging.begin_step(sched.freed_ids)
@@ -235,12 +238,12 @@ class ModelRunner:
                 sample_seqs)
 
     def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledSeq],
-                     decode_only: bool) -> None:
+                     fuse: bool) -> None:
         bs, dev = self.block_size, self.device
         ctx_lens = [s.start_pos + 1 for s in decodes]
         max_blocks = -(-max(ctx_lens) // bs)
         meta.num_decodes = len(decodes)
-        if self.backend == "triton" or (self.fused is not None and decode_only):
+        if self.backend == "triton" or (self.fused is not None and fuse):
             # Kernels that read the blocks in place take each row's table and length.
             rows = [s.block_ids[:-(-c // bs)] for s, c in zip(decodes, ctx_lens)]
             tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows],
