@@ -65,8 +65,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "llama-server's output rate (bf16 decode steps run fused C kernels for the norms and "
       "attention; x0.73 without them) against none's x0.36, 64 requests at once at x2.27 (AMD "
       "EPYC, AVX-512 BF16) and resident memory is x1.44 of llama-server's at the defaults; greedy "
-      "output agrees with none's for a mean 0.64 of 16 tokens (a different rounding of the "
-      "same Q4_1 weights; held-out perplexity 0.4%% higher). none keeps the dense weights "
+      "output agrees with none's for a mean 0.84 of 16 tokens (a different rounding of the "
+      "same Q4_1 weights; held-out perplexity 1.2%% higher). none keeps the dense weights "
       "(the HF-equality reference in float32); on a CPU without native bf16 auto is none "
       "because the packed kernels need bf16, which is 3-6x slower than fp32 for batches "
       "there. int8 holds more memory for less speed (default: %(default)s)")
