@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.llama import RMSNorm
 from batcher.runtime import fused_decode
-from batcher.runtime.fused_decode import FusedDecode, FusedDecodeStep, reference_attention
+from batcher.runtime.attention import FusedDecodeStep
+from batcher.runtime.fused_decode import FusedDecode, reference_attention
 from batcher.runtime.model_runner import ModelRunner
 from batcher.sampling import SamplingParams
 

@@ -10,15 +10,12 @@ layer (block tables, masks, slot mapping, the gather workspace) is built once pe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from batcher.runtime.prefill_staging import StagedKV
-
-if TYPE_CHECKING:
-    from batcher.runtime.fused_decode import FusedDecodeStep
 
 
 @dataclass(slots=True)
@@ -51,6 +48,26 @@ class DecodeGroup:
     max_blocks: int
     table: torch.Tensor  # [rows * max_blocks] long
     mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool
+
+
+class FusedAttention(Protocol):
+    """A kernel that runs a decode-only step's attention from the QKV projection on
+    (`batcher.runtime.fused_decode.FusedDecode`)."""
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], step: FusedDecodeStep,
+               heads: int, kv_heads: int, head_dim: int) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class FusedDecodeStep:
+    """A decode-only step's inputs to a `FusedAttention` kernel, shared by every layer."""
+
+    kernels: FusedAttention
+    block_size: int
+    slots: torch.Tensor  # [rows] int64: where each row's new K/V go
+    tables: torch.Tensor  # [rows, max_blocks] int32
+    lens: torch.Tensor  # [rows] int32: tokens each row attends to, its new one included
 
 
 @dataclass(slots=True)

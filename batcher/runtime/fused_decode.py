@@ -20,14 +20,13 @@ import ctypes
 import logging
 import os
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from batcher.runtime import cpu_kernels
-from batcher.runtime.attention import write_kv
+from batcher.runtime.attention import FusedDecodeStep, write_kv
 
 log = logging.getLogger("batcher.runtime.fused_decode")
 
@@ -83,17 +82,6 @@ class FusedDecode:
                         out.data_ptr()):
             raise ValueError(f"decode attention cannot take {rows} rows of {heads} heads")
         return out
-
-
-@dataclass(slots=True)
-class FusedDecodeStep:
-    """A decode-only step's inputs to `FusedDecode.attend`, shared by every layer."""
-
-    kernels: FusedDecode
-    block_size: int
-    slots: torch.Tensor  # [rows] int64: where each row's new K/V go
-    tables: torch.Tensor  # [rows, max_blocks] int32
-    lens: torch.Tensor  # [rows] int32: tokens each row attends to, its new one included
 
 
 def load(build_dir: Path) -> FusedDecode | None:

@@ -11,8 +11,13 @@ import torch
 
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from batcher.core.spec_verify import collapse, verify_rows
-from batcher.runtime.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from batcher.runtime.fused_decode import FusedDecode, FusedDecodeStep
+from batcher.runtime.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    FusedDecodeStep,
+    PrefillChunk,
+)
+from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
 from batcher.runtime.prefill_staging import PrefillStaging
