@@ -90,6 +90,11 @@ def test_attention_is_torchs_attention(kernels: FusedDecode, heads: int, kv_head
     assert got.shape == (rows, heads * head_dim)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
     assert torch.equal(mine[0], k_cache) and torch.equal(mine[1], v_cache)  # same K/V written
+    # A mixed step's decode rows: Q rotated and K/V written by torch's ops, attention alone.
+    q = qkv[:, :heads * head_dim].reshape(rows, heads, head_dim)
+    q = q * cos + q.roll(head_dim // 2, -1) * sin
+    rotated = kernels.attend_rotated(q, mine, step)
+    torch.testing.assert_close(rotated.float(), want.float(), rtol=2e-2, atol=1e-2)
 
 
 def test_shapes_the_kernel_cannot_take_are_refused(kernels: FusedDecode) -> None:
@@ -128,8 +133,19 @@ def test_runner_fuses_decode_only_bf16_steps() -> None:
     _, _, meta, _, _ = _step(runner, decode)
     assert meta.fused is not None and not meta.decode_groups
     assert meta.fused.lens.tolist() == [21, 4] and meta.fused.tables.tolist() == [[0, 1], [2, 0]]
-    _, _, mixed, _, _ = _step(runner, [*decode, prefill])
-    assert mixed.fused is None and mixed.decode_groups  # a mixed step: torch's path
+    ids, pos, mixed, idx, _ = _step(runner, [*decode, prefill])
+    # A mixed step: its decode rows through the kernel, its prompt chunk through torch's ops.
+    assert mixed.fused is not None and not mixed.decode_groups
+    assert mixed.fused.slots.tolist() == mixed.slot_mapping[:2].tolist()
+    with_kernel = runner.model(ids, pos, mixed, runner.kv_caches, idx)
+    _, _, plain, _, _ = _step(runner, [*decode, prefill])
+    plain.fused = None
+    runner._decode_meta(plain, sorted(decode, key=lambda s: -s.start_pos), fuse=False)
+    assert plain.decode_groups
+    without = runner.model(ids, pos, plain, runner.kv_caches, idx).float()
+    # bf16 rounding apart: the same choices, logits within a few hundredths.
+    assert torch.equal(without.argmax(-1), with_kernel.float().argmax(-1))
+    assert (without - with_kernel.float()).abs().max() < 0.1
     fp32 = load_model("tiny", dtype="float32", device="cpu")
     assert fp32.fused is None  # fp32 keeps torch's ops (and the exact-reference tests)
     _, _, meta32, _, _ = _step(ModelRunner(fp32, num_blocks=32, block_size=16), decode)

@@ -149,7 +149,8 @@ class Attention(nn.Module):
         # x: [T, hidden]
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        if isinstance(meta, AttentionMetadata) and meta.fused is not None:
+        if isinstance(meta, AttentionMetadata) and meta.fused is not None and \
+                meta.num_decodes == t:
             # A decode-only step on the CPU: RoPE, the cache write and attention in one call.
             return self.o_proj(meta.fused.kernels.attend(
                 qkv, cos, sin, kv_cache, meta.fused, self.num_heads, self.num_kv_heads,

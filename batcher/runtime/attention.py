@@ -58,6 +58,9 @@ class FusedAttention(Protocol):
                kv_cache: tuple[torch.Tensor, torch.Tensor], step: FusedDecodeStep,
                heads: int, kv_heads: int, head_dim: int) -> torch.Tensor: ...
 
+    def attend_rotated(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                       step: FusedDecodeStep) -> torch.Tensor: ...
+
 
 @dataclass(slots=True)
 class FusedDecodeStep:
@@ -87,8 +90,8 @@ class AttentionMetadata:
     # Fold GQA into the query length for decode rows: one-token `enable_gqa` SDPA takes a much
     # slower kernel path on CPU in bf16; in fp32 `enable_gqa` is as fast or faster.
     fold_gqa: bool = True
-    # CPU, bf16, a step of decode rows only: the fused kernel's inputs (`fused_decode`); the
-    # model's attention then skips the torch path and `decode_groups` stays empty.
+    # CPU, bf16: the fused kernel's inputs for the decode rows (`fused_decode`), in place of
+    # `decode_groups`. A decode-only step then skips the torch path altogether.
     fused: FusedDecodeStep | None = None
     # Gather buffers reused by every layer of the step (allocated once per step, lazily).
     _workspace: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -115,6 +118,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tenso
     # q: [D, heads, head_dim] -> [D, heads * head_dim]
     k_cache, v_cache = kv_cache
     d_rows, heads, hd = q.shape
+    if meta.fused is not None:  # the CPU kernel, reading the blocks in place
+        return meta.fused.kernels.attend_rotated(q, kv_cache, meta.fused)
     if meta.decode_tables is not None:
         from batcher.runtime.triton_attention import paged_decode_attention
 

@@ -112,24 +112,18 @@ static inline void rope_bf16(const uint16_t *x, const uint16_t *cos, const uint1
     }
 }
 
-/* One decode step's attention for every layer-row at once, from the QKV projection to the heads'
- * output: RoPE on Q and K, the new K and V written to the paged cache, then each row's query
- * heads attend to its cached tokens, reading the blocks in place.
- *
- * qkv:    [rows, (heads + 2 * kv_heads) * hd], row stride qkv_stride: Q heads, K heads, V heads.
- * cos, sin: [rows, hd], the rows' positions (sin's first half negated: rotate-half).
- * k_cache, v_cache: [blocks, block_size, kv_heads, hd].
- * slots:  [rows] cache slot (block * block_size + offset) of each row's new token.
- * tables: [rows, max_blocks] block ids; lens: [rows] tokens to attend to, the new one included.
- * out:    [rows, heads * hd].
- */
-int decode_attention_bf16(const uint16_t *qkv, long qkv_stride, const uint16_t *cos,
-                          const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache,
-                          const int64_t *slots, const int32_t *tables, int max_blocks,
-                          const int32_t *lens, int rows, int heads, int kv_heads, int hd,
-                          int block_size, float scale, uint16_t *out) {
-    if (rows <= 0 || hd <= 0 || hd > MAX_HEAD_DIM || hd % 2 || kv_heads <= 0
-        || heads % kv_heads || heads / kv_heads > MAX_GROUP || block_size <= 0) return -1;
+static int check_shape(int rows, int heads, int kv_heads, int hd, int block_size) {
+    return rows > 0 && hd > 0 && hd <= MAX_HEAD_DIM && hd % 2 == 0 && kv_heads > 0
+           && heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP && block_size > 0;
+}
+
+/* Each row's query heads attend to its cached tokens, reading the blocks in place. q: [rows, heads
+ * * hd] with row stride q_stride; rotated here by cos/sin first unless cos is NULL (then q is
+ * rotated already). tables: [rows, max_blocks]; lens: [rows]; out: [rows, heads * hd]. */
+static int attend(const uint16_t *q_in, long q_stride, const uint16_t *cos, const uint16_t *sin,
+                  const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
+                  int max_blocks, const int32_t *lens, int rows, int heads, int kv_heads, int hd,
+                  int block_size, float scale, uint16_t *out) {
     int group = heads / kv_heads;
     size_t tok_stride = (size_t)kv_heads * hd;
     int maxlen = 1;
@@ -137,30 +131,20 @@ int decode_attention_bf16(const uint16_t *qkv, long qkv_stride, const uint16_t *
         if (lens[r] <= 0 || lens[r] > max_blocks * block_size) return -1;
         maxlen = lens[r] > maxlen ? lens[r] : maxlen;
     }
-    /* New K (rotated) and V into the cache first: every query sees its own token. */
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *row = qkv + (size_t)r * qkv_stride;
-        const uint16_t *cr = cos + (size_t)r * hd, *sr = sin + (size_t)r * hd;
-        uint16_t *kdst = k_cache + (size_t)slots[r] * tok_stride;
-        uint16_t *vdst = v_cache + (size_t)slots[r] * tok_stride;
-        for (int h = 0; h < kv_heads; h++) {
-            float k[MAX_HEAD_DIM];
-            rope_bf16(row + (size_t)(heads + h) * hd, cr, sr, hd, k);
-            for (int d = 0; d < hd; d++) kdst[(size_t)h * hd + d] = float_to_bf16(k[d]);
-        }
-        memcpy(vdst, row + (size_t)(heads + kv_heads) * hd, sizeof(uint16_t) * tok_stride);
-    }
     float *scores = malloc(sizeof(float) * (size_t)group * (size_t)maxlen);
     if (!scores) return -2;
     for (int r = 0; r < rows; r++) {
         int len = lens[r];
         const int32_t *table = tables + (size_t)r * max_blocks;
-        const uint16_t *row = qkv + (size_t)r * qkv_stride;
+        const uint16_t *row = q_in + (size_t)r * q_stride;
         for (int h = 0; h < kv_heads; h++) {
             float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
             for (int g = 0; g < group; g++) {
-                rope_bf16(row + (size_t)(h * group + g) * hd, cos + (size_t)r * hd,
-                          sin + (size_t)r * hd, hd, q[g]);
+                const uint16_t *head = row + (size_t)(h * group + g) * hd;
+                if (cos)
+                    rope_bf16(head, cos + (size_t)r * hd, sin + (size_t)r * hd, hd, q[g]);
+                else
+                    for (int d = 0; d < hd; d++) q[g][d] = bf16_to_float(head[d]);
                 for (int d = 0; d < hd; d++) {
                     q[g][d] *= scale;
                     acc[g][d] = 0.0f;
@@ -212,4 +196,50 @@ int decode_attention_bf16(const uint16_t *qkv, long qkv_stride, const uint16_t *
     }
     free(scores);
     return 0;
+}
+
+/* A decode-only step's attention from the QKV projection to the heads' output: RoPE on Q and K,
+ * the new K and V written to the paged cache, then `attend`.
+ *
+ * qkv:    [rows, (heads + 2 * kv_heads) * hd], row stride qkv_stride: Q heads, K heads, V heads.
+ * cos, sin: [rows, hd], the rows' positions (sin's first half negated: rotate-half).
+ * k_cache, v_cache: [blocks, block_size, kv_heads, hd].
+ * slots:  [rows] cache slot (block * block_size + offset) of each row's new token.
+ * tables: [rows, max_blocks] block ids; lens: [rows] tokens to attend to, the new one included.
+ * out:    [rows, heads * hd].
+ */
+int decode_attention_bf16(const uint16_t *qkv, long qkv_stride, const uint16_t *cos,
+                          const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache,
+                          const int64_t *slots, const int32_t *tables, int max_blocks,
+                          const int32_t *lens, int rows, int heads, int kv_heads, int hd,
+                          int block_size, float scale, uint16_t *out) {
+    if (!check_shape(rows, heads, kv_heads, hd, block_size)) return -1;
+    size_t tok_stride = (size_t)kv_heads * hd;
+    /* New K (rotated) and V into the cache first: every query sees its own token. */
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *row = qkv + (size_t)r * qkv_stride;
+        const uint16_t *cr = cos + (size_t)r * hd, *sr = sin + (size_t)r * hd;
+        uint16_t *kdst = k_cache + (size_t)slots[r] * tok_stride;
+        uint16_t *vdst = v_cache + (size_t)slots[r] * tok_stride;
+        for (int h = 0; h < kv_heads; h++) {
+            float k[MAX_HEAD_DIM];
+            rope_bf16(row + (size_t)(heads + h) * hd, cr, sr, hd, k);
+            for (int d = 0; d < hd; d++) kdst[(size_t)h * hd + d] = float_to_bf16(k[d]);
+        }
+        memcpy(vdst, row + (size_t)(heads + kv_heads) * hd, sizeof(uint16_t) * tok_stride);
+    }
+    return attend(qkv, qkv_stride, cos, sin, k_cache, v_cache, tables, max_blocks, lens, rows,
+                  heads, kv_heads, hd, block_size, scale, out);
+}
+
+/* The decode rows of a mixed step, whose Q is rotated and whose K/V are in the cache already
+ * (torch's ops did both for every row of the step): `attend` alone. q: [rows, heads * hd], row
+ * stride q_stride. */
+int paged_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *tables, int max_blocks,
+                                const int32_t *lens, int rows, int heads, int kv_heads, int hd,
+                                int block_size, float scale, uint16_t *out) {
+    if (!check_shape(rows, heads, kv_heads, hd, block_size)) return -1;
+    return attend(q, q_stride, NULL, NULL, k_cache, v_cache, tables, max_blocks, lens, rows,
+                  heads, kv_heads, hd, block_size, scale, out);
 }

@@ -6,12 +6,15 @@ the most numerous of them:
 - `rms_norm`: the norm's fp32 round trip (six ops) as one call;
 - `attend`: for a step of decode rows only, RoPE on Q and K, the new K and V written to the paged
   cache, and attention over each row's cached blocks read in place, one call per layer in place
-  of about twenty ops (slicing, rotation, cache writes, gathers, the mask and SDPA).
+  of about twenty ops (slicing, rotation, cache writes, gathers, the mask and SDPA);
+- `attend_rotated`: the decode rows of a step that also reads a prompt, attention alone (torch's
+  ops rotate and write every row of such a step). So a decode row costs about the same in either
+  kind of step, which the step-time model behind admission and chunking assumes.
 Both compute as the torch path does, in fp32 with bf16 rounding at the same points; attention's
 sums add in another order, so outputs agree to rounding (checked against torch at load).
 
-Prefill chunks, mixed steps, fp32 models and CUDA keep the torch path; so does a step being
-traced by `torch.compile`. `BATCHER_CPU_KERNELS=0` turns the kernels off, to compare.
+Prefill chunks, fp32 models and CUDA keep the torch path; so does a step being traced by
+`torch.compile`. `BATCHER_CPU_KERNELS=0` turns the kernels off, to compare.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class FusedDecode:
         self._attend.argtypes = [_p, _l, _p, _p, _p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _f,
                                  _p]
         self._attend.restype = _i
+        self._attend_rotated = lib.paged_decode_attention_bf16
+        self._attend_rotated.argtypes = [_p, _l, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _f, _p]
+        self._attend_rotated.restype = _i
 
     @staticmethod
     def takes_norm(x: torch.Tensor) -> bool:
@@ -80,6 +86,22 @@ class FusedDecode:
                         step.tables.data_ptr(), step.tables.shape[1], step.lens.data_ptr(),
                         rows, heads, kv_heads, head_dim, step.block_size, head_dim ** -0.5,
                         out.data_ptr()):
+            raise ValueError(f"decode attention cannot take {rows} rows of {heads} heads")
+        return out
+
+    def attend_rotated(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                       step: FusedDecodeStep) -> torch.Tensor:
+        """The decode rows of a mixed step, after torch's ops rotated Q and wrote every row's
+        K/V: q [rows, heads, head_dim] (row-strided) -> [rows, heads * head_dim]."""
+        k_cache, v_cache = kv_cache
+        rows, heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        out = q.new_empty(rows, heads * head_dim)
+        if self._attend_rotated(q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                v_cache.data_ptr(), step.tables.data_ptr(), step.tables.shape[1],
+                                step.lens.data_ptr(), rows, heads, k_cache.shape[2], head_dim,
+                                step.block_size, head_dim ** -0.5, out.data_ptr()):
             raise ValueError(f"decode attention cannot take {rows} rows of {heads} heads")
         return out
 
@@ -148,3 +170,9 @@ def _check(kernels: FusedDecode) -> None:
             and torch.equal(caches[0][0], caches[1][0])
             and torch.equal(caches[0][1], caches[1][1])):
         raise RuntimeError("decode attention disagrees with torch")
+    # The same rows through the entry for rotated queries, over the cache both wrote.
+    q = qkv[:, :heads * hd].reshape(2, heads, hd)
+    q = q * cos + q.roll(hd // 2, -1) * sin
+    if not torch.allclose(kernels.attend_rotated(q, caches[0], step).float(), want.float(),
+                          rtol=2e-2, atol=2e-2):
+        raise RuntimeError("decode attention (rotated queries) disagrees with torch")

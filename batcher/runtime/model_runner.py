@@ -67,7 +67,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.backend = resolve_backend(attention_backend, loaded.device)
-        # CPU, bf16: decode-only steps attend through one C kernel per layer (`fused_decode`).
+        # CPU, bf16: decode rows attend through a C kernel (`fused_decode`): a decode-only step
+        # runs one call per layer from the QKV projection on.
         self.fused = loaded.fused if self.backend == "torch" else None
         use_graphs = cuda_graphs and self.backend == "triton"
         # One scratch block past the pool takes the writes of padded graph rows.
@@ -194,10 +195,10 @@ class ModelRunner:
         meta = AttentionMetadata(block_size=bs, fold_gqa=self.fold_gqa,
                                  slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         if decodes:
-            # The fused kernel takes decode-only steps, except those a compiled graph runs (it
+            # The fused kernel takes the decode rows, except in a step a compiled graph runs (it
             # reads `decode_groups`).
-            fuse = not prefills and not (self.compiled is not None and self.compiled.takes(sched))
-            self._decode_meta(meta, decodes, fuse)
+            self._decode_meta(meta, decodes, fuse=not (self.compiled is not None
+                                                       and self.compiled.takes(sched)))
         staging = self.staging
         if staging is not None:
             staging.begin_step(sched.freed_ids)
@@ -257,7 +258,8 @@ class ModelRunner:
             if self.backend == "triton":
                 meta.decode_tables, meta.decode_lens = tables, lens
             else:
-                meta.fused = FusedDecodeStep(self.fused, bs, meta.slot_mapping, tables, lens)
+                meta.fused = FusedDecodeStep(self.fused, bs, meta.slot_mapping[:len(decodes)],
+                                             tables, lens)
             return
         start = 0
         for end, blocks in split_decode_groups([-(-c // bs) for c in ctx_lens]):
