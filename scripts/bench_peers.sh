@@ -3,7 +3,10 @@
 # bundled GGUF file, alternating, in one run; prints both rows and the ratio and appends them to
 # BENCHMARKS.md.
 #
-#   scripts/bench_peers.sh [--build-only] [--rounds N] [--workload FILE] [--single N]
+#   scripts/bench_peers.sh [--build-only] [--rounds N] [--workload FILE] [--single N] [--batch N]
+#
+# --batch N: N synthetic requests all at once (256-token prompts, lognormal spread 0.5; 64 greedy
+# tokens each), the 48-request batch workload at N=48, beside chat64's mixed lengths.
 #
 # --single N: one stream instead (a closed loop of one user, N requests of a 100-token prompt and
 # 128 greedy tokens each), the issue of a laptop user; the verdict is then output tok/s against
@@ -34,12 +37,14 @@ ROUNDS=1
 BUILD_ONLY=0
 WORKLOAD="$ROOT/workloads/chat64.json"
 SINGLE=0
+BATCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --build-only) BUILD_ONLY=1 ;;
     --rounds) ROUNDS="$2"; shift ;;
     --workload) WORKLOAD="$2"; shift ;;
     --single) SINGLE="$2"; shift ;;
+    --batch) BATCH="$2"; shift ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -79,6 +84,10 @@ if [ "$SINGLE" -gt 0 ]; then
   LOAD=(--synthetic --input-median 100 --input-spread 0 --output-median 128 --output-spread 0
         --arrivals closed --concurrency 1 --num-requests "$SINGLE" --seed 0)
   NP=1
+elif [ "$BATCH" -gt 0 ]; then
+  LOAD=(--synthetic --input-median 256 --output-median 64 --output-spread 0 --arrivals all
+        --num-requests "$BATCH" --seed 0)
+  NP=16
 else
   LOAD=(--workload "$WORKLOAD")
   NP=16
@@ -140,5 +149,7 @@ done
 
 MODE=()
 [ "$SINGLE" -gt 0 ] && MODE=(--single)
+[ "$BATCH" -gt 0 ] && MODE=(--title "Peers: $BATCH requests at t=0 (256-token prompts, 64 greedy \
+tokens each), batcher serve vs llama.cpp llama-server (same GGUF)")
 "$PY" -m batcher.bench.peers "$OUT" --rounds "$ROUNDS" "${MODE[@]}" \
   --command "${PEER_ARGS:+PEER_ARGS=\"$PEER_ARGS\" }${BATCHER_ARGS:+BATCHER_ARGS=\"$BATCHER_ARGS\" }scripts/bench_peers.sh $ARGS"

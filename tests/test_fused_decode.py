@@ -105,6 +105,29 @@ def test_shapes_the_kernel_cannot_take_are_refused(kernels: FusedDecode) -> None
     assert not kernels.takes_norm(torch.zeros(64, 2, dtype=torch.bfloat16).t())
 
 
+def test_a_table_outside_the_pool_is_refused_before_anything_is_written(
+        kernels: FusedDecode) -> None:
+    k_cache, v_cache, step, gen = _random_step(kernels, [5, 9], 4, 2, 16, seed=3)
+    before = (k_cache.clone(), v_cache.clone())
+    qkv = torch.randn(2, 8 * 16, generator=gen).to(torch.bfloat16)
+    cos = torch.ones(2, 1, 16, dtype=torch.bfloat16)
+    sin = torch.zeros(2, 1, 16, dtype=torch.bfloat16)
+    step.tables[1, 2] = k_cache.shape[0]  # one block past the pool
+    with pytest.raises(ValueError):
+        kernels.attend(qkv, cos, sin, (k_cache, v_cache), step, 4, 2, 16)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    with pytest.raises(ValueError):
+        kernels.attend_rotated(qkv[:, :64].reshape(2, 4, 16), (k_cache, v_cache), step)
+    with pytest.raises(ValueError):  # fp32 rows would be read as bf16
+        kernels.attend(qkv.float(), cos, sin, (k_cache, v_cache), step, 4, 2, 16)
+
+
+def test_big_steps_on_many_threads_keep_torchs_parallel_path(kernels: FusedDecode) -> None:
+    assert kernels.takes_step(2, 64 * 2048)  # one thread beat two at every size measured
+    assert kernels.takes_step(16, 8 * 256)  # small steps: the per-op cost dominates
+    assert not kernels.takes_step(16, 64 * 2048)
+
+
 def test_off_or_unbuildable_means_the_torch_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("BATCHER_CPU_KERNELS", "0")

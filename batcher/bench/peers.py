@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-append", action="store_true", help="print only")
     p.add_argument("--single", action="store_true", help="a one-stream run: its target is "
                    "0.75x the peer's output tok/s")
+    p.add_argument("--title", help="the BENCHMARKS.md section's title (default: chat64's, or the "
+                   "one stream's with --single)")
     args = p.parse_args(argv)
     rounds = [(load(args.out / f"llama-{i}"), load(args.out / f"batcher-{i}"))
               for i in range(1, args.rounds + 1)]
@@ -86,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.out / "peers_cdf.png")
     print(f"\nplot: {args.out / 'peers_cdf.png'}")
     if not args.no_append:
-        append_rows(SINGLE_TITLE if args.single else TITLE, header, rows, "\n".join(notes),
-                    args.command)
+        title = args.title or (SINGLE_TITLE if args.single else TITLE)
+        append_rows(title, header, rows, "\n".join(notes), args.command)
     return 0
 
 

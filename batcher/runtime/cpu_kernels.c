@@ -112,9 +112,22 @@ static inline void rope_bf16(const uint16_t *x, const uint16_t *cos, const uint1
     }
 }
 
-static int check_shape(int rows, int heads, int kv_heads, int hd, int block_size) {
-    return rows > 0 && hd > 0 && hd <= MAX_HEAD_DIM && hd % 2 == 0 && kv_heads > 0
-           && heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP && block_size > 0;
+/* The shapes the kernels' fixed arrays take, and every row's length and blocks inside the pool
+ * (checked before anything is written). */
+static int check_step(int rows, int heads, int kv_heads, int hd, int block_size, int num_blocks,
+                      const int32_t *tables, int max_blocks, const int32_t *lens) {
+    if (!(rows > 0 && hd > 0 && hd <= MAX_HEAD_DIM && hd % 2 == 0 && kv_heads > 0
+          && heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP && block_size > 0
+          && max_blocks > 0 && num_blocks > 0)) return 0;
+    for (int r = 0; r < rows; r++) {
+        if (lens[r] <= 0 || lens[r] > max_blocks * block_size) return 0;
+        int used = (lens[r] + block_size - 1) / block_size;
+        for (int b = 0; b < used; b++) {
+            int32_t block = tables[(size_t)r * max_blocks + b];
+            if (block < 0 || block >= num_blocks) return 0;
+        }
+    }
+    return 1;
 }
 
 /* Each row's query heads attend to its cached tokens, reading the blocks in place. q: [rows, heads
@@ -127,10 +140,7 @@ static int attend(const uint16_t *q_in, long q_stride, const uint16_t *cos, cons
     int group = heads / kv_heads;
     size_t tok_stride = (size_t)kv_heads * hd;
     int maxlen = 1;
-    for (int r = 0; r < rows; r++) {
-        if (lens[r] <= 0 || lens[r] > max_blocks * block_size) return -1;
-        maxlen = lens[r] > maxlen ? lens[r] : maxlen;
-    }
+    for (int r = 0; r < rows; r++) maxlen = lens[r] > maxlen ? lens[r] : maxlen;
     float *scores = malloc(sizeof(float) * (size_t)group * (size_t)maxlen);
     if (!scores) return -2;
     for (int r = 0; r < rows; r++) {
@@ -203,17 +213,20 @@ static int attend(const uint16_t *q_in, long q_stride, const uint16_t *cos, cons
  *
  * qkv:    [rows, (heads + 2 * kv_heads) * hd], row stride qkv_stride: Q heads, K heads, V heads.
  * cos, sin: [rows, hd], the rows' positions (sin's first half negated: rotate-half).
- * k_cache, v_cache: [blocks, block_size, kv_heads, hd].
+ * k_cache, v_cache: [num_blocks, block_size, kv_heads, hd].
  * slots:  [rows] cache slot (block * block_size + offset) of each row's new token.
  * tables: [rows, max_blocks] block ids; lens: [rows] tokens to attend to, the new one included.
  * out:    [rows, heads * hd].
  */
 int decode_attention_bf16(const uint16_t *qkv, long qkv_stride, const uint16_t *cos,
                           const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache,
-                          const int64_t *slots, const int32_t *tables, int max_blocks,
-                          const int32_t *lens, int rows, int heads, int kv_heads, int hd,
-                          int block_size, float scale, uint16_t *out) {
-    if (!check_shape(rows, heads, kv_heads, hd, block_size)) return -1;
+                          int num_blocks, const int64_t *slots, const int32_t *tables,
+                          int max_blocks, const int32_t *lens, int rows, int heads, int kv_heads,
+                          int hd, int block_size, float scale, uint16_t *out) {
+    if (!check_step(rows, heads, kv_heads, hd, block_size, num_blocks, tables, max_blocks, lens))
+        return -1;
+    for (int r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= (int64_t)num_blocks * block_size) return -1;
     size_t tok_stride = (size_t)kv_heads * hd;
     /* New K (rotated) and V into the cache first: every query sees its own token. */
     for (int r = 0; r < rows; r++) {
@@ -236,10 +249,12 @@ int decode_attention_bf16(const uint16_t *qkv, long qkv_stride, const uint16_t *
  * (torch's ops did both for every row of the step): `attend` alone. q: [rows, heads * hd], row
  * stride q_stride. */
 int paged_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache,
-                                const uint16_t *v_cache, const int32_t *tables, int max_blocks,
-                                const int32_t *lens, int rows, int heads, int kv_heads, int hd,
-                                int block_size, float scale, uint16_t *out) {
-    if (!check_shape(rows, heads, kv_heads, hd, block_size)) return -1;
+                                const uint16_t *v_cache, int num_blocks, const int32_t *tables,
+                                int max_blocks, const int32_t *lens, int rows, int heads,
+                                int kv_heads, int hd, int block_size, float scale,
+                                uint16_t *out) {
+    if (!check_step(rows, heads, kv_heads, hd, block_size, num_blocks, tables, max_blocks, lens))
+        return -1;
     return attend(q, q_stride, NULL, NULL, k_cache, v_cache, tables, max_blocks, lens, rows,
                   heads, kv_heads, hd, block_size, scale, out);
 }

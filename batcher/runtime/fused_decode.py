@@ -10,8 +10,10 @@ the most numerous of them:
 - `attend_rotated`: the decode rows of a step that also reads a prompt, attention alone (torch's
   ops rotate and write every row of such a step). So a decode row costs about the same in either
   kind of step, which the step-time model behind admission and chunking assumes.
-Both compute as the torch path does, in fp32 with bf16 rounding at the same points; attention's
-sums add in another order, so outputs agree to rounding (checked against torch at load).
+RoPE, the K/V written and the norm round as torch's ops do (the norm's sum of squares may add in
+another order); attention keeps its scores and probabilities in fp32 where torch's bf16 SDPA
+rounds some of them, so outputs agree to bf16 rounding, not bit for bit (checked against torch at
+load; the greedy tokens of the bundled model in tests/test_fused_decode.py).
 
 Prefill chunks, fp32 models and CUDA keep the torch path; so does a step being traced by
 `torch.compile`. `BATCHER_CPU_KERNELS=0` turns the kernels off, to compare.
@@ -36,6 +38,13 @@ log = logging.getLogger("batcher.runtime.fused_decode")
 # Norms of up to this many rows run in C (one thread); bigger ones are torch's, on every thread.
 NORM_MAX_ROWS = 64
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in cpu_kernels.c
+# The attention kernel runs on one thread. On 2 cores it beat torch's gather + SDPA on both by
+# about 2x at every size measured (1 to 64 rows, 250 to 8k tokens of context: 17 against 45 us
+# for one row of 250, 2.8 against 5.6 ms for 16 rows of 2k). With more threads torch's path runs
+# in parallel and may win big steps (not measured), so under a bigger thread budget the kernel
+# takes only steps whose decode rows read few cached tokens in all.
+ONE_THREAD_WINS_UP_TO = 4  # threads
+SMALL_STEP_TOKENS = 4096
 
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
@@ -48,11 +57,12 @@ class FusedDecode:
         self._norm.argtypes = [_p, _p, _p, _i, _i, _f]
         self._norm.restype = _i
         self._attend = lib.decode_attention_bf16
-        self._attend.argtypes = [_p, _l, _p, _p, _p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _f,
-                                 _p]
+        self._attend.argtypes = [_p, _l, _p, _p, _p, _p, _i, _p, _p, _i, _p, _i, _i, _i, _i, _i,
+                                 _f, _p]
         self._attend.restype = _i
         self._attend_rotated = lib.paged_decode_attention_bf16
-        self._attend_rotated.argtypes = [_p, _l, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _f, _p]
+        self._attend_rotated.argtypes = [_p, _l, _p, _p, _i, _p, _i, _p, _i, _i, _i, _i, _i, _f,
+                                         _p]
         self._attend_rotated.restype = _i
 
     @staticmethod
@@ -73,6 +83,11 @@ class FusedDecode:
         return (heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
                 and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0)
 
+    @staticmethod
+    def takes_step(threads: int, cached_tokens: int) -> bool:
+        """A step's decode rows, `cached_tokens` in all to read, under a budget of `threads`."""
+        return threads <= ONE_THREAD_WINS_UP_TO or cached_tokens <= SMALL_STEP_TOKENS
+
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                kv_cache: tuple[torch.Tensor, torch.Tensor], step: FusedDecodeStep,
                heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -80,12 +95,15 @@ class FusedDecode:
         head_dim] -> [rows, heads * head_dim]. Writes the rows' new K/V into `kv_cache`."""
         k_cache, v_cache = kv_cache
         rows = qkv.shape[0]
+        if not (qkv.dtype == cos.dtype == sin.dtype == k_cache.dtype == torch.bfloat16
+                and qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("decode attention takes bf16 rows of unit stride")
         out = qkv.new_empty(rows, heads * head_dim)
         if self._attend(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
-                        k_cache.data_ptr(), v_cache.data_ptr(), step.slots.data_ptr(),
-                        step.tables.data_ptr(), step.tables.shape[1], step.lens.data_ptr(),
-                        rows, heads, kv_heads, head_dim, step.block_size, head_dim ** -0.5,
-                        out.data_ptr()):
+                        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+                        step.slots.data_ptr(), step.tables.data_ptr(), step.tables.shape[1],
+                        step.lens.data_ptr(), rows, heads, kv_heads, head_dim, step.block_size,
+                        head_dim ** -0.5, out.data_ptr()):
             raise ValueError(f"decode attention cannot take {rows} rows of {heads} heads")
         return out
 
@@ -97,9 +115,12 @@ class FusedDecode:
         rows, heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
+        if not q.dtype == k_cache.dtype == torch.bfloat16:
+            raise ValueError("decode attention takes bf16 queries")
         out = q.new_empty(rows, heads * head_dim)
         if self._attend_rotated(q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                                v_cache.data_ptr(), step.tables.data_ptr(), step.tables.shape[1],
+                                v_cache.data_ptr(), k_cache.shape[0], step.tables.data_ptr(),
+                                step.tables.shape[1],
                                 step.lens.data_ptr(), rows, heads, k_cache.shape[2], head_dim,
                                 step.block_size, head_dim ** -0.5, out.data_ptr()):
             raise ValueError(f"decode attention cannot take {rows} rows of {heads} heads")

@@ -249,7 +249,9 @@ class ModelRunner:
         ctx_lens = [s.start_pos + 1 for s in decodes]
         max_blocks = -(-max(ctx_lens) // bs)
         meta.num_decodes = len(decodes)
-        if self.backend == "triton" or (self.fused is not None and fuse):
+        fuse = (fuse and self.fused is not None
+                and self.fused.takes_step(self.max_threads, sum(ctx_lens)))
+        if self.backend == "triton" or fuse:
             # Kernels that read the blocks in place take each row's table and length.
             rows = [s.block_ids[:-(-c // bs)] for s, c in zip(decodes, ctx_lens)]
             tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows],
