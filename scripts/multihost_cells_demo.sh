@@ -100,6 +100,7 @@ async def until(cond, what: str, timeout: float) -> float:
 
 async def main() -> dict:
     results: list[tuple[int, str]] = []
+    shed = [0, 0]  # answers of 503/429 + Retry-After; requests still refused when the run stopped
     stop = asyncio.Event()
     async with aiohttp.ClientSession() as s:
         await until(lambda: ready(s), "both cells routable", 100)
@@ -112,13 +113,26 @@ async def main() -> dict:
                 i = next(counter)
                 body = {"model": "fake", "prompt": f"request {i}", "max_tokens": MAX_TOKENS,
                         "temperature": 0, "ignore_eos": True}
-                try:
-                    async with s.post(TOP + "/v1/completions", json=body, headers=headers,
-                                      timeout=aiohttp.ClientTimeout(total=30)) as r:
-                        await r.read()
-                        results.append((r.status, r.headers.get("X-Attempt", "1")))
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    results.append((0, type(exc).__name__))
+                while True:
+                    try:
+                        async with s.post(TOP + "/v1/completions", json=body, headers=headers,
+                                          timeout=aiohttp.ClientTimeout(total=30)) as r:
+                            await r.read()
+                            wait = r.headers.get("Retry-After") if r.status in (429, 503) else None
+                            if wait is None:
+                                results.append((r.status, r.headers.get("X-Attempt", "1")))
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        results.append((0, type(exc).__name__))
+                        break
+                    if wait is None:
+                        break
+                    # Shed while every cell was saturated: as a client does, wait as told and
+                    # send it again. Refused, not lost, unless it was still refused at the end.
+                    shed[0] += 1
+                    if stop.is_set():
+                        shed[1] += 1
+                        break
+                    await asyncio.sleep(float(wait))
 
         async def phase(seconds: float) -> dict[str, float]:
             before = await served(s)
@@ -147,6 +161,7 @@ async def main() -> dict:
         view = await status(s)
     failed = [r for r in results if r[0] != 200]
     return {"requests": len(results), "failed": len(failed), "failures": failed[:10],
+            "shed_answers": shed[0], "shed_at_the_end": shed[1],
             "retried": sum(1 for _, a in results if a not in ("1", "")),
             "evicted_after_s": round(evict_s, 2), "readmitted_after_s": round(readmit_s, 2),
             "served_both_up": both, "served_while_cut": cut, "served_after_restore": again,
@@ -172,7 +187,9 @@ checks = {
     and out["served_while_cut"][B] == 0,
     "cell B served again after re-admission": out["served_after_restore"][B] > 0,
 }
-print(f"  {out['requests']} requests, {out['failed']} failed, {out['retried']} needed a retry")
+print(f"  {out['requests']} requests, {out['failed']} failed, {out['retried']} needed a retry,"
+      f" {out['shed_answers']} answers shed with Retry-After (sent again after it;"
+      f" {out['shed_at_the_end']} still refused when the run stopped)")
 print(f"  served with both cells up: {out['served_both_up']}; while B was cut:"
       f" {out['served_while_cut']}; after re-admission: {out['served_after_restore']}")
 for name, ok in checks.items():
