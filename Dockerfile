@@ -11,8 +11,9 @@ ARG PYTHON_IMAGE=python:3.11-slim
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # A C compiler in the build stage only: it builds the library of small CPU kernels (int4
-# unpacking, fused decode steps) for any CPU ahead (batcher/runtime/cpu_kernels.py). A runtime image given one (RUNTIME_APT="gcc libc6-dev")
-# builds its own for its CPU at start-up instead, about 2x faster at that step.
+# unpacking, fused decode steps) for any CPU ahead (batcher/runtime/cpu_kernels.py). A runtime
+# image given one (RUNTIME_APT="gcc libc6-dev") builds its own for its CPU at start-up instead,
+# about 2x faster at that step.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/batcher

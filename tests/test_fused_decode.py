@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.llama import RMSNorm
 from batcher.runtime import fused_decode
 from batcher.runtime.attention import FusedDecodeStep
 from batcher.runtime.fused_decode import FusedDecode, reference_attention
+from batcher.runtime.token_ops import apply_rope, rms_norm
 from batcher.runtime.model_runner import ModelRunner
 from batcher.sampling import SamplingParams
 
@@ -38,7 +38,7 @@ def test_norm_is_torchs_norm(kernels: FusedDecode, rows: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, dim, generator=gen) * 3).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(torch.bfloat16)
-    want = w * F.rms_norm(x.float(), (dim,), eps=1e-5).to(torch.bfloat16)
+    want = rms_norm(x, w, 1e-5)
     got = kernels.rms_norm(x, w, 1e-5)
     # The sum of squares may add in another order: at most one bf16 step apart, rarely.
     torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
@@ -91,8 +91,7 @@ def test_attention_is_torchs_attention(kernels: FusedDecode, heads: int, kv_head
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
     assert torch.equal(mine[0], k_cache) and torch.equal(mine[1], v_cache)  # same K/V written
     # A mixed step's decode rows: Q rotated and K/V written by torch's ops, attention alone.
-    q = qkv[:, :heads * head_dim].reshape(rows, heads, head_dim)
-    q = q * cos + q.roll(head_dim // 2, -1) * sin
+    q = apply_rope(qkv[:, :heads * head_dim].reshape(rows, heads, head_dim), cos, sin)
     rotated = kernels.attend_rotated(q, mine, step)
     torch.testing.assert_close(rotated.float(), want.float(), rtol=2e-2, atol=1e-2)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from batcher.runtime.attention import AttentionMetadata, paged_attention
 from batcher.runtime.fused_decode import FusedDecode
+from batcher.runtime.token_ops import apply_rope, rms_norm
 
 
 @dataclass(slots=True)
@@ -108,12 +109,6 @@ class RotaryTables:
                 self.sin.index_select(0, positions).unsqueeze(1))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; rotate-half convention (Hugging Face layout): x * cos +
-    # [-x2, x1] * sin. `sin` carries the minus (RotaryTables), so the halves only swap: one roll.
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
 class RMSNorm(nn.Module):
     fused: FusedDecode | None = None  # the C kernel for small bf16 steps: see `attach_fused`
 
@@ -126,9 +121,7 @@ class RMSNorm(nn.Module):
         fused = self.fused
         if fused is not None and fused.takes_norm(x) and not torch.compiler.is_compiling():
             return fused.rms_norm(x, self.weight, self.eps)
-        # Normalise in fp32 as the reference does, then cast back before the weight (its order of
-        # rounding in bf16). F.rms_norm runs the same fp32 steps in one call from Python.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from batcher.runtime import cpu_kernels
 from batcher.runtime.attention import FusedDecodeStep, write_kv
+from batcher.runtime.token_ops import apply_rope, rms_norm
 
 log = logging.getLogger("batcher.runtime.fused_decode")
 
@@ -148,7 +149,7 @@ def reference_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     rows = qkv.shape[0]
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qk = qkv[:, :q_size + kv_size].reshape(rows, heads + kv_heads, head_dim)
-    qk = qk * cos + qk.roll(head_dim // 2, -1) * sin
+    qk = apply_rope(qk, cos, sin)
     q, k = qk.split([heads, kv_heads], dim=1)
     v = qkv[:, q_size + kv_size:].reshape(rows, kv_heads, head_dim)
     write_kv(k, v, kv_cache, step.slots)
@@ -170,7 +171,7 @@ def _check(kernels: FusedDecode) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
     w = torch.rand(64, generator=gen).to(torch.bfloat16)
-    want = w * F.rms_norm(x.float(), (64,), eps=1e-5).to(torch.bfloat16)
+    want = rms_norm(x, w, 1e-5)
     if not torch.allclose(kernels.rms_norm(x, w, 1e-5).float(), want.float(), rtol=1e-2):
         raise RuntimeError("rms_norm disagrees with torch")
     heads, kv_heads, hd, bs = 4, 2, 32, 4
@@ -192,8 +193,7 @@ def _check(kernels: FusedDecode) -> None:
             and torch.equal(caches[0][1], caches[1][1])):
         raise RuntimeError("decode attention disagrees with torch")
     # The same rows through the entry for rotated queries, over the cache both wrote.
-    q = qkv[:, :heads * hd].reshape(2, heads, hd)
-    q = q * cos + q.roll(hd // 2, -1) * sin
+    q = apply_rope(qkv[:, :heads * hd].reshape(2, heads, hd), cos, sin)
     if not torch.allclose(kernels.attend_rotated(q, caches[0], step).float(), want.float(),
                           rtol=2e-2, atol=2e-2):
         raise RuntimeError("decode attention (rotated queries) disagrees with torch")
