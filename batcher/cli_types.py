@@ -69,6 +69,16 @@ non_negative_float = float_at_least(0.0)
 positive_float = float_at_least(0.0, strict=True)
 
 
+def positive_rate(text: str) -> float:
+    """A rate > 0, or `inf` for work that costs nothing."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    return positive_float(text)
+
+
+positive_rate.__name__ = "rate"
+
+
 def power_of_two(text: str) -> int:
     value = positive_int(text)
     if value & (value - 1):

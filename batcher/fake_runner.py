@@ -4,7 +4,13 @@ Only the model step is simulated: it sleeps for a time given by prefill and deco
 returns tokens that depend only on (last token, position), so a request re-prefilled elsewhere
 (failover `resume`) continues with the same tokens. A step-time factor makes one replica of a
 fleet slower than the others. Fault switches let fleet tests make a replica hang, crash, slow
-down or fail. Many such replicas fit on two cores."""
+down or fail. Many such replicas fit on two cores.
+
+Every cost may be zero (`--fake-decode-step-ms 0 --fake-per-seq-ms 0 --fake-prefill-rate inf`):
+a model that costs nothing, so what remains of a step is the host's own work (scheduling,
+detokenizing, streaming), the ceiling of every figure a real device can reach behind this
+server. The fake model stands for a device, so unset it takes the CUDA defaults of sequences and
+tokens per step, not the CPU ones fitted to the bundled model's cost per row."""
 
 from __future__ import annotations
 
@@ -13,16 +19,20 @@ import threading
 import time
 from dataclasses import dataclass
 
+from batcher.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.spec_verify import run_by_rule
 
 FAULTS = ("none", "hang", "crash", "slow", "error")
 _FIRST_TOKEN = 300  # skip special and byte tokens so the text is plain
+# KV blocks without --num-blocks: a full batch of the CUDA default sequences (256) at 1,024 tokens
+# each, in blocks of 16, so the fake runs all of them at once as a device would.
+FAKE_NUM_BLOCKS = 16384
 
 
 @dataclass(slots=True)
 class FakeSpeed:
-    prefill_tokens_per_s: float = 20_000.0
+    prefill_tokens_per_s: float = 20_000.0  # math.inf: prompts cost nothing
     decode_step_s: float = 0.02  # one step with any number of decodes (memory-bound)
     per_seq_s: float = 0.0002  # extra per decoding sequence
     step_factor: float = 1.0  # every step this many times as long (a slower machine)
@@ -37,6 +47,10 @@ class FakeRunner:
             raise ValueError(f"fault must be one of {FAULTS}")
         if speed is not None and not speed.step_factor > 0:
             raise ValueError("the fake model's step factor must be > 0")
+        if speed is not None and (speed.decode_step_s < 0 or speed.per_seq_s < 0
+                                  or not speed.prefill_tokens_per_s > 0):
+            raise ValueError("the fake model's step costs must be >= 0 and its prefill "
+                             "rate > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -69,7 +83,8 @@ class FakeRunner:
                 seconds *= 20
             elif self.fault == "error":
                 raise RuntimeError("injected model fault")
-        time.sleep(seconds)
+        if seconds > 0:
+            time.sleep(seconds)
         return run_by_rule(sched.seqs, self.next_token)
 
 
@@ -81,10 +96,17 @@ def build_fake_engine(args, sched, cache, metrics):
     tok = load_tokenizer()
     speed = FakeSpeed(prefill_tokens_per_s=args.fake_prefill_rate,
                       decode_step_s=args.fake_decode_step_ms / 1000,
+                      per_seq_s=getattr(args, "fake_per_seq_ms", 0.2) / 1000,
                       step_factor=getattr(args, "fake_step_factor", 1.0))
-    runner = FakeRunner(cache.num_blocks or 4096, cache.block_size, tok.vocab_size, speed,
-                        args.fake_fault, args.fake_fault_after_steps)
+    runner = FakeRunner(cache.num_blocks or FAKE_NUM_BLOCKS, cache.block_size, tok.vocab_size,
+                        speed, args.fake_fault, args.fake_fault_after_steps)
     sched.max_model_len = args.max_model_len
+    # NOTE: the fake model stands for a device: the CPU defaults (fitted to the bundled model's
+    # cost per row on two cores) would cap it at a quarter of the sequences a GPU runs.
+    if not args.max_num_seqs:
+        sched.max_num_seqs = CUDA_MAX_NUM_SEQS
+    if not args.max_num_batched_tokens:
+        sched.max_num_batched_tokens = CUDA_MAX_NUM_BATCHED_TOKENS
     return AsyncEngine(runner, tok, sched.validate(), cache.enable_prefix_caching,
                        prefix_cache_scope=cache.prefix_cache_scope,
                        metrics=metrics, version=args.version)

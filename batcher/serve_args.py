@@ -19,6 +19,7 @@ from batcher.cli_types import (
     port,
     positive_float,
     positive_int,
+    positive_rate,
     power_of_two,
 )
 from batcher.config import (
@@ -232,10 +233,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     add_batch_serve_args(p)
     fake = p.add_argument_group("fake model (--model fake)")
-    fake.add_argument("--fake-prefill-rate", type=positive_float, default=20_000.0,
-                      help="simulated prefill tokens/s (default: %(default)s)")
+    fake.add_argument("--fake-prefill-rate", type=positive_rate, default=20_000.0,
+                      help="simulated prefill tokens/s; inf: prompts cost nothing "
+                      "(default: %(default)s)")
     fake.add_argument("--fake-decode-step-ms", type=non_negative_float, default=20.0,
-                      help="simulated decode step time in ms (default: %(default)s)")
+                      help="simulated decode step time in ms, whatever the number of "
+                      "sequences (default: %(default)s)")
+    fake.add_argument("--fake-per-seq-ms", type=non_negative_float, default=0.2,
+                      help="simulated extra time per decoding sequence and step in ms; "
+                      "with --fake-decode-step-ms 0 and --fake-prefill-rate inf, a model that "
+                      "costs nothing: what remains is the host's own work (default: "
+                      "%(default)s)")
     fake.add_argument("--fake-step-factor", type=positive_float, default=1.0,
                       help="every simulated step this many times as long: a slower replica "
                       "(default: %(default)s)")

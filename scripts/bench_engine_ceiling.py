@@ -1,0 +1,206 @@
+"""The engine loop's own ceiling: `--model fake` at zero cost, so what remains is the host.
+
+    python scripts/bench_engine_ceiling.py [--streams 1,64,256] [--rounds 2]
+        [--checkout base=../base-checkout] [--append-benchmarks TITLE]
+
+Each run starts a fresh server on 127.0.0.1 whose model costs nothing (`--fake-decode-step-ms 0
+--fake-per-seq-ms 0 --fake-prefill-rate inf`), sends N streaming completions of 128-token
+prompts and 256-token answers all at t=0 to it cold (no warm-up request; admission's TTFT
+check off, `--slo-ttft-ms 0`), and reports what the
+client saw and what the server did: streamed tokens per second at the client (counted from each
+stream's `usage`, not from its chunks, which may carry several tokens), time per output token,
+first token p50 / p99, mean and most streams running, the host's time per step (wall time over
+the steps the engine took) and the server's CPU.
+
+`--checkout LABEL=DIR` runs the server of another checkout (e.g. a `git worktree` of an older
+commit) with this interpreter, interleaved with this one in every round, so rows of the same
+run compare. A server without `--fake-per-seq-ms` gets the closest it has: `--fake-step-factor
+1e-6`, and the device defaults the fake model takes today spelt out as flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from batcher.bench.client import ClientConfig, RequestResult, send_request
+from batcher.bench.common import ROOT, append_rows, pct, wait_until_up
+from batcher.bench.load import CpuMeter
+from batcher.bench.workload import synthetic
+
+# Admission's time-to-first-token check predicts from a step-time prior fitted to a real model,
+# which a model that costs nothing does not follow: off, as for any throughput ceiling.
+SERVER_FLAGS = ["--slo-ttft-ms", "0"]
+ZERO_COST = ["--fake-decode-step-ms", "0", "--fake-per-seq-ms", "0",
+             "--fake-prefill-rate", "inf"]
+# For a server that predates --fake-per-seq-ms: steps a millionth of their default cost, and
+# the sequences, tokens and blocks per step the fake model now takes by default.
+OLD_FAKE = ["--fake-step-factor", "0.000001", "--max-num-seqs", "256",
+            "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]
+HEADER = ["code", "streams", "ok", "streamed tok/s", "TPOT p50 / p99 ms",
+          "first token p50 / p99 ms", "streams running mean / max", "host ms / step",
+          "server CPU", "client CPU", "length ok"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def supports_per_seq(path: str) -> bool:
+    env = dict(os.environ, PYTHONPATH=path)
+    out = subprocess.run([sys.executable, "-m", "batcher.cli", "serve", "--help"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return "--fake-per-seq-ms" in out
+
+
+class Server:
+    """One `batcher serve --model fake` at zero cost, from the checkout at `path`."""
+
+    def __init__(self, path: str, extra: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        flags = ZERO_COST if supports_per_seq(path) else OLD_FAKE
+        self.cmd = [sys.executable, "-m", "batcher.cli", "serve", "--model", "fake",
+                    "--port", str(self.port), "--embedding-model", "none",
+                    "--log-level", "warning", *SERVER_FLAGS, *flags, *extra]
+        self.proc = subprocess.Popen(self.cmd, env=dict(os.environ, PYTHONPATH=path),
+                                     stdout=subprocess.DEVNULL)
+
+    def __enter__(self) -> Server:
+        if not wait_until_up(self.url + "/ready", self.proc, 120.0):
+            self.proc.kill()
+            raise RuntimeError(f"the server did not start: {' '.join(self.cmd)}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def state(self) -> dict:
+        with urllib.request.urlopen(self.url + "/v1/state", timeout=5) as resp:
+            return orjson.loads(resp.read())
+
+
+async def watch_running(session: aiohttp.ClientSession, url: str, out: list[int],
+                        interval: float = 0.05) -> None:
+    while True:
+        async with session.get(url + "/v1/state") as resp:
+            out.append(int((await resp.json(content_type=None))["running"]))
+        await asyncio.sleep(interval)
+
+
+async def load(url: str, n: int, prompt: int, answer: int) -> tuple[list[RequestResult], float,
+                                                                     list[int]]:
+    work = synthetic(n, input_median=prompt, input_spread=0.0, output_median=answer,
+                     output_spread=0.0, max_input=prompt, max_output=answer)
+    # NOTE: no connection cap: aiohttp's default connector allows 100 at once.
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        cfg = ClientConfig(url, "fake", request_timeout=300.0)
+        running: list[int] = []
+        watcher = asyncio.create_task(watch_running(session, url, running))
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(send_request(session, cfg, r, t0) for r in work))
+        wall = time.perf_counter() - t0
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    return list(results), wall, running
+
+
+def run_one(label: str, path: str, n: int, args: argparse.Namespace) -> list[str]:
+    with Server(path, args.server_arg) as server:
+        before = server.state()
+        meter = CpuMeter(server.proc.pid)
+        meter.start()
+        results, wall, running = run_loop(load(server.url, n, args.prompt, args.answer))
+        cpu = meter.stop()
+        after = server.state()
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    steps = after["steps"] - before["steps"]
+    tpot = [t * 1000 for r in ok if (t := r.tpot) is not None]
+    ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
+    length_ok = sum(r.length_ok for r in ok)
+    errors = sorted({r.error or r.kind for r in results if not r.ok})
+    if errors:
+        print(f"{label} x{n}: errors {errors[:3]}", file=sys.stderr)
+    return [label, str(n), f"{len(ok)}/{n}", f"{tokens / wall:,.0f}",
+            f"{pct(tpot, 50):.2f} / {pct(tpot, 99):.2f}",
+            f"{pct(ttft, 50):,.0f} / {pct(ttft, 99):,.0f}",
+            f"{tokens / steps if steps else 0:.1f} / {max(running, default=0)}",
+            f"{wall / steps * 1000 if steps else float('nan'):.2f}",
+            "—" if cpu is None or cpu.server is None else f"{cpu.server:.2f}",
+            "—" if cpu is None else f"{cpu.client:.2f}", f"{length_ok}/{len(ok)}"]
+
+
+def run_loop(coro):
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)  # the client shares the cores: its own overhead low, as a user's
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", default="1,64,256", help="requests sent at t=0 per run, "
+                   "comma-separated (default: %(default)s)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default: "
+                   "%(default)s)")
+    p.add_argument("--answer", type=int, default=256, help="answer tokens (default: "
+                   "%(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="times every run is repeated, "
+                   "interleaved (default: %(default)s)")
+    p.add_argument("--label", default="this checkout", help="this checkout's name in the table")
+    p.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
+                   help="also run the server of the checkout in DIR (repeatable)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                   help="one more flag for every server (repeatable; e.g. "
+                   "--server-arg=--slo-ttft-ms=0)")
+    p.add_argument("--append-benchmarks", default=None, metavar="TITLE",
+                   help="append the table to BENCHMARKS.md under this title")
+    args = p.parse_args()
+    codes = [(args.label, str(ROOT))]
+    for spec in args.checkout:
+        label, _, path = spec.partition("=")
+        if not path:
+            p.error("--checkout takes LABEL=DIR")
+        codes.append((label, str(Path(path).resolve())))
+    streams = [int(x) for x in args.streams.split(",") if x]
+    print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER), flush=True)
+    rows = []
+    for _ in range(args.rounds):
+        for n in streams:
+            for label, path in codes:
+                rows.append(run_one(label, path, n, args))
+                print("| " + " | ".join(rows[-1]) + " |", flush=True)
+    if args.append_benchmarks:
+        notes = ("- each row a fresh server, cold (no warm-up request), all requests at t=0; "
+                 f"{args.prompt}-token prompts, {args.answer}-token answers, streamed with "
+                 "usage; tok/s counts the usage's tokens over the client's wall time; host ms "
+                 "/ step is that wall time over the engine's steps; CPU in cores")
+        append_rows(args.append_benchmarks, HEADER, rows, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
