@@ -21,6 +21,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Weight-only, CPU (batcher.runtime.quant); auto: int4 for a Q4_1 GGUF in native bf16, else
 # none (batcher.models.loader.resolve_quantization).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# dummy: random weights in the shapes of a config, no weights read (batcher.models.dummy).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(slots=True)
@@ -45,6 +47,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     quantization: str = "auto"
+    load_format: str = "auto"  # or "dummy": random weights in the model's shapes
     # Quantized steps with more rows than this use a dense copy of the quantized weights; 0: no
     # copy (packed kernels, and int4 weights unpacked per step for big steps: less memory).
     quantized_dense_above: int = 0
@@ -59,6 +62,7 @@ class EngineConfig:
         """Raise ValueError naming the first bad setting."""
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES),
                               ("quantization", QUANTIZATIONS),
+                              ("load_format", LOAD_FORMATS),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("prefill_budget", PREFILL_BUDGETS),
                               ("speculative", SPECULATIVE_METHODS)):

@@ -131,6 +131,15 @@ def mostly_q4_1(path: Path) -> bool:
     return bool(kinds) and 2 * kinds.count(GGMLQuantizationType.Q4_1) > len(kinds)
 
 
+def read_gguf_config(path: Path) -> LlamaConfig:
+    """The model's config alone, from the file's header (no tensor is read)."""
+    try:
+        reader = GGUFFile(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path.name}: {exc}") from exc
+    return _config(reader)
+
+
 def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.float32,
                  lazy: frozenset[str] = frozenset(),
                  ) -> tuple[LlamaConfig, dict[str, torch.Tensor | GGUFRows],

@@ -43,6 +43,16 @@ class LlamaConfig:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
+    def num_parameters(self) -> int:
+        """Weights of the model this config describes, counted from its shapes (a tied LM head
+        once): what `LlamaModel` holds, without building it."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h  # + MLP, two norms
+        heads = 1 if self.tie_word_embeddings else 2  # embedding table, LM head
+        return self.num_layers * layer + heads * self.vocab_size * h + h  # + final norm
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
         """From a Hugging Face `config.json` dict."""

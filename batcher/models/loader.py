@@ -6,6 +6,10 @@
   (`gguf_int4`), no dense model is made;
 - a local Hugging Face folder (`config.json` + `*.safetensors` + tokenizer files);
 - `tiny`: a seeded random-weight model (2 layers, hidden 64, GQA) using the bundled tokenizer.
+
+`load_format="dummy"` reads only a config (a shipped name such as `llama-3.1-8b`, the bundled
+model's, a `config.json` or a folder holding one) and fills random weights in its shapes
+(`batcher.models.dummy`), checked to fit the device first (`batcher.models.memory`).
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import torch
 
 from batcher.bundled import smollm2_gguf_path
 from batcher.cpuinfo import CPUINFO, cpuinfo_field
-from batcher.models import gguf_weights
+from batcher.engine_config import LOAD_FORMATS
+from batcher.models import dummy, gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_int4 import load_int4_gguf
 from batcher.models.llama import LlamaConfig, LlamaModel, attach_fused
+from batcher.models.memory import check_fits
 from batcher.runtime import fused_decode, int4_unpack
 from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.quant import (
@@ -134,17 +140,24 @@ def cache_dir() -> Path:
 def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "auto",
                device: str | None = "auto", seed: int = 0, quantization: str = "none",
                dense_above: int | None = DENSE_ABOVE_ROWS,
-               int4_via_dense: bool = False) -> LoadedModel:
+               int4_via_dense: bool = False, load_format: str = "auto") -> LoadedModel:
     """Load `source` (a name, a .gguf path or a Hugging Face folder) onto `device` in `dtype`.
     `quantization` int8/int4 packs the decoder layers' linears (CPU only; `auto`: see
     `resolve_quantization`); steps with more than
     `dense_above` rows use a dense copy of the quantized weights (None: no copy). int4 from a
     GGUF file takes its Q4_1 blocks as they are; `int4_via_dense` instead dequantizes the whole
-    model and re-quantizes it (the slower, larger load, kept to compare the two)."""
+    model and re-quantizes it (the slower, larger load, kept to compare the two).
+    `load_format` "dummy" reads only `source`'s config (see `dummy_config`) and builds random
+    weights in its shapes on `device`, with the bundled tokenizer; `auto` reads the weights."""
     start = time.perf_counter()
     set_mmap_threshold(LOAD_MMAP_THRESHOLD)  # before the first large tensor is freed
     quantization_done = False
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"unsupported load format {load_format!r}; "
+                             f"choose one of {list(LOAD_FORMATS)}")
     dev = resolve_device(device)
+    if load_format == "dummy" and quantization == "auto":
+        quantization = "none"  # no file's blocks to keep; int8/int4 still quantize on request
     quantization = resolve_quantization(quantization, source, dtype, dev)
     dt = resolve_dtype(dtype, dev, quantization)
     if quantization not in QUANTIZATIONS:
@@ -158,12 +171,19 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
         cfg = tiny_config()
         model = _build(cfg, _tiny_state(cfg, seed), dt, dev)
         name = "tiny"
+    elif load_format == "dummy":
+        name, cfg = dummy_config(source)
+        check_fits(name, cfg, dt, dev)
+        model = dummy.build_random(cfg, dt, dev, seed)
+        # The bundled tokenizer; a larger vocabulary in the config is masked past its ids
+        # (`ModelRunner.attach_tokenizer`).
+        tok_src = smollm2_gguf_path()
     else:
         path = smollm2_gguf_path() if source == DEFAULT_MODEL else Path(source).expanduser()
         if not path.exists():
             raise ModelLoadError(f"model path not found: {source}")
         if path.is_dir():
-            cfg, state = _read_hf_folder(path)
+            cfg, state = _read_hf_folder(path, dt, dev)
             name = path.name
         elif path.suffix == ".gguf":
             name = DEFAULT_MODEL if source == DEFAULT_MODEL else path.stem
@@ -349,24 +369,59 @@ def _build(cfg: LlamaConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dty
     return model.eval().requires_grad_(False)
 
 
-def _read_hf_folder(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def dummy_config(source: str) -> tuple[str, LlamaConfig]:
+    """The name and config `load_format="dummy"` builds for `source`: a shipped config
+    (`dummy.config_names()`), the bundled model's (from its file's header), a .gguf file's
+    header, a Hugging Face `config.json`, or a folder of which only config.json is read."""
+    shipped = dummy.shipped_config(source)
+    if shipped is not None:
+        return source, read_hf_config(shipped)
+    if source == DEFAULT_MODEL:
+        return source, gguf_weights.read_gguf_config(smollm2_gguf_path())
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path.resolve().name, read_hf_config(path / "config.json")
+    if path.is_file() and path.suffix == ".gguf":
+        return path.stem, gguf_weights.read_gguf_config(path)
+    if path.is_file() and path.suffix == ".json":
+        name = path.resolve().parent.name if path.name == "config.json" else path.stem
+        return name, read_hf_config(path)
+    names = ", ".join([*dummy.config_names(), DEFAULT_MODEL])
+    raise ModelLoadError(f"--load-format dummy takes a config name ({names}), a config.json or "
+                         f"a folder holding one; got {source!r}")
 
-    cfg_path = folder / "config.json"
+
+def read_hf_config(cfg_path: Path) -> LlamaConfig:
+    """A Hugging Face `config.json` of a supported architecture."""
     if not cfg_path.is_file():
-        raise ModelLoadError(f"{folder} has no config.json")
-    raw = json.loads(cfg_path.read_text())
-    archs = set(raw.get("architectures") or [])
+        raise ModelLoadError(f"{cfg_path.parent} has no config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+        archs = set(raw.get("architectures") or [])
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"cannot read {cfg_path}: {exc}") from exc
     if not archs & SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {sorted(archs) or raw.get('model_type')};"
                              f" supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    try:
+        return LlamaConfig.from_hf(raw)
+    except (KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{cfg_path}: missing or bad field {exc}") from exc
+
+
+def _read_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg = read_hf_config(folder / "config.json")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weight files")
+    check_fits(folder.name, cfg, dtype, device)  # before reading gigabytes of weights
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
-    return LlamaConfig.from_hf(raw), state
+    return cfg, state
 
 
 def _read_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
