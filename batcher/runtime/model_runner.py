@@ -76,6 +76,7 @@ class ModelRunner:
                                            block_size, loaded.dtype, loaded.device)
         self.sampler = Sampler()
         self.grammar: GrammarMasks | None = None  # see attach_tokenizer
+        self.vocab_limit: int | None = None  # ids the tokenizer can decode; see attach_tokenizer
         # CPU: a prompt read in chunks keeps a contiguous copy of its K/V (up to an eighth of
         # the pool's bytes), so a chunk deep in a prompt does not gather its context per layer.
         kv = self.kv_caches[0][0]
@@ -158,6 +159,13 @@ class ModelRunner:
                     self.compiled = None
             if logits is None:
                 logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[1]:
+            # A model table wider than its tokenizer (random weights in a real config's shapes
+            # with the bundled tokenizer, or a table padded past the vocabulary): ids past the
+            # tokenizer's are never sampled. In place (the logits are this step's own), in
+            # inference mode as the model made them.
+            with torch.inference_mode():
+                logits[:, self.vocab_limit:] = float("-inf")
         ns = len(sample_seqs)
         out = RunnerOutput(prompt_logprobs=score_prompts(logits[ns:], scored) if scored else {})
         if not sample_seqs:
@@ -171,8 +179,10 @@ class ModelRunner:
         return out
 
     def attach_tokenizer(self, tokenizer: Any) -> None:
-        """Enable grammar-constrained rows (structured outputs): their masks need the vocabulary."""
+        """Enable grammar-constrained rows (structured outputs): their masks need the vocabulary.
+        Logits past the tokenizer's vocabulary are masked from then on."""
         self.grammar = GrammarMasks(tokenizer)
+        self.vocab_limit = tokenizer.vocab_size
 
     def prepare(self, sched: SchedulerOutput):
         bs, dev = self.block_size, self.device
