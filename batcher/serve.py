@@ -61,7 +61,8 @@ def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
 
     lm = load_model(args.model, dtype=args.dtype, device=args.device,
                     quantization=args.quantization,
-                    dense_above=args.quantized_dense_above or None)
+                    dense_above=args.quantized_dense_above or None,
+                    load_format=args.load_format)
     sched.max_model_len = min(args.max_model_len, lm.config.max_position_embeddings)
     if lm.device.type == "cuda":  # a GPU step takes far more work than a CPU one
         sched.max_num_seqs = args.max_num_seqs or CUDA_MAX_NUM_SEQS
@@ -122,6 +123,11 @@ def gateway_factory(args: argparse.Namespace,
                                                           engine.step_time_model))
         engine.step_listeners.append(step_observer(admission, engine.scheduler,
                                                    engine.step_time_model, decode_step))
+        admission.stalls = engine.stall_log
+        if not getattr(args, "no_warm_start", False):
+            from batcher.warmup import warm_start
+
+            engine.warm_start = (await warm_start(engine)).to_json()
         name = "fake" if args.model == "fake" else engine_model_name(args.model)
         metrics.info.labels(args.version, name).set(1)
         metrics.configure(args.served_model_name or name, engine.scheduler.kv.block_size,
@@ -140,7 +146,12 @@ def gateway_factory(args: argparse.Namespace,
 
 
 def engine_model_name(source: str) -> str:
-    return os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
+    """The served name of `--model`: a file's or folder's name without .gguf or .json; a
+    `config.json` (`--load-format dummy`) is named by its folder."""
+    path = os.path.normpath(source)
+    if os.path.basename(path) == "config.json":
+        path = os.path.dirname(os.path.abspath(path))
+    return os.path.basename(path).removesuffix(".gguf").removesuffix(".json")
 
 
 async def run_server(args: argparse.Namespace) -> int:

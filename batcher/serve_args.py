@@ -30,7 +30,13 @@ from batcher.config import (
     PREFILL_BUDGETS,
     SPECULATIVE_METHODS,
 )
-from batcher.engine_config import ATTENTION_BACKENDS, DEFAULT_MODEL, QUANTIZATIONS, EngineConfig
+from batcher.engine_config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_MODEL,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from batcher.server.tool_parsers import DEFAULT as TOOL_PARSER_DEFAULT
 from batcher.server.tool_parsers import parser_names as tool_parser_names
 
@@ -45,6 +51,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--model", default=DEFAULT_MODEL, help="smollm2-135m (bundled), tiny (random weights, "
       "for tests), fake (simulated engine for fleet tests), a .gguf file or a Hugging Face "
       "folder (default: %(default)s)")
+    a("--load-format", default=_E.load_format, type=lower, choices=LOAD_FORMATS,
+      help="dummy: random weights in --model's shapes, to measure realistic model sizes "
+      "without downloading weights (the output is meaningless text); --model is then "
+      "llama-3.1-8b, qwen2.5-7b, llama-3.2-1b, smollm2-135m, a config.json or a Hugging Face "
+      "folder (only its config.json is read) (default: %(default)s)")
     a("--served-model-name", default=None, help="name clients use in 'model' (default: derived "
       "from --model)")
     a("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -149,6 +160,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       help="decode attention: the fused Triton kernel on CUDA when available (default: "
       "%(default)s)")
     a("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    a("--no-warm-start", action="store_true", help="report ready as soon as the model is "
+      "loaded, without first running every step shape once (compiling kernels and capturing "
+      "graphs before traffic) and measuring a few steps to calibrate admission to this device; "
+      "the first requests then pay for both and admission starts from a generic prior")
     a("--compile-decode", action="store_true", default=_E.compile_decode,
       help="CPU: run one-stream decode steps (one row, no drafts) as one torch.compile graph, "
       "compiled at start-up (7-10 s with inductor's cache warm, 40-100 s cold; without a C++ "
