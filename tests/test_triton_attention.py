@@ -1,10 +1,13 @@
-"""The fused paged decode kernel against the torch reference path. Runs on CUDA, or on the CPU
-through Triton's interpreter when Triton is installed; skipped otherwise."""
+"""The fused paged decode kernel against the torch reference path: compiled for the GPU with
+CUDA tensors where one is present, else on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1, CPU tensors); skipped where Triton is not installed."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -12,19 +15,46 @@ import torch
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
+MODULE = "batcher.runtime.triton_attention"
+# The interpreter runs kernels on CPU tensors only, and a compiled kernel refuses them: each
+# device gets the mode that accepts its tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel module is imported
-    from batcher.runtime.triton_attention import paged_decode_attention
+    """The kernel in the mode DEVICE needs. Triton reads TRITON_INTERPRET when `@triton.jit`
+    runs, at the module's import: the module is imported again if it was imported in the other
+    mode, and the variable is restored afterwards."""
+    interpret = "1" if DEVICE == "cpu" else "0"
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = interpret
+    try:
+        mod = sys.modules.get(MODULE)
+        mod = importlib.import_module(MODULE) if mod is None else importlib.reload(mod)
+        interpreted = type(mod._paged_decode_kernel).__name__ == "InterpretedFunction"
+        assert interpreted == (DEVICE == "cpu"), type(mod._paged_decode_kernel)
+        yield mod.paged_decode_attention
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
-    return paged_decode_attention
+
+@pytest.fixture(scope="module")
+def tiny_on_device(tiny_fp32):
+    """The tiny model on DEVICE (the session's CPU copy where there is no GPU)."""
+    if DEVICE == "cpu":
+        return tiny_fp32
+    from batcher.models.loader import load_model
+
+    return load_model("tiny", dtype="float32", device=DEVICE)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
 def test_kernel_matches_reference(kernel, heads, kv_heads):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = DEVICE
     gen = torch.Generator().manual_seed(heads)
     d, bs, nb = 64, 16, 24
     kc = torch.randn(nb, bs, kv_heads, d, generator=gen).to(dev)
@@ -44,12 +74,14 @@ def test_kernel_matches_reference(kernel, heads, kv_heads):
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_runner_with_kernel_matches_torch_path(kernel, tiny_fp32):
+def test_runner_with_kernel_matches_torch_path(kernel, tiny_on_device):
     from batcher.runtime.model_runner import ModelRunner
     from tests.greedy_loop import greedy_generate
 
+    assert tiny_on_device.device.type == DEVICE
     prompts = [[100 + i * 7 + j for j in range(10 + 5 * i)] for i in range(3)]
-    ref = greedy_generate(ModelRunner(tiny_fp32, 32, 16, attention_backend="torch"), prompts, 6)
-    fused = ModelRunner(tiny_fp32, 32, 16, attention_backend="triton", cuda_graphs=False)
+    ref = greedy_generate(ModelRunner(tiny_on_device, 32, 16, attention_backend="torch"),
+                          prompts, 6)
+    fused = ModelRunner(tiny_on_device, 32, 16, attention_backend="triton", cuda_graphs=False)
     assert fused.backend == "triton"
     assert greedy_generate(fused, prompts, 6) == ref
