@@ -108,8 +108,8 @@ def decode_step_ms(runner: ModelRunner, batch: int, ctx: int, reps: int = 20) ->
 
 
 def run_decode(args: argparse.Namespace, bw: float) -> list[dict]:
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device,
-                        load_format=args.load_format)
+    fmt = {} if args.load_format == "auto" else {"load_format": args.load_format}
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, **fmt)
     batches = [int(b) for b in args.batches.split(",")]
     nb = -(-(args.ctx + 1) // 16)
     runner = ModelRunner(loaded, num_blocks=max(batches) * nb, block_size=16,
@@ -141,9 +141,11 @@ def engine_for(args: argparse.Namespace):
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    serve = p.parse_args(["--model", args.model, "--load-format", args.load_format,
-                          "--device", args.device, "--dtype", args.dtype,
-                          "--embedding-model", "none"])
+    flags = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+             "--embedding-model", "none"]
+    if args.load_format != "auto":
+        flags += ["--load-format", args.load_format]
+    serve = p.parse_args(flags)
     return build_engine(serve, Metrics())
 
 
