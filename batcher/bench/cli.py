@@ -60,6 +60,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--priority", default=None, help="priority class to send, e.g. batch")
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds one request may take (default: %(default)s)")
+    s.add_argument("--retries", type=int, default=0, help="send a request refused with 429 or "
+                   "503 again, after its Retry-After, up to this many times, as OpenAI's client "
+                   "does (default: %(default)s: every refusal counts)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default=None, help="workload file (default: chat64)")
     w.add_argument("--synthetic", action="store_true", help="lognormal synthetic requests")
@@ -257,7 +260,7 @@ async def _main(args: argparse.Namespace) -> int:
             return 1
         cfg = ClientConfig(args.base_url, model, args.endpoint, api_key,
                            not args.no_ignore_eos, args.temperature, args.priority,
-                           args.prompt_mode, args.request_timeout)
+                           args.prompt_mode, args.request_timeout, args.retries)
         if args.batch_lines is not None:
             return await _mixed(args, session, cfg)
         await warm_up(session, cfg, workload, args.warmup)

@@ -9,8 +9,10 @@ that carry text, and the token count comes from the server's `usage` when it rep
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import asdict, dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import aiohttp
@@ -19,6 +21,12 @@ import orjson
 from batcher.bench.workload import BenchRequest
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Statuses a client sends again after the server's Retry-After (capacity that comes back).
+RETRY_STATUSES = frozenset({429, 503})
+# As OpenAI's SDKs: a Retry-After above this is not waited for (their backoff is used instead);
+# without one, 0.5 s doubling per retry up to 8 s, less up to a quarter of jitter.
+MAX_RETRY_AFTER_S = 60.0
+BACKOFF_BASE_S, BACKOFF_MAX_S = 0.5, 8.0
 
 
 @dataclass(slots=True)
@@ -33,10 +41,15 @@ class ClientConfig:
     # "ids": send token ids (exact prompt lengths, no tokenizer differences); "text": send text.
     prompt_mode: str = "ids"
     request_timeout: float = 600.0
+    # Times a request refused with 429/503 is sent again, after the server's Retry-After, as
+    # OpenAI's client does (`max_retries`); 0 counts every refusal as it comes.
+    max_retries: int = 0
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}")
+        if self.max_retries < 0:
+            raise ValueError("max retries must be >= 0")
         if self.prompt_mode not in ("ids", "text"):
             raise ValueError("prompt mode must be 'ids' or 'text'")
 
@@ -86,6 +99,7 @@ class RequestResult:
     retry_after: str | None = None
     timings: dict[str, Any] | None = None  # the server's phase split, from the usage chunk
     reconnected: bool = False  # sent again after its kept-alive connection turned out closed
+    attempts: int = 1  # sends, counting those refused with 429/503 and sent again
 
     @property
     def ok(self) -> bool:
@@ -178,8 +192,14 @@ async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: B
     sent = time.perf_counter()
     res.start = sent - t0
     try:
+        # Times stay measured from the first send: a retried request's wait is the user's too.
         async with asyncio.timeout(cfg.request_timeout):
             await _exchange(session, cfg, payload, res, sent)
+            while res.status in RETRY_STATUSES and res.attempts <= cfg.max_retries:
+                await asyncio.sleep(retry_delay(res.retry_after, res.attempts))
+                res.attempts += 1
+                res.status, res.error, res.retry_after, res.e2e = 0, None, None, None
+                await _exchange(session, cfg, payload, res, sent)
     except TimeoutError:
         res.status, res.error = 0, "timeout"
     except (aiohttp.ClientError, ConnectionError, orjson.JSONDecodeError) as exc:
@@ -211,6 +231,23 @@ async def _exchange(session: aiohttp.ClientSession, cfg: ClientConfig, payload: 
             if attempt or res.status:
                 raise
             res.reconnected = True
+
+
+def retry_delay(retry_after: str | None, retry: int, rand: float | None = None) -> float:
+    """Seconds to wait before sending again the `retry`-th time (from 1): the server's
+    Retry-After (seconds or an HTTP date) when it names one of at most a minute, else backoff."""
+    if retry_after is not None:
+        try:
+            wait = float(retry_after)
+        except ValueError:
+            try:
+                wait = parsedate_to_datetime(retry_after).timestamp() - time.time()
+            except (TypeError, ValueError, IndexError):
+                wait = -1.0
+        if 0 <= wait <= MAX_RETRY_AFTER_S:
+            return wait
+    backoff = min(BACKOFF_BASE_S * 2 ** (retry - 1), BACKOFF_MAX_S)
+    return backoff * (1 - 0.25 * (random.random() if rand is None else rand))
 
 
 def _error_message(text: str) -> str:
