@@ -20,7 +20,7 @@ LOG_FORMATS = ("text", "json")
 
 def log_access(*, request_id: str, tenant: str, route: str, status: int,
                timings: Timings | None, finish_reason: str | None = None,
-               priority: str | None = None) -> None:
+               priority: str | None = None, error_code: str | None = None) -> None:
     if not ACCESS.isEnabledFor(logging.INFO):
         return
     fields: dict[str, Any] = {"request_id": request_id, "tenant": tenant, "route": route,
@@ -29,6 +29,8 @@ def log_access(*, request_id: str, tenant: str, route: str, status: int,
         fields["priority"] = priority
     if finish_reason is not None:
         fields["finish_reason"] = finish_reason
+    if error_code is not None:
+        fields["error_code"] = error_code
     if timings is not None:
         fields.update(timings.to_json())
     text = " ".join(f"{k}={v}" for k, v in fields.items())

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from batcher.backlog import Backlog
 from batcher.core.refusals import Refused
+from batcher.core.stalls import StallLog
 from batcher.slo_limit import CEILING, SloLimit
 from batcher.tenants import PRIORITIES, TenantConfig
 from batcher.token_bucket import TokenBucket
@@ -153,6 +154,9 @@ class Admission:
     prefill_step: PrefillStepFn | None = None
     predictor: TtftPredictor = field(default_factory=TtftPredictor)
     limit: SloLimit = field(default_factory=SloLimit)
+    # The engine's stalls (a compile, a pause of the process): time a request waited through
+    # one is not held against the server's capacity (`batcher.core.stalls`).
+    stalls: StallLog = field(default_factory=StallLog)
     draining: bool = field(default=False, init=False)
     # Rejections by reason, for the `requests_rejected{reason}` metric.
     rejections: dict[str, int] = field(init=False)
@@ -191,18 +195,21 @@ class Admission:
         if ticket.first_token_seen:
             return
         ticket.first_token_seen = True
+        now = self.clock()
+        # NOTE: a stall delayed this first token by the same amount as every other in flight;
+        # it tells nothing about how much the server can take, so neither the controller nor
+        # the correction learns from it.
+        waited = max(0.0, now - ticket.admitted_at - self.stalls.overlap(ticket.admitted_at, now))
         if ticket.held_to_slo and self.slo_ttft_s is not None:
-            now = self.clock()
-            self.limit.observe(now, ticket.admitted_at, now - ticket.admitted_at, self.slo_ttft_s)
+            self.limit.observe(now, ticket.admitted_at, waited, self.slo_ttft_s)
         if ticket.predicted_ttft_s is not None:
-            now = self.clock()
             predicted = ticket.predicted_ttft_s
             rate_now = (self.predictor.prefill_rate if ticket.rate_query is None
                         else self.predictor.prefill_rate_with(*ticket.rate_query))
             if ticket.predicted_at_rate is not None and rate_now is not None:
                 # What the raw model would predict now that it has seen the rate change.
                 predicted *= ticket.predicted_at_rate / rate_now
-            self.predictor.observe_ttft(now, predicted, now - ticket.admitted_at)
+            self.predictor.observe_ttft(now, predicted, waited)
 
     def observe_service(self, seconds: float) -> None:
         """Feed one finished request's service time (admission to last token)."""
@@ -300,7 +307,7 @@ class Admission:
         idle = first and (backlog.running == 0 or self.predictor.prefill_stale)
         held = False
         if self.slo_ttft_s is not None and raw is not None and not idle:
-            self.limit.check_waiting(now, self.slo_ttft_s)
+            self.limit.check_waiting(now, self.slo_ttft_s, self.stalls.overlap)
             held = self._check_ttft(now, priority, prompt_tokens, raw)
         if self.slo_tpot_s is not None and self.decode_step_s is not None:
             self._check_tpot(backlog, requests, (prompt_tokens + max_tokens) // requests)

@@ -21,6 +21,7 @@ from batcher.config import CacheConfig, SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
+from batcher.core.stalls import StallDetector, StallLog
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.core.step_updates import RequestUpdate
 from batcher.detokenizer import IncrementalDetokenizer
@@ -118,6 +119,16 @@ class AsyncEngine:
         self.busy_since: float | None = None
         # Called after every step with (scheduler output, step seconds): admission's rate EWMAs.
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
+        # "warm": steps teach nothing (first runs compile); "calibrate": they teach the
+        # step-time model and the listeners but are not served traffic (no metrics);
+        # "serve": everything. See `batcher.warmup`.
+        self.phase = "serve"
+        # Steps held up by something besides their work (a compile, a pause of the process):
+        # they teach nothing, and admission discounts them from first tokens.
+        self.stalls = StallDetector()
+        self._work_pending_since: float | None = None
+        # What the warm start did and measured (`batcher.warmup.WarmStart.to_json`), if any.
+        self.warm_start: dict[str, Any] | None = None
 
     @classmethod
     def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
@@ -249,7 +260,8 @@ class AsyncEngine:
                 "max_model_len": cfg.max_model_len, "block_size": self.kv.block_size,
                 "num_blocks": self.kv.num_total_blocks,
                 "prefix_caching": self.kv.enable_prefix_caching,
-                "prefix_cache_scope": self.kv.prefix_cache_scope}
+                "prefix_cache_scope": self.kv.prefix_cache_scope,
+                "warm_start": self.warm_start}
 
     def snapshot(self, *, draining: bool = False, in_flight: int = 0) -> EngineSnapshot:
         """Capacity and health now (the `/v1/state` contract); the gateway supplies what only
@@ -308,14 +320,35 @@ class AsyncEngine:
                 return
             self.steps += 1
             self.last_step_end = now = self.clock()
-            self.step_time_model.observe(StepShape.of(sched, self.kv.block_size), model_seconds)
+            learn = self._learns_from(sched, started, model_seconds)
             updates = self.scheduler.update(sched, out)
             self._emit(updates, now)
-            if self.metrics is not None:
+            self._work_pending_since = now if self.scheduler.has_unfinished() else None
+            if self.metrics is not None and self.phase == "serve":
                 self.metrics.observe_step(self.snapshot(), self.scheduler.stats, len(sched.seqs))
                 self.metrics.observe_step_shape(sched, model_seconds)
-            for listener in self.step_listeners:
-                listener(sched, now - started)
+            if learn:
+                for listener in self.step_listeners:
+                    listener(sched, now - started)
+
+    @property
+    def stall_log(self) -> StallLog:
+        return self.stalls.log
+
+    def _learns_from(self, sched: SchedulerOutput, started: float, seconds: float) -> bool:
+        """Feed the step-time model this step unless it taught nothing: a warm-up step, or one
+        held up by a stall (noted in `stalls` for admission). Returns whether the step's
+        listeners learn from it too."""
+        shape = StepShape.of(sched, self.kv.block_size)
+        pending = self._work_pending_since
+        gap = started - pending if pending is not None else 0.0
+        predicted = self.step_time_model.predict(shape) if self.step_time_model.num_observations \
+            else 0.0
+        stalled = self.stalls.step(started, seconds, predicted, gap)
+        if self.phase == "warm" or stalled:
+            return False
+        self.step_time_model.observe(shape, seconds)
+        return True
 
     def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float]:
         """Run a step on the model thread and time it there: the model's own time, without the
@@ -414,7 +447,7 @@ class AsyncEngine:
         del self._live[rid]
         self._streams.push(rid, ev)
         self._streams.close_stream(rid)
-        if self.metrics is not None and req.tenant != "__probe__":
+        if self.metrics is not None and not req.tenant.startswith("__"):
             self.metrics.observe_finished(ev)
 
     def _fail_all(self, reason: str) -> None:

@@ -114,7 +114,8 @@ def gateway_factory(args: argparse.Namespace,
             log.warning("no --tenants file: authentication is off on a non-loopback address")
         sched_cfg = engine.scheduler.config
         decode_step = decode_step_fn(engine.step_time_model, sched_cfg.min_prefill_chunk)
-        admission = Admission(auth, max_waiting=args.max_waiting,
+        # NOTE: the queue's default bound follows the device: four batches' worth.
+        admission = Admission(auth, max_waiting=args.max_waiting or 4 * sched_cfg.max_num_seqs,
                               slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                               slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
                               max_num_seqs=sched_cfg.max_num_seqs,

@@ -193,9 +193,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--tenants", default=None, help="tenants TOML file (keys, token budgets) (default: none, "
       "auth off)")
-    a("--max-waiting", type=positive_int, default=256, help="requests queued before new ones "
-      "get 503 "
-      "(default: %(default)s)")
+    a("--max-waiting", type=positive_int, default=None, help="requests queued before new ones "
+      "get 503 (default: 4 x --max-num-seqs: 256 on a CPU, 1024 on a GPU, where a burst of a "
+      "thousand short requests is served within the TTFT SLO; the SLO check bounds the wait, "
+      "this the count)")
     a("--max-body-bytes", type=positive_int, default=4 * 2**20, help="request body limit in bytes "
       "(default: %(default)s)")
     a("--api-key", action="append", default=[], metavar="KEY", help="an API key clients "

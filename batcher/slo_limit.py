@@ -23,6 +23,7 @@ admit enough to keep the server busy. Pure arithmetic on the caller's clock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,10 +105,12 @@ class SloLimit:
         """Watch an admitted request until its first token (see `check_waiting`)."""
         self._waiting.append(request)
 
-    def check_waiting(self, now: float, slo_s: float) -> None:
+    def check_waiting(self, now: float, slo_s: float,
+                      stalled: Callable[[float, float], float] | None = None) -> None:
         """Cut the share as soon as a request admitted since the last cut is on course to miss
         (`behind`), without waiting for its first token: by then every request admitted in the
-        meantime would have been admitted under the share that failed it."""
+        meantime would have been admitted under the share that failed it. `stalled(a, b)`:
+        seconds of engine stall within [a, b], not counted as waiting."""
         queue = self._waiting
         while queue and (queue[0].first_token_seen or queue[0].released):
             queue.popleft()
@@ -115,6 +118,9 @@ class SloLimit:
             if r.first_token_seen or r.released or not self.counts(r.admitted_at):
                 continue
             # The oldest one that counts is the one furthest behind.
-            if self.behind(now - r.admitted_at, r.predicted_corrected_s, slo_s):
+            elapsed = now - r.admitted_at
+            if stalled is not None:
+                elapsed -= stalled(r.admitted_at, now)
+            if self.behind(elapsed, r.predicted_corrected_s, slo_s):
                 self.missed(now, r.admitted_at)
             return

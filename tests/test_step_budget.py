@@ -259,7 +259,10 @@ async def test_engine_feeds_its_model_every_step_and_the_scheduler_reads_it(tiny
     finally:
         await engine.stop()
     assert engine.steps == 3 + 5  # 150 prompt tokens in chunks of 64, then 5 decodes
-    assert engine.step_time_model.num_observations == engine.steps
+    # Every step but a stalled one (the model thread's first step may be: a cold start).
+    stalled = engine.stall_log.count
+    assert stalled <= 1
+    assert engine.step_time_model.num_observations == engine.steps - stalled
 
 
 def test_serve_flags_reach_the_scheduler() -> None:

@@ -123,6 +123,11 @@ _MIN_OVERRUN_STEPS = 8
 _MAX_OVERRUN = 1.5
 
 
+def _prior_predict(prior: StepTimePrior, shape: StepShape) -> float:
+    return prior.intercept + sum(c * x for c, x in zip(prior.coef, shape.features(prior.knot),
+                                                        strict=True))
+
+
 class _KalmanFit:
     """One Kalman filter over `(intercept, *coef)`; see `OnlineStepTimeModel`."""
 
@@ -201,12 +206,17 @@ class OnlineStepTimeModel:
                  prior_common_sd: float = 3.0, noise_rel_sd: float = 0.1,
                  drift_common: float = 0.05, drift_each: float = 0.003,
                  clip_sigma: float = 3.0) -> None:
+        self._settings = (prior_rel_sd, prior_common_sd, noise_rel_sd, drift_common, drift_each,
+                          clip_sigma)
+        self._recorded: list[tuple[StepShape, float]] | None = None
+        self._start(prior)
+
+    def _start(self, prior: StepTimePrior) -> None:
+        """Forget every observation; start from `prior`."""
         self.prior = prior
         self.knot = prior.knot
-        args = (prior, prior_rel_sd, prior_common_sd, noise_rel_sd, drift_common, drift_each,
-                clip_sigma)
-        self._all = _KalmanFit(*args)
-        self._decode = _KalmanFit(*args)
+        self._all = _KalmanFit(prior, *self._settings)
+        self._decode = _KalmanFit(prior, *self._settings)
         # Recent steps with decodes: [1, features] rows, measured seconds, decode-only or not;
         # `overrun` scores them against the fit as it is now.
         self._rows = np.zeros((_OVERRUN_WINDOW, len(_TYPICAL)))  # intercept + features
@@ -214,6 +224,33 @@ class OnlineStepTimeModel:
         self._decode_only = np.zeros(_OVERRUN_WINDOW, dtype=bool)
         self._kept = 0  # steps kept so far (the ring holds the last _OVERRUN_WINDOW)
         self._overrun: dict[float, float] = {}  # by quantile, until the next observation
+
+    def start_recording(self) -> None:
+        """Keep every step observed from now on, for `refit_recorded` (a calibration)."""
+        self._recorded = []
+
+    def refit_recorded(self, passes: int = 3) -> int:
+        """Start again from the prior rescaled to the steps observed since `start_recording`,
+        then learn those steps `passes` times over; returns how many there were.
+
+        A prior measured on another machine can be off by a factor of fifty (a CPU's prior on
+        a GPU). Observed once each, a few dozen calibration steps move it only part of the way:
+        each innovation is clipped, so that a stall moves the fit a little (see the class
+        docstring). Rescaled first, by the median ratio of measured to the prior's prediction,
+        the filter starts on the device's scale and the passes settle the relative costs."""
+        steps, self._recorded = self._recorded or [], None
+        if not steps:
+            return 0
+        ratios = sorted(sec / p for shape, sec in steps
+                        if (p := _prior_predict(self.prior, shape)) > 0)
+        scale = ratios[len(ratios) // 2] if ratios else 1.0
+        prior = StepTimePrior(self.prior.intercept * scale,
+                              tuple(c * scale for c in self.prior.coef), self.prior.knot)
+        self._start(prior)
+        for _ in range(passes):
+            for shape, sec in steps:
+                self.observe(shape, sec)
+        return len(steps)
 
     @property
     def num_observations(self) -> int:
@@ -237,6 +274,8 @@ class OnlineStepTimeModel:
         """One measured step. Empty steps and non-finite or non-positive times are ignored."""
         if shape.is_empty or not (seconds > 0 and math.isfinite(seconds)):
             return
+        if self._recorded is not None:
+            self._recorded.append((shape, seconds))
         features = shape.features(self.knot)
         if shape.decode_rows:
             i = self._kept % _OVERRUN_WINDOW

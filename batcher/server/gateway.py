@@ -168,8 +168,11 @@ class Gateway:
                                           backlog, len(prompts) * copies)
         except Rejected as rej:
             self.metrics.observe_rejected(rej.reason)
+            # NOTE: the reason travels in the body's code, the access line and a header, so a
+            # client, an operator and a router each read why without parsing the message.
             raise ApiError(rej.status, rej.message, code=rej.reason,
-                           retry_after=rej.retry_after) from None
+                           retry_after=rej.retry_after,
+                           headers={"X-Reject-Reason": rej.reason}) from None
         except Refused as exc:
             raise invalid(str(exc), exc.param) from None
         job = Job(key, ticket)

@@ -105,7 +105,7 @@ class GenerationHandler:
         try:
             resp = await self._handle(request, timing)
         except ApiError as err:
-            timing.done(err.status)
+            timing.done(err.status, err.code)
             raise
         except asyncio.CancelledError:  # the client went away
             timing.done(499)

@@ -48,8 +48,9 @@ class RequestTiming:
         self.timings = t
         return t
 
-    def done(self, status: int) -> None:
-        """The answer went out (or failed): histograms for served requests, the access line."""
+    def done(self, status: int, error_code: str | None = None) -> None:
+        """The answer went out (or failed): histograms for served requests, the access line
+        (with the error's code for a refusal or a failure: why, where an operator looks)."""
         ran = self.timings is not None
         t = self.timings or split(self.marks, None, self.marks.clock())
         prio = self.job.requests[0].priority if self.job and self.job.requests else 0
@@ -58,7 +59,8 @@ class RequestTiming:
         tenant = getattr(self.request.get("tenant"), "name", "-")
         rid = self.request.get("request_id", "")
         log_access(request_id=rid, tenant=tenant, route=self.request.path, status=status,
-                   timings=t, finish_reason=self.finish_reason, priority=priority_label(prio))
+                   timings=t, finish_reason=self.finish_reason, priority=priority_label(prio),
+                   error_code=error_code)
         tracer = tracing.current()
         if tracer is not None:
             tracer.record("batcher.request", self.request.headers, t, {
