@@ -382,25 +382,38 @@ class AsyncEngine:
                 live.end_requeue(now)
 
     def _emit(self, updates: list[RequestUpdate], now: float) -> None:
+        # NOTE: readers are paced on the real clock, whatever clock the engine keeps: a stream
+        # woken a moment ago takes this step's tokens with its next wake, merged into the event
+        # it has not taken (`RequestRegistry.push`), so the loop wakes readers a bounded number
+        # of times a second however fast steps come. The update's lists are its own: the event
+        # takes them.
+        wall = time.monotonic()
+        lives = self._live
+        push = self._streams.push
         for u in updates:
-            live = self._live.get(u.request_id)
+            live = lives.get(u.request_id)
             if live is None:
                 continue  # output of a request the engine no longer tracks: drop it
-            live.token_times.extend([now] * len(u.new_token_ids))
-            if len(u.new_token_ids) > 1:
+            ids = u.new_token_ids
+            if len(ids) == 1:
+                live.token_times.append(now)
+                text = live.detok.add(ids)
+            else:
+                live.token_times.extend([now] * len(ids))
                 text = self._add_until_stop(live, u)
-            else:
-                text = live.detok.add(u.new_token_ids)
-            if live.detok.stopped and not u.finished:
+            detok = live.detok
+            if detok.stopped and not u.status.finished:
                 self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
-            ev = EngineEvent(u.request_id, text, list(u.new_token_ids), list(u.new_logprobs),
-                             u.prompt_logprobs)
-            if live.request.is_finished:
-                if not live.detok.stopped:
-                    ev.text += live.detok.flush()
+            ev = EngineEvent(u.request_id, text, ids, u.new_logprobs, u.prompt_logprobs)
+            if live.request.status.finished:
+                if not detok.stopped:
+                    ev.text += detok.flush()
                 self._finish(live, now, ev)
+            elif len(live.token_times) == len(ids):  # the first tokens: never held
+                push(u.request_id, ev, merge=True, now=wall)
             else:
-                self._streams.push(u.request_id, ev)
+                push(u.request_id, ev, merge=True, paced=True, now=wall)
+        self._streams.release_held(wall)
 
     @staticmethod
     def _add_until_stop(live: _Live, u: RequestUpdate) -> str:
@@ -445,7 +458,7 @@ class AsyncEngine:
             requeue_before_first_token=live.requeue_before,
             requeue_after_first_token=live.requeue_after, preemptions=req.num_preemptions)
         del self._live[rid]
-        self._streams.push(rid, ev)
+        self._streams.push(rid, ev, merge=True, now=time.monotonic())
         self._streams.close_stream(rid)
         if self.metrics is not None and not req.tenant.startswith("__"):
             self.metrics.observe_finished(ev)

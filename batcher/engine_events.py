@@ -42,6 +42,29 @@ class EngineEvent:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def absorb(self, later: EngineEvent) -> None:
+        """Take in the request's next event, as if both had come as one: its text and tokens
+        follow this event's, and a final event's counts and timings become this one's. A
+        stream whose reader has not yet taken an event grows it instead of queueing another."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if later.finish_reason is not None:
+            self.finish_reason = later.finish_reason
+            self.error = later.error
+            self.stop_reason = later.stop_reason
+            self.num_prompt_tokens = later.num_prompt_tokens
+            self.num_output_tokens = later.num_output_tokens
+            self.num_cached_tokens = later.num_cached_tokens
+            self.queue_wait = later.queue_wait
+            self.ttft = later.ttft
+            self.e2e = later.e2e
+            self.token_times = later.token_times
+            self.priority = later.priority
+            self.times = later.times
+
     @property
     def tpot(self) -> float | None:
         t = self.token_times

@@ -11,20 +11,27 @@ queue. Contracts:
   False instead of raising, because a late result after a timeout or a disconnect is normal.
 - Loop-thread only, like the asyncio objects it holds. A worker thread hands results over with
   `loop.call_soon_threadsafe(registry.resolve, ...)`.
+- A stream's reader may fall behind its producer. An item pushed with `merge=True` while the
+  reader has not yet taken the previous one is merged into it (`absorb`), so the reader takes
+  everything queued in one item; one pushed with `hold=True` does not wake the reader, which is
+  then woken by a later push without it or by `release_held` (a producer paces how often a
+  reader runs, and each wake finds more to take). A reader never waits for an item it could
+  take: a hold only spares a wake-up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from batcher.core.refusals import DuplicateRequestId
 
-__all__ = ["STREAM_END", "DuplicateRequestId", "RequestRegistry", "StreamFailure", "iter_stream",
-           "new_request_id"]
+__all__ = ["STREAM_END", "STREAM_WAKES_PER_S", "DuplicateRequestId", "RequestRegistry", "Stream",
+           "StreamFailure", "iter_stream", "new_request_id"]
 
 
 def new_request_id() -> str:
@@ -44,6 +51,14 @@ class _End:
 
 STREAM_END: Any = _End()
 
+# How many times a second a registry wakes its streams' readers in all, at most, while items
+# come faster than that: a paced stream is woken at most every `(streams - 1) / this` seconds,
+# and takes everything that came meanwhile as one item. A push without `paced` and a stream
+# alone are never held. Each wake of an engine stream costs the event loop a task switch, an SSE
+# write and the client a read (tens of microseconds together), which at 256 streams of a fast
+# device would be most of every step; a reader gets a chunk of tokens instead, at the same rate.
+STREAM_WAKES_PER_S = 10_000.0
+
 
 @dataclass(slots=True, frozen=True)
 class StreamFailure:
@@ -52,7 +67,58 @@ class StreamFailure:
     error: BaseException
 
 
-async def iter_stream(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
+class Stream:
+    """One stream's items, from the producer to its one reader, in order (an asyncio.Queue for a
+    single reader, with merging and held wake-ups; see the module's contracts)."""
+
+    __slots__ = ("_items", "_loop", "_waiter", "woken_at")
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self.woken_at = float("-inf")  # when the producer last woke (or would have woken) it
+
+    def put_nowait(self, item: Any) -> None:
+        self.put(item)
+
+    def put(self, item: Any, merge: bool = False, hold: bool = False) -> None:
+        items = self._items
+        if merge and items:
+            last = items[-1]
+            if last is not STREAM_END and not isinstance(last, StreamFailure):
+                last.absorb(item)
+                if not hold:
+                    self.wake()
+                return
+        items.append(item)
+        if not hold:
+            self.wake()
+
+    def wake(self) -> None:
+        """Let the reader take what is queued, if it is waiting."""
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    async def get(self) -> Any:
+        items = self._items
+        while not items:
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        return items.popleft()
+
+
+async def iter_stream(queue: Stream | asyncio.Queue[Any]) -> AsyncIterator[Any]:
     """Yield a stream's items until `STREAM_END`; raise the error of a `StreamFailure`."""
     while True:
         item = await queue.get()
@@ -66,11 +132,13 @@ async def iter_stream(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
 class RequestRegistry:
     """In-flight request IDs, each with a future or a stream queue (never both)."""
 
-    __slots__ = ("_futures", "_streams")
+    __slots__ = ("_futures", "_held", "_streams", "wakes_per_s")
 
-    def __init__(self) -> None:
+    def __init__(self, wakes_per_s: float = STREAM_WAKES_PER_S) -> None:
+        self.wakes_per_s = wakes_per_s
         self._futures: dict[str, asyncio.Future[Any]] = {}
-        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._streams: dict[str, Stream] = {}
+        self._held: dict[str, Stream] = {}  # pushed to with `hold`, not woken since
 
     # -- consumer side ---------------------------------------------------------------------------
 
@@ -81,12 +149,11 @@ class RequestRegistry:
         self._futures[request_id] = fut
         return fut
 
-    def create_stream(self, request_id: str, maxsize: int = 0) -> asyncio.Queue[Any]:
+    def create_stream(self, request_id: str) -> Stream:
         """Register `request_id` for a stream of items; read it with `iter_stream`."""
         self._check_new(request_id)
-        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize)
-        self._streams[request_id] = queue
-        return queue
+        stream = self._streams[request_id] = Stream()
+        return stream
 
     def cancel(self, request_id: str) -> bool:
         """End the request: its future is cancelled, its stream's reader gets `CancelledError`."""
@@ -96,6 +163,7 @@ class RequestRegistry:
         queue = self._streams.pop(request_id, None)
         if queue is None:
             return False
+        self._held.pop(request_id, None)
         queue.put_nowait(StreamFailure(asyncio.CancelledError()))
         return True
 
@@ -109,6 +177,8 @@ class RequestRegistry:
             entry = table.get(request_id)
             if entry is not None and (handle is None or entry is handle):
                 del table[request_id]
+                if self._held.get(request_id) is entry:
+                    del self._held[request_id]
                 return True
         return False
 
@@ -133,25 +203,52 @@ class RequestRegistry:
         queue = self._streams.pop(request_id, None)
         if queue is None:
             return False
+        self._held.pop(request_id, None)
         queue.put_nowait(StreamFailure(exc))
         return True
 
-    def push(self, request_id: str, item: Any) -> bool:
+    def push(self, request_id: str, item: Any, *, merge: bool = False, paced: bool = False,
+             now: float = 0.0) -> bool:
         """Append `item` to the request's stream; False if the ID is not an open stream.
-
-        Raises `asyncio.QueueFull` only for a stream created with a `maxsize` that its reader lets fill.
-        """
-        queue = self._streams.get(request_id)
-        if queue is None:
+        `merge`: into the item its reader has not taken yet, if any. `paced`: a stream woken
+        less than `hold_seconds()` before `now` is held, not woken (see the module's
+        contracts); a wake notes `now` as the stream's `woken_at`."""
+        stream = self._streams.get(request_id)
+        if stream is None:
             return False
-        queue.put_nowait(item)
+        hold = paced and now - stream.woken_at < (len(self._streams) - 1) / self.wakes_per_s
+        stream.put(item, merge, hold)
+        if hold:
+            self._held[request_id] = stream
+        else:
+            stream.woken_at = now
+            if self._held:
+                self._held.pop(request_id, None)
         return True
+
+    def hold_seconds(self) -> float:
+        """How long after a wake a paced push holds a stream: every stream's share of
+        `wakes_per_s`."""
+        return (len(self._streams) - 1) / self.wakes_per_s
+
+    def release_held(self, now: float) -> int:
+        """Wake every held stream last woken `hold_seconds()` or more before `now`; how many."""
+        if not self._held:
+            return 0
+        interval = self.hold_seconds()
+        due = [rid for rid, s in self._held.items() if now - s.woken_at >= interval]
+        for rid in due:
+            stream = self._held.pop(rid)
+            stream.woken_at = now
+            stream.wake()
+        return len(due)
 
     def close_stream(self, request_id: str) -> bool:
         """End the request's stream normally; False if the ID is not an open stream."""
         queue = self._streams.pop(request_id, None)
         if queue is None:
             return False
+        self._held.pop(request_id, None)
         queue.put_nowait(STREAM_END)
         return True
 

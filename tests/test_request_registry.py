@@ -133,3 +133,60 @@ async def test_stream_cancel_wakes_a_waiting_reader() -> None:
         await reader
     assert isinstance(StreamFailure(RuntimeError()), StreamFailure)
     assert repr(STREAM_END) == "STREAM_END"
+
+
+class _Delta:
+    """An item that merges like an engine event: its parts follow the earlier item's."""
+
+    def __init__(self, *parts: str) -> None:
+        self.parts = list(parts)
+
+    def absorb(self, later: _Delta) -> None:
+        self.parts += later.parts
+
+
+async def test_merged_items_reach_a_reader_that_fell_behind_as_one() -> None:
+    reg = RequestRegistry()
+    stream = reg.create_stream("s")
+    for p in "abc":
+        reg.push("s", _Delta(p), merge=True)
+    reg.close_stream("s")
+    got = [x.parts async for x in iter_stream(stream)]
+    assert got == [["a", "b", "c"]]
+
+
+async def test_paced_pushes_hold_a_reader_until_its_share_of_wakes() -> None:
+    reg = RequestRegistry(wakes_per_s=1000.0)
+    streams = [reg.create_stream(f"s{i}") for i in range(11)]  # each: a wake per 10 ms at most
+    assert reg.hold_seconds() == pytest.approx(0.010)
+    reader = asyncio.create_task(streams[0].get())
+    await asyncio.sleep(0)
+    reg.push("s0", _Delta("a"), merge=True, paced=True, now=100.0)  # never woken: not held
+    assert (await reader).parts == ["a"]
+    reader = asyncio.create_task(streams[0].get())
+    await asyncio.sleep(0)
+    reg.push("s0", _Delta("b"), merge=True, paced=True, now=100.004)
+    reg.push("s0", _Delta("c"), merge=True, paced=True, now=100.008)
+    await asyncio.sleep(0)
+    assert not reader.done()  # held: woken 8 ms ago
+    assert reg.release_held(100.009) == 0
+    assert reg.release_held(100.011) == 1
+    assert (await reader).parts == ["b", "c"]  # one wake, both tokens
+    # An unpaced push (a first or a final item) wakes at once; a held reader is never lost.
+    reader = asyncio.create_task(streams[0].get())
+    await asyncio.sleep(0)
+    reg.push("s0", _Delta("d"), merge=True, paced=True, now=100.012)
+    reg.push("s0", _Delta("e"), merge=True, now=100.013)
+    assert (await reader).parts == ["d", "e"]
+    assert reg.release_held(200.0) == 0
+
+
+async def test_a_reader_that_comes_back_takes_held_items_without_a_wake() -> None:
+    reg = RequestRegistry(wakes_per_s=1.0)
+    stream = reg.create_stream("s")
+    reg.create_stream("t")
+    reg.push("s", _Delta("a"), merge=True, now=5.0)
+    reg.push("s", _Delta("b"), paced=True, now=5.1)  # held, not merged: two items
+    assert stream.qsize() == 2
+    assert (await stream.get()).parts == ["a"]
+    assert (await stream.get()).parts == ["b"]
