@@ -4,9 +4,55 @@ after a stop string."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from batcher.tokenizer import REPLACEMENT_CHAR, Tokenizer, incomplete_utf8_tail
+from batcher.tokenizer import REPLACEMENT_CHAR, Tokenizer, _gpt2_byte_chars, incomplete_utf8_tail
+
+
+@dataclass(frozen=True, slots=True)
+class ByteLevelTable:
+    """A byte-level BPE tokenizer's tokens as bytes (`byte_level_table`)."""
+
+    token_bytes: tuple[bytes | None, ...]  # None: an added token
+    special_ids: frozenset[int]
+
+
+@functools.lru_cache(maxsize=8)
+def byte_level_table(tokenizer: Tokenizer) -> ByteLevelTable | None:
+    """The bytes of every ordinary token of a byte-level BPE tokenizer (GPT-2's alphabet and a
+    `ByteLevel` decoder alone), None for added tokens; None when the tokenizer is not of that
+    kind. Such a tokenizer decodes ordinary tokens as their bytes joined and read as UTF-8 (an
+    invalid or cut sequence as U+FFFD), whatever came before them: exactly what the table gives
+    without a call into the tokenizer library."""
+    backend = getattr(tokenizer.hf, "backend_tokenizer", None)
+    if backend is None or type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+        return None
+    added = backend.get_added_tokens_decoder()
+    chars = _gpt2_byte_chars()
+    alphabet = frozenset(chars.values())
+    to_latin1 = str.maketrans({c: chr(b) for b, c in chars.items()})
+    table: list[bytes | None] = [None] * len(tokenizer.hf)
+    for piece, i in backend.get_vocab(with_added_tokens=False).items():
+        # A piece outside the byte alphabet is left to the tokenizer.
+        if i not in added and i < len(table) and alphabet.issuperset(piece):
+            table[i] = piece.translate(to_latin1).encode("latin-1")
+    return ByteLevelTable(tuple(table), frozenset(i for i, t in added.items() if t.special))
+
+
+def complete_prefix_len(data: bytes) -> int:
+    """How many leading bytes of `data` hold whole characters: all but the start of a last
+    character whose other bytes are still to come."""
+    if not data or data[-1] < 0x80:
+        return len(data)
+    for k in range(1, min(4, len(data)) + 1):
+        c = data[-k]
+        if c & 0xC0 == 0x80:  # a continuation byte: look further back for the lead byte
+            continue
+        need = 2 if c & 0xE0 == 0xC0 else 3 if c & 0xF0 == 0xE0 else 4 if c & 0xF8 == 0xF0 else 1
+        return len(data) - k if need > k else len(data)
+    return len(data)
 
 
 class IncrementalDetokenizer:
@@ -35,19 +81,29 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        byte_level: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
         self.stopped = False
         self.stop_reason: str | None = None
+        self._pending = ""  # decoded, not yet emitted: a possible start of a stop string
+        self._parts: list[str] = []
+        self._text: str | None = ""
+        # A byte-level tokenizer's text is its tokens' bytes, whatever came before them: no
+        # window, no context, just the bytes of a character not yet complete (`_add_bytes`).
+        self._table = byte_level_table(tokenizer) if byte_level else None
+        self._tail = b""
+        if self._table is not None:
+            self._ids: list[int] = []
+            self._read = 0
+            self._context_text = ""
+            return
         # The window: context tokens `[:_read]` (already shown, or prompt) then unshown tokens.
         self._ids: list[int] = list(prompt_token_ids[-self.PROMPT_CONTEXT :])
         self._read = len(self._ids)
         self._context_text = self._decode(self._ids)
-        self._pending = ""  # decoded, not yet emitted: a possible start of a stop string
-        self._parts: list[str] = []
-        self._text: str | None = ""
 
     @property
     def text(self) -> str:
@@ -61,6 +117,8 @@ class IncrementalDetokenizer:
         """Append generated tokens; return the text that may be shown now ("" once stopped)."""
         if self.stopped or not token_ids:
             return ""
+        if self._table is not None:
+            return self._add_bytes(token_ids)
         self._ids.extend(token_ids)
         end = len(self._ids)
         # Emit up to the latest token boundary that does not split a character.
@@ -82,6 +140,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         delta = ""
+        self._tail = b""  # byte-level: the start of a character that never completed
         if self._read < len(self._ids):
             window = self._decode(self._ids)
             if window.endswith(REPLACEMENT_CHAR) and self._incomplete_tail():
@@ -96,6 +155,30 @@ class IncrementalDetokenizer:
                 delta += self._emit(self._pending)
                 self._pending = ""
         return delta
+
+    def _add_bytes(self, token_ids: Sequence[int]) -> str:
+        """`add` for a byte-level tokenizer: the new tokens' bytes after those of a character
+        still incomplete; the text is every whole character, the rest waits. A special token
+        skipped is no bytes; an added one is its own text, after the bytes before it (a
+        character cut by it is U+FFFD, as in a decode of the whole)."""
+        table = self._table
+        assert table is not None
+        data, text = self._tail, ""
+        for t in token_ids:
+            piece = table.token_bytes[t] if 0 <= t < len(table.token_bytes) else None
+            if piece is None:
+                if self.skip_special_tokens and t in table.special_ids:
+                    continue
+                text += data.decode("utf-8", "replace") + self.tokenizer.decode(
+                    [t], skip_special_tokens=self.skip_special_tokens)
+                data = b""
+                continue
+            data += piece
+        cut = complete_prefix_len(data)
+        if cut:
+            text += data[:cut].decode("utf-8", "replace")
+        self._tail = data[cut:]
+        return self._check_stop(self._pending + text) if text else ""
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batcher.bundled import smollm2_gguf_path
-from batcher.detokenizer import IncrementalDetokenizer
+from batcher.detokenizer import IncrementalDetokenizer, byte_level_table
 from batcher.tokenizer import Tokenizer, load_tokenizer
 
 MIXED_TEXT = "Café naïve façade — 😀🎉 日本語のテキスト, 한국어 👩‍👩‍👧 ñ ü ß Ω"
@@ -38,9 +39,11 @@ def stream(
     ids: Sequence[int],
     stop: Sequence[str] = (),
     step: int = 1,
+    byte_level: bool = True,
 ) -> tuple[IncrementalDetokenizer, list[str]]:
-    """Feed `ids` `step` tokens at a time; return the detokenizer and every delta (flush last)."""
-    detok = IncrementalDetokenizer(tok, prompt, list(stop))
+    """Feed `ids` `step` tokens at a time; return the detokenizer and every delta (flush last).
+    `byte_level=False` takes the general path a tokenizer of another kind takes."""
+    detok = IncrementalDetokenizer(tok, prompt, list(stop), byte_level=byte_level)
     deltas = [detok.add(ids[i : i + step]) for i in range(0, len(ids), step)]
     deltas.append(detok.flush())
     return detok, deltas
@@ -170,10 +173,12 @@ def test_multibyte_text_streams_without_broken_characters(
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7])
-def test_emoji_sequence_is_emitted_only_when_complete(tok: Tokenizer, step: int) -> None:
+@pytest.mark.parametrize("byte_level", [True, False])
+def test_emoji_sequence_is_emitted_only_when_complete(tok: Tokenizer, step: int,
+                                                      byte_level: bool) -> None:
     text = "😀👩‍👩‍👧🎉é日"
     ids = tok.encode(text, add_special_tokens=False)
-    _, deltas = stream(tok, [], ids, step=step)
+    _, deltas = stream(tok, [], ids, step=step, byte_level=byte_level)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
 
@@ -223,19 +228,26 @@ def test_multibyte_stop_string(tok: Tokenizer) -> None:
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("byte_level", [True, False])
+def test_special_tokens_skipped_or_kept(tok: Tokenizer, byte_level: bool) -> None:
     im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
     ids = [*tok.encode("Hi", add_special_tokens=False), im_end]
-    assert "".join(stream(tok, [], ids)[1]) == "Hi"
-    detok = IncrementalDetokenizer(tok, [], [], skip_special_tokens=False)
+    assert "".join(stream(tok, [], ids, byte_level=byte_level)[1]) == "Hi"
+    detok = IncrementalDetokenizer(tok, [], [], skip_special_tokens=False, byte_level=byte_level)
     assert detok.add(ids) + detok.flush() == "Hi<|im_end|>"
+    # A special token inside a character's bytes is skipped as if it were not there.
+    smile = tok.encode("😀", add_special_tokens=False)
+    if len(smile) > 1:
+        ids = [*smile[:1], im_end, *smile[1:]]
+        assert "".join(stream(tok, [], ids, byte_level=byte_level)[1]) == tok.decode(ids)
 
 
-def test_incomplete_character_at_the_end_is_dropped(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("byte_level", [True, False])
+def test_incomplete_character_at_the_end_is_dropped(tok: Tokenizer, byte_level: bool) -> None:
     ids = tok.encode("ok 😀", add_special_tokens=False)
     partial = ids[:-1]  # generation cut in the middle of the emoji
     assert tok.decode(partial).endswith("\ufffd")
-    detok = IncrementalDetokenizer(tok, [], [])
+    detok = IncrementalDetokenizer(tok, [], [], byte_level=byte_level)
     shown = "".join(detok.add([i]) for i in partial)
     assert "\ufffd" not in shown
     # The bytes of a character that never completed are dropped, not shown as U+FFFD.
@@ -259,20 +271,25 @@ def test_work_per_step_does_not_grow_with_output(tok: Tokenizer, chat_prompt: li
     counting = _CountingTokenizer(tok)
     ids = tok.encode(MIXED_TEXT * 40, add_special_tokens=False)
     assert len(ids) > 1000
-    _, deltas = stream(counting, chat_prompt, ids, stop=["never appears"])
+    _, deltas = stream(counting, chat_prompt, ids, stop=["never appears"], byte_level=False)
     assert "".join(deltas) == MIXED_TEXT * 40
     assert max(counting.sizes) <= 16
+    # The byte-level path (this tokenizer's) decodes ordinary tokens without the library.
+    counting.sizes.clear()
+    _, deltas = stream(counting, chat_prompt, ids, stop=["never appears"])
+    assert "".join(deltas) == MIXED_TEXT * 40 and not counting.sizes
 
 
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(text=st.text(max_size=60), step=st.integers(min_value=1, max_value=4))
+@given(text=st.text(max_size=60), step=st.integers(min_value=1, max_value=4),
+       byte_level=st.booleans())
 def test_streaming_equals_one_shot_decode(
-    tok: Tokenizer, chat_prompt: list[int], text: str, step: int
+    tok: Tokenizer, chat_prompt: list[int], text: str, step: int, byte_level: bool
 ) -> None:
     ids = tok.encode(text, add_special_tokens=False)
-    _, deltas = stream(tok, chat_prompt, ids, step=step)
+    _, deltas = stream(tok, chat_prompt, ids, step=step, byte_level=byte_level)
     one_shot = tok.decode(ids)
     assert "".join(deltas) == one_shot
     # A delta shows U+FFFD only where the whole decode has one (text the vocabulary cannot spell).
@@ -286,9 +303,9 @@ _ALPHABET = st.sampled_from(list("ab cdé\n.,!?") + ["😀", "日", "本", "ñ",
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(data=st.data(), step=st.integers(min_value=1, max_value=3))
+@given(data=st.data(), step=st.integers(min_value=1, max_value=3), byte_level=st.booleans())
 def test_stop_strings_cut_at_the_first_occurrence(
-    tok: Tokenizer, data: st.DataObject, step: int
+    tok: Tokenizer, data: st.DataObject, step: int, byte_level: bool
 ) -> None:
     text = "".join(data.draw(st.lists(_ALPHABET, min_size=1, max_size=40)))
     ids = tok.encode(text, add_special_tokens=False)
@@ -304,7 +321,7 @@ def test_stop_strings_cut_at_the_first_occurrence(
         )
     )
     stops = [s for s in stops if s]
-    detok, deltas = stream(tok, [], ids, stop=stops, step=step)
+    detok, deltas = stream(tok, [], ids, stop=stops, step=step, byte_level=byte_level)
     hits = [full.find(s) for s in stops if s in full]
     expected = full[: min(hits)] if hits else full
     assert "".join(deltas) == expected == detok.text
@@ -320,9 +337,28 @@ def test_stop_strings_cut_at_the_first_occurrence(
     ("xabd and more", ["b", "abc"], "xa", "b"),  # the longer never completes
     ("xab", ["b", "abc"], "xa", "b"),  # decided at the end of generation
 ])
+@pytest.mark.parametrize("byte_level", [True, False])
 def test_overlapping_stop_strings_the_earliest_wins(tok: Tokenizer, text: str, stops: list[str],
-                                                    shown: str, reason: str) -> None:
+                                                    shown: str, reason: str,
+                                                    byte_level: bool) -> None:
     ids = tok.encode(text, add_special_tokens=False)
-    detok, deltas = stream(tok, [], ids, stop=stops)
+    detok, deltas = stream(tok, [], ids, stop=stops, byte_level=byte_level)
     assert "".join(deltas) == shown == detok.text
     assert detok.stopped and detok.stop_reason == reason
+
+
+def test_byte_level_table_decodes_as_the_tokenizer_does(tok: Tokenizer) -> None:
+    table = byte_level_table(tok)
+    assert table is not None  # the bundled tokenizer is byte-level BPE
+    assert table.special_ids and all(table.token_bytes[i] is None for i in table.special_ids)
+    rng = random.Random(0)
+    ordinary = [i for i, b in enumerate(table.token_bytes) if b is not None]
+    mixed = tok.encode(MIXED_TEXT, add_special_tokens=False)
+    for n in range(400):
+        if n % 2:
+            ids = [rng.choice(ordinary) for _ in range(rng.randint(1, 8))]
+        else:
+            start = rng.randrange(len(mixed))
+            ids = mixed[start:start + rng.randint(1, 6)]
+        joined = b"".join(table.token_bytes[i] or b"" for i in ids)
+        assert joined.decode("utf-8", "replace") == tok.decode(ids), ids
