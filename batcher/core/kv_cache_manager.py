@@ -119,9 +119,15 @@ class KVCacheManager:
         (speculation; `trim` gives back what was not accepted). With `computed_blocks` (an
         admission: the request holds nothing), take a reference to each hit block first.
         Returns False and changes nothing when the free blocks are too few."""
+        bs = self.block_size
+        if computed_blocks is None and request.block_ids and (
+                request.num_computed_tokens + num_new_tokens + num_lookahead
+                <= len(request.block_ids) * bs):
+            # NOTE: the common case, a decode inside its last block: nothing to allocate.
+            assert request.num_computed_tokens + num_new_tokens <= request.num_tokens
+            return True
         computed = computed_blocks or []
         assert not computed or (not request.block_ids and request.num_computed_tokens == 0)
-        bs = self.block_size
         num_tokens = request.num_computed_tokens + len(computed) * bs + num_new_tokens
         assert num_tokens <= request.num_tokens, "cannot compute tokens not yet sampled"
         num_tokens += num_lookahead

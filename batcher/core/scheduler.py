@@ -159,11 +159,22 @@ class Scheduler:
         allowance = self.last_allowance = (
             None if pacer is None else pacer.allowance(self.running, self.waiting))
         i = 0
-        while i < len(self.running) and budget > 0 and len(seqs) < cfg.max_num_seqs:
-            req = self.running[i]
+        running = self.running
+        proposer = self.proposer
+        slots_per_block = self.kv.block_size
+        while i < len(running) and budget > 0 and len(seqs) < cfg.max_num_seqs:
+            req = running[i]
             drafts: list[int] = []
-            if req.num_tokens - req.num_computed_tokens == 1:
+            if len(req.token_ids) - req.num_computed_tokens == 1:
                 decodes_left -= 1
+                if proposer is None and (req.num_computed_tokens
+                                         < len(req.block_ids) * slots_per_block):
+                    # NOTE: the common case, a decode whose slot its blocks already hold: what
+                    # the general path below does for it, without its checks.
+                    seqs.append(self._decode_seq(req))
+                    budget -= 1
+                    i += 1
+                    continue
                 num_new = 1
                 drafts = self._drafts(req, budget - 1 - decodes_left)
             elif budget > decodes_left:
@@ -247,47 +258,60 @@ class Scheduler:
         ids, tokens = runner_out.request_ids, runner_out.token_ids
         # NOTE: a runner with logprobs off may leave the list empty.
         lps = runner_out.logprobs if runner_out.logprobs else [None] * len(tokens)
-        # NOTE: a row with drafts may have several tokens, in order.
-        sampled: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}
-        for rid, token, lp in zip(ids, tokens, lps, strict=True):
-            sampled.setdefault(rid, []).append((token, lp))
+        if len(lps) != len(ids) or len(tokens) != len(ids):
+            raise ValueError("the runner's request ids, tokens and logprobs differ in length")
+        # One (token, logprob) per sampled row; a row with drafts may have several, in order.
+        single: dict[str, tuple[int, TokenLogprobs | None]] = dict(zip(ids, zip(tokens, lps)))
+        several: dict[str, list[tuple[int, TokenLogprobs | None]]] | None = None
+        if len(single) != len(ids):
+            several = {}
+            for rid, token, lp in zip(ids, tokens, lps):
+                several.setdefault(rid, []).append((token, lp))
         updates: list[RequestUpdate] = []
         now: float | None = None
+        requests, aborts, stats = self._requests, self._pending_aborts, self.stats
+        caching, slots_per_block = self.kv.enable_prefix_caching, self.kv.block_size
+        running_status, max_model_len = RequestStatus.RUNNING, self.config.max_model_len
         for seq in sched_out.seqs:
-            req = self._requests.get(seq.request_id)
-            if (
-                req is None
-                or req.status is not RequestStatus.RUNNING
-                or seq.request_id in self._pending_aborts
-            ):
+            rid = seq.request_id
+            req = requests.get(rid)
+            if req is None or req.status is not running_status or rid in aborts:
                 continue
-            assert req.num_computed_tokens == seq.start_pos, (req.request_id, seq.start_pos)
+            start = seq.start_pos
+            assert req.num_computed_tokens == start, (rid, start)
             if seq.draft_token_ids:
-                updates.append(self._update_speculative(req, seq, sampled[seq.request_id]))
+                kept = several[rid] if several is not None else [single[rid]]
+                updates.append(self._update_speculative(req, seq, kept))
                 continue
-            req.num_computed_tokens += seq.num_tokens
-            self.stats.prompt_tokens_computed += max(
-                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
-            )
-            self.kv.cache_full_blocks(req)
+            num_new = len(seq.token_ids)
+            computed = req.num_computed_tokens = start + num_new
+            num_prompt = len(req.prompt_token_ids)
+            if start < num_prompt:
+                stats.prompt_tokens_computed += min(computed, num_prompt) - start
+            # NOTE: one more token fills a block only at a block's end.
+            if caching and (num_new > 1 or computed % slots_per_block == 0):
+                self.kv.cache_full_blocks(req)
             if seq.score_targets:
-                scores = runner_out.prompt_logprobs[seq.request_id]
-                assert len(scores) == len(seq.score_targets), seq.request_id
+                scores = runner_out.prompt_logprobs[rid]
+                assert len(scores) == len(seq.score_targets), rid
                 req.prompt_scores += scores
                 req.num_prompt_scored += len(scores)
             if not seq.sample:
                 continue
-            assert seq.request_id in sampled, f"runner returned no token for {seq.request_id}"
-            ((token, lp),) = sampled[seq.request_id]
-            req.append_token(token)
-            self.stats.generated_tokens += 1
+            assert rid in single, f"runner returned no token for {rid}"
+            if several is None:
+                token, lp = single[rid]
+            else:
+                ((token, lp),) = several[rid]
+            req.token_ids.append(token)
+            stats.generated_tokens += 1
             if req.first_token_time is None:
                 now = self.clock() if now is None else now
                 req.first_token_time = now
-            status = stop_status(req, token, self.config.max_model_len)
+            status = stop_status(req, token, max_model_len)
             if status is not None:
                 self._free(req, status)
-            update = RequestUpdate(req.request_id, [token], [lp], req.status)
+            update = RequestUpdate(rid, [token], [lp], req.status)
             if req.sampling.prompt_logprobs is not None and req.num_output_tokens == 1:
                 update.prompt_logprobs, req.prompt_scores = req.prompt_scores, []
             updates.append(update)
@@ -367,6 +391,17 @@ class Scheduler:
         else:
             self.kv.trim(req)
         return RequestUpdate(req.request_id, new_tokens, new_lps, req.status)
+
+    def _decode_seq(self, req: Request) -> ScheduledSeq:
+        """`_seq(req, 1)` for a decode row: it samples, and it scores no prompt position (a
+        row at the prompt's last position or later has none to score)."""
+        start = req.num_computed_tokens
+        sp = req.sampling
+        return ScheduledSeq(req.request_id, req.token_ids[start:], start,
+                            list(req.block_ids), True, sp,
+                            len(req.token_ids) - len(req.prompt_token_ids),
+                            suppressed_tokens(req),
+                            tuple(req.token_ids) if sp.needs_history else ())
 
     def _seq(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
