@@ -1,0 +1,116 @@
+"""scripts/gpu_check.sh without a GPU: the dry run lists every check and its target; the carried
+bundled file keeps its metadata without tensors; carried wheels are picked by this Python's tags;
+and one real check runs end to end on the CPU, its line and results written to $OUT."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    """scripts/gpu_check.py as a module (a script, not part of the package)."""
+    if "gpu_check" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_check",
+                                                      ROOT / "scripts" / "gpu_check.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    return sys.modules["gpu_check"]
+
+
+def _pack():
+    """scripts/gpu_pack.py, which gpu_check imports."""
+    _script()
+    return sys.modules["gpu_pack"]
+
+
+def test_dry_run_lists_every_check_and_its_target() -> None:
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for key in ("a", "b", "c", "d1", "d2", "e"):
+        assert f"  ({key}) " in out
+    assert out.count("target: ") == 6
+    for fact in ("tests/gpu", "tests/test_triton_attention.py", "tests/test_paged_forward.py",
+                 "64/64 answered", "1024/1024 answered", "Retry-After", "batch 32, context 512",
+                 "llama-3.1-8b", "context 2048", "--load-format dummy", "bandwidth floor",
+                 "transformers static batching"):
+        assert fact in out, fact
+
+
+def test_the_carried_bundled_file_keeps_its_metadata_without_tensors(tmp_path: Path) -> None:
+    from batcher.bundled import smollm2_gguf_path
+    from batcher.models.gguf_file import GGUFFile
+
+    src = smollm2_gguf_path()
+    dst = tmp_path / src.name
+    _pack().gguf_header_only(src, dst)
+    assert dst.stat().st_size < 4 * 2**20
+    full, head = GGUFFile(src), GGUFFile(dst)
+    assert full.tensors and not head.tensors
+    assert list(head.fields) == list(full.fields)
+    for key, value in full.fields.items():
+        other = head.fields[key]
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(value, other), key
+        elif not isinstance(value, (int, float, str, bool)):
+            assert len(value) == len(other), key  # a string array, stepped over
+        else:
+            assert value == other, key
+    assert _script().gguf_tensor_count(dst) == 0 < _script().gguf_tensor_count(src)
+
+
+def _wheel(folder: Path, name: str, tag: str, marker: str) -> None:
+    with zipfile.ZipFile(folder / f"{name}-1.0-{tag}.whl", "w") as z:
+        z.writestr(f"{name}/__init__.py", f"WHICH = {marker!r}\n")
+        z.writestr(f"{name}-1.0.dist-info/METADATA", f"Name: {name}\nVersion: 1.0\n")
+
+
+def test_carried_wheels_are_picked_by_this_pythons_tags(tmp_path: Path, monkeypatch) -> None:
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        pytest.skip("the fixtures' binary tags are for Linux on x86-64")
+    mod = _script()
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    other = "cp310" if here != "cp310" else "cp39"
+    wheels = tmp_path / "carry" / "wheels"
+    wheels.mkdir(parents=True)
+    _wheel(wheels, "fastpkg", f"{other}-{other}-manylinux2014_x86_64", "other")
+    _wheel(wheels, "fastpkg", f"{here}-{here}-manylinux2014_x86_64", "here")
+    _wheel(wheels, "purepkg", "py3-none-any", "pure")
+    _wheel(wheels, "onlyother", f"{other}-{other}-manylinux2014_x86_64", "other")
+    monkeypatch.setattr(mod, "CARRY", tmp_path / "carry")
+    site = tmp_path / "site"
+    site.mkdir()
+    installed = mod.install_wheels(site)
+    assert installed == ["fastpkg", "purepkg"]
+    assert "'here'" in (site / "fastpkg" / "__init__.py").read_text()
+    assert (site / "purepkg" / "__init__.py").is_file() and not (site / "onlyother").exists()
+
+
+@pytest.mark.slow
+def test_a_check_runs_on_the_cpu_and_writes_its_results(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--small",
+                           "--only", "d1"], cwd=ROOT, check=False, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OUT=str(out)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(("PASS", "FAIL", "SKIP"))]
+    assert line.startswith("PASS (d1) ") and "a step" in line and "the floor" in line
+    assert "no ratio target yet" in line
+    assert (out / "results.txt").read_text().splitlines()[0] == line
+    (res,) = json.loads((out / "results.json").read_text())
+    assert res["key"] == "d1" and res["status"] == "PASS"
+    assert res["details"]["decode"][0]["batch"] == 4
