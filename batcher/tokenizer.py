@@ -65,6 +65,22 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         return self.hf.bos_token_id
 
+    @property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: the longest piece of the
+        vocabulary (a byte-level piece is one character per byte, a SentencePiece one has one
+        character per character of text, a byte-fallback piece six for one byte). A text of more
+        than `max_chars_per_token x n` characters cannot fit in `n` tokens, which a server checks
+        before paying for tokenizing it."""
+        if not hasattr(self, "_max_chars"):
+            vocab = self.hf.get_vocab()
+            self._max_chars = max(1, max((len(p) for p in vocab), default=1))
+        return self._max_chars
+
+    def min_tokens(self, chars: int) -> int:
+        """A lower bound on the tokens of any text of `chars` characters."""
+        return -(-chars // self.max_chars_per_token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds BOS/EOS where the tokenizer does so."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -124,6 +140,26 @@ class Tokenizer:
             if backend is not None and '"ByteLevel"' in backend.to_str():
                 self._bytes_of = {c: b for b, c in _gpt2_byte_chars().items()}
         return self._bytes_of
+
+
+def message_chars(messages: Any) -> int:
+    """Characters of text a chat's messages carry (string contents and text parts, without the
+    whitespace at their ends, which a template may trim): the chat template renders all of them,
+    so the prompt has at least this many. Nothing else is counted, so the figure is a lower bound
+    whatever the template does with other fields."""
+    total = 0
+    if not isinstance(messages, list):
+        return 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content.strip())
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    total += len(text.strip())
+    return total
 
 
 def incomplete_utf8_tail(data: bytes) -> bool:

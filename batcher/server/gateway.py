@@ -8,9 +8,9 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from batcher.admission import Admission, Rejected, Ticket
 from batcher.core.refusals import Refused
@@ -24,8 +24,10 @@ from batcher.server.auth import Authenticator
 from batcher.server.protocol import GenerationSpec
 from batcher.server.tool_parsers import get_parser
 from batcher.tenants import TenantConfig
+from batcher.tokenizer import message_chars
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # prompts x n of one request: each is an engine request, and the queue bound counts requests.
 MAX_CHOICES = 64
@@ -74,6 +76,7 @@ class Gateway:
         self.embedder_name = embedder_name
         self.embedder_tokens = embedder_tokens  # texts -> token counts
         self.jobs: dict[tuple[str, str], Job] = {}
+        self.tokenizing: dict[str, int] = {}  # tenant -> tokenizer jobs in worker threads
         self.draining = False
         self.started_at = time.time()
 
@@ -95,10 +98,12 @@ class Gateway:
         self.admission.set_draining(draining)
 
     # steps of a generation request ------------------------------------------------------------
-    async def tokenize(self, spec: GenerationSpec) -> list[list[int]]:
+    async def tokenize(self, spec: GenerationSpec,
+                       tenant: TenantConfig | None = None) -> list[list[int]]:
         # NOTE: count before tokenizing: 800k one-letter prompts are 3 MiB of JSON but seconds
         # of tokenizer time, all to be refused.
         self.check_choices(len(spec.prompts) or 1, spec.n)
+        self.check_text_fits(spec)
 
         def work() -> list[list[int]]:
             if spec.chat:
@@ -110,7 +115,7 @@ class Gateway:
             str(spec.messages or ""))
         try:
             if size > TOKENIZE_OFFLOAD_CHARS:
-                out = await asyncio.get_running_loop().run_in_executor(None, work)
+                out = await self.off_loop(tenant, work)
             else:
                 out = work()
         except ValueError as exc:
@@ -119,6 +124,41 @@ class Gateway:
             if not ids:
                 raise invalid("the prompt is empty", "messages" if spec.chat else "prompt")
         return out
+
+    def check_text_fits(self, spec: GenerationSpec) -> None:
+        """Refuse at once a prompt whose text alone is longer than the context can hold, however
+        it tokenizes (`Tokenizer.min_tokens`): tokenizing megabytes costs seconds of CPU."""
+        chars = max([len(p) for p in spec.prompts if isinstance(p, str)]
+                    + [message_chars(spec.messages) if spec.chat else 0])
+        least = self.tokenizer.min_tokens(chars)
+        out = spec.sampling.max_tokens if spec.max_tokens_given or not spec.chat else 1
+        if least + out > self.cfg.max_model_len:
+            raise ApiError(400, f"this model's context is {self.cfg.max_model_len} tokens; the "
+                           f"prompt's {chars} characters are at least {least} tokens",
+                           param="messages" if spec.chat else "prompt",
+                           code="context_length_exceeded")
+
+    async def off_loop(self, tenant: TenantConfig | None, work: Callable[[], T]) -> T:
+        """Run tokenizer work in a thread (the tokenizer releases the interpreter while it
+        encodes), counted against the tenant's concurrency: a caller cannot queue unbounded
+        CPU work behind its own requests."""
+        if tenant is not None:
+            busy = self.tokenizing.get(tenant.name, 0)
+            if busy + self.admission.in_flight(tenant.name) >= tenant.max_concurrent:
+                self.metrics.observe_rejected("tenant_concurrency")
+                raise ApiError(429, f"too many concurrent requests (limit "
+                               f"{tenant.max_concurrent})", code="tenant_concurrency",
+                               retry_after=1, headers={"X-Reject-Reason": "tenant_concurrency"})
+            self.tokenizing[tenant.name] = busy + 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, work)
+        finally:
+            if tenant is not None:
+                left = self.tokenizing[tenant.name] - 1
+                if left:
+                    self.tokenizing[tenant.name] = left
+                else:
+                    del self.tokenizing[tenant.name]
 
     def fit_context(self, spec: GenerationSpec, prompts: list[list[int]]) -> None:
         """Check prompt + max_tokens against the context; fill a default max_tokens for chat."""

@@ -128,7 +128,7 @@ class GenerationHandler:
             raise invalid("prompt logprobs ('echo' with 'logprobs') are not supported by this "
                           "model", "echo", "unsupported")
         timing.marks.mark_parsed()
-        prompts = await gw.tokenize(spec)
+        prompts = await gw.tokenize(spec, request["tenant"])
         gw.fit_context(spec, prompts)
         timing.marks.mark_tokenized()
         tenant = request["tenant"]

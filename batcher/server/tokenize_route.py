@@ -4,7 +4,9 @@ with the routes it serves.
 `/tokenize` takes `prompt` (a string; `add_special_tokens` defaults to true, as a completion's
 prompt is encoded) or `messages` (rendered by the chat template exactly as a chat request is;
 `add_generation_prompt` defaults to true) and answers `{"count", "max_model_len", "tokens"}`, plus
-`token_strs` when `return_token_strs` is true. `/detokenize` takes `tokens` and answers
+`token_strs` when `return_token_strs` is true. A text that does not fit the model's context is
+refused (400 `context_length_exceeded`), before tokenizing when its length alone says so: the
+answer is bounded by the context. `/detokenize` takes `tokens` and answers
 `{"prompt"}`. `model` is optional, as on the generation routes.
 """
 
@@ -16,11 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
-from batcher.http.errors import invalid
+from batcher.http.errors import ApiError, invalid
 from batcher.http.listener import read_json
 from batcher.http.responses import json_response
 from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import TOKENIZE_OFFLOAD_CHARS, Gateway
+from batcher.tenants import TenantConfig
+from batcher.tokenizer import message_chars
 
 GENERATION_ROUTES = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
 EMBEDDING_ROUTES = ["/v1/embeddings"]
@@ -50,15 +54,30 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-async def _off_loop(size: int, work: Callable[[], Any]) -> Any:
-    """Run long tokenizer work in a thread so the event loop keeps answering (no torch here)."""
+async def _off_loop(size: int, work: Callable[[], Any], gw: Gateway | None = None,
+                    tenant: TenantConfig | None = None) -> Any:
+    """Run long tokenizer work in a thread so the event loop keeps answering (no torch here),
+    counted against the tenant's concurrency when one is given."""
     if size > TOKENIZE_OFFLOAD_CHARS:
+        if gw is not None:
+            return await gw.off_loop(tenant, work)
         return await asyncio.get_running_loop().run_in_executor(None, work)
     return work()
 
 
+def _check_fits(gw: Gateway, chars: int) -> None:
+    """A text longer than any context holds is refused before it is tokenized (seconds of CPU
+    for megabytes), and so is one whose tokens do not fit: that bounds the answer too."""
+    limit = gw.cfg.max_model_len
+    if gw.tokenizer.min_tokens(chars) > limit:
+        raise ApiError(400, f"this model's context is {limit} tokens; a text of {chars} "
+                       "characters cannot fit in it", param="prompt",
+                       code="context_length_exceeded")
+
+
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
+    tenant = request.get("tenant")
     body = _body(await read_json(request), gw)
     tok = gw.tokenizer
     if ("prompt" in body) == ("messages" in body):
@@ -68,18 +87,25 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(prompt, str):
             raise invalid("'prompt' must be a string", "prompt", "invalid_type")
         special = _flag(body, "add_special_tokens", True)
-        ids = await _off_loop(len(prompt), lambda: tok.encode(prompt, special))
+        strs = _flag(body, "return_token_strs", False)
+        _check_fits(gw, len(prompt))
+        ids = await _off_loop(len(prompt), lambda: tok.encode(prompt, special), gw, tenant)
     else:
         messages = body["messages"]
         gen = _flag(body, "add_generation_prompt", True)
+        strs = _flag(body, "return_token_strs", False)
+        _check_fits(gw, message_chars(messages))
         try:
             ids = await _off_loop(len(str(messages)),
-                                  lambda: tok.apply_chat_template(messages, gen))
+                                  lambda: tok.apply_chat_template(messages, gen), gw, tenant)
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": gw.cfg.max_model_len,
-                           "tokens": ids}
-    if _flag(body, "return_token_strs", False):
+    limit = gw.cfg.max_model_len
+    if len(ids) > limit:
+        raise ApiError(400, f"this model's context is {limit} tokens; this text is "
+                       f"{len(ids)}", param="prompt", code="context_length_exceeded")
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
+    if strs:
         out["token_strs"] = tok.hf.convert_ids_to_tokens(ids)
     return json_response(out)
 
