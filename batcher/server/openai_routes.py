@@ -16,7 +16,7 @@ from batcher.core.refusals import DuplicateRequestId, Refused
 from batcher.engine_events import EngineError, EngineEvent
 from batcher.http.errors import ApiError, invalid
 from batcher.http.listener import read_json
-from batcher.http.sse import DONE, SSE_HEADERS, sse_event
+from batcher.http.sse import DONE, SEP, SSE_HEADERS, sse_event
 from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
 from batcher.server.timing import RequestTiming
@@ -275,9 +275,22 @@ class GenerationHandler:
         prompt_sent: set[int] = set()
         buffers = ({i: self.gw.tool_parser.stream(spec.tools) for i in range(len(job.requests))}
                    if self.chat and spec.tools.active else None)
+        # NOTE: most chunks carry text alone: with nothing else asked for, they are written from
+        # bytes made once per choice around the text's JSON (the same bytes as the chunk's).
+        plain = not (spec.score_only or echo_due or buffers is not None
+                     or spec.logprobs is not None or spec.return_token_ids)
+        frames: dict[int, tuple[bytes, bytes]] = {}
+        dumps = orjson.dumps
         item: tuple[int, EngineEvent] | None = first
         while item is not None:
             i, ev = item
+            if plain and ev.text and ev.finish_reason is None and ev.prompt_logprobs is None:
+                frame = frames.get(i)
+                if frame is None:
+                    frame = frames[i] = self._text_frame(base, i)
+                await resp.write(frame[0] + dumps(ev.text) + frame[1])
+                item = await anext(events, None)
+                continue
             err = final_error(ev)
             if err is not None:
                 await resp.write(sse_event(self._error(err, ev)))
@@ -330,6 +343,15 @@ class GenerationHandler:
             prompt_sent.add(i)  # once per choice: what a resume re-sends
             chunk["prompt_token_ids"] = job.requests[i].prompt_token_ids
         return chunk
+
+    def _text_frame(self, base: dict[str, Any], index: int) -> tuple[bytes, bytes]:
+        """The SSE bytes of `_chunk(base, index, text=T)` before and after T's JSON string."""
+        head = orjson.dumps(base)[:-1] + b',"choices":[{"index":' + str(index).encode()
+        if self.chat:
+            return (b"data: " + head + b',"delta":{"content":',
+                    b'},"logprobs":null,"finish_reason":null}]}' + SEP)
+        return (b"data: " + head + b',"text":',
+                b',"logprobs":null,"finish_reason":null}]}' + SEP)
 
     def _chunk(self, base: dict[str, Any], index: int, text: str = "", role: bool = False,
                logprobs: Any = None, finish: str | None = None,
