@@ -10,7 +10,9 @@ check off, `--slo-ttft-ms 0`), and reports what the
 client saw and what the server did: streamed tokens per second at the client (counted from each
 stream's `usage`, not from its chunks, which may carry several tokens), time per output token,
 first token p50 / p99, mean and most streams running, the host's time per step (wall time over
-the steps the engine took) and the server's CPU.
+the steps the engine took, and the server's CPU time over them: on a shared machine the second
+is the steadier), the server's CPU, and the connections the host dropped for a full accept
+queue (a client whose SYN is dropped tries again a second later).
 
 `--checkout LABEL=DIR` runs the server of another checkout (e.g. a `git worktree` of an older
 commit) with this interpreter, interleaved with this one in every round, so rows of the same
@@ -50,7 +52,21 @@ OLD_FAKE = ["--fake-step-factor", "0.000001", "--max-num-seqs", "256",
             "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]
 HEADER = ["code", "streams", "ok", "streamed tok/s", "TPOT p50 / p99 ms",
           "first token p50 / p99 ms", "streams running mean / max", "host ms / step",
-          "server CPU", "client CPU", "length ok"]
+          "server CPU ms / step", "server CPU", "client CPU", "SYNs dropped", "length ok"]
+
+
+def listen_overflows() -> int | None:
+    """Connections this host's listeners dropped since boot for a full accept queue (Linux):
+    a client that connects while the queue is full retries its SYN a second later."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            row = dict(zip(names.split()[1:], values.split()[1:]))
+            return int(row["ListenOverflows"]) if "ListenOverflows" in row else None
+    return None
 
 
 def free_port() -> int:
@@ -127,12 +143,13 @@ async def load(url: str, n: int, prompt: int, answer: int) -> tuple[list[Request
 
 def run_one(label: str, path: str, n: int, args: argparse.Namespace) -> list[str]:
     with Server(path, args.server_arg) as server:
-        before = server.state()
+        before, overflows = server.state(), listen_overflows()
         meter = CpuMeter(server.proc.pid)
         meter.start()
         results, wall, running = run_loop(load(server.url, n, args.prompt, args.answer))
         cpu = meter.stop()
         after = server.state()
+        dropped = None if overflows is None else (listen_overflows() or 0) - overflows
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     steps = after["steps"] - before["steps"]
@@ -147,8 +164,11 @@ def run_one(label: str, path: str, n: int, args: argparse.Namespace) -> list[str
             f"{pct(ttft, 50):,.0f} / {pct(ttft, 99):,.0f}",
             f"{tokens / steps if steps else 0:.1f} / {max(running, default=0)}",
             f"{wall / steps * 1000 if steps else float('nan'):.2f}",
+            "—" if cpu is None or cpu.server is None or not steps else
+            f"{cpu.server * cpu.seconds / steps * 1000:.2f}",
             "—" if cpu is None or cpu.server is None else f"{cpu.server:.2f}",
-            "—" if cpu is None else f"{cpu.client:.2f}", f"{length_ok}/{len(ok)}"]
+            "—" if cpu is None else f"{cpu.client:.2f}", "—" if dropped is None else str(dropped),
+            f"{length_ok}/{len(ok)}"]
 
 
 def run_loop(coro):
@@ -197,7 +217,10 @@ def main() -> int:
         notes = ("- each row a fresh server, cold (no warm-up request), all requests at t=0; "
                  f"{args.prompt}-token prompts, {args.answer}-token answers, streamed with "
                  "usage; tok/s counts the usage's tokens over the client's wall time; host ms "
-                 "/ step is that wall time over the engine's steps; CPU in cores")
+                 "/ step is that wall time over the engine's steps, server CPU ms / step the "
+                 "server's CPU time over them; CPU in cores; SYNs dropped: connections the "
+                 "host's listeners dropped during the run for a full accept queue (each waits "
+                 "a second for its retry)")
         append_rows(args.append_benchmarks, HEADER, rows, notes)
     return 0
 
