@@ -9,11 +9,15 @@ timeouts, and a server log that never quotes what a client sent.
   cannot be decoded (bad gzip/deflate, broken chunking) or is not JSON.
 - `KEEPALIVE_TIMEOUT_S`, `keepalive_timeout()`: the idle and header timeout (env
   `BATCHER_KEEPALIVE_TIMEOUT` overrides it).
+- `body_deadline`, `body_timeout(length)`: a body not received whole within
+  `BODY_TIMEOUT_S` (env `BATCHER_BODY_TIMEOUT`) plus its length at `MIN_BODY_RATE` is cut off:
+  408 and the connection closed. `add_fallback_route` installs it on every listener.
 - `QuietServerLog`: aiohttp's server logger minus the raw bytes of requests a client broke.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any
@@ -32,18 +36,69 @@ from batcher.http.errors import ApiError, invalid
 KEEPALIVE_TIMEOUT_S = 20.0
 
 
-def keepalive_timeout() -> float:
-    """`BATCHER_KEEPALIVE_TIMEOUT` seconds, else `KEEPALIVE_TIMEOUT_S`; SystemExit when bad."""
-    raw = os.environ.get("BATCHER_KEEPALIVE_TIMEOUT")
+# A body must arrive whole within this many seconds plus its length at MIN_BODY_RATE (64 s
+# more for a 16 MiB upload). Without it a client that sends Content-Length: 1000000 and then a
+# byte every few seconds holds a connection and a handler forever, before any key is checked
+# (a router reads the body before its replica decides on the key).
+BODY_TIMEOUT_S = 30.0
+MIN_BODY_RATE = 256 * 1024  # bytes a second
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
     if raw is None:
-        return KEEPALIVE_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not 0 < value < float("inf"):
-        raise SystemExit(f"BATCHER_KEEPALIVE_TIMEOUT must be seconds > 0, got {raw!r}")
+        raise SystemExit(f"{name} must be seconds > 0, got {raw!r}")
     return value
+
+
+def keepalive_timeout() -> float:
+    """`BATCHER_KEEPALIVE_TIMEOUT` seconds, else `KEEPALIVE_TIMEOUT_S`; SystemExit when bad."""
+    return _env_seconds("BATCHER_KEEPALIVE_TIMEOUT", KEEPALIVE_TIMEOUT_S)
+
+
+def body_timeout(length: int | None) -> float:
+    """Seconds a body of `length` bytes (None: chunked, unknown) may take to arrive:
+    `BATCHER_BODY_TIMEOUT` (else `BODY_TIMEOUT_S`) plus the length at `MIN_BODY_RATE`."""
+    return _env_seconds("BATCHER_BODY_TIMEOUT", BODY_TIMEOUT_S) + (length or 0) / MIN_BODY_RATE
+
+
+def _body_expired(request: web.Request) -> None:
+    content = request.content
+    if content.is_eof() or content.exception() is not None:
+        return
+    # Any read of the body (read_body, multipart, a streamed upload) raises this at once and the
+    # middleware answers it; the connection is closed after the answer.
+    content.set_exception(BodyTimeout())
+
+
+class BodyTimeout(ApiError, TimeoutError):
+    """408 for a body that did not arrive in time. Also a TimeoutError, which is what aiohttp
+    expects when it drains an unread body after the answer (then it closes the connection)."""
+
+    def __init__(self) -> None:
+        super().__init__(408, "the request body was not received in time", code="body_timeout",
+                         headers={"Connection": "close"})
+
+
+@web.middleware
+async def body_deadline(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Cut off a body that has not arrived whole within `body_timeout` of the request's start.
+    A handler that answers without reading the body needs nothing: aiohttp closes such a
+    connection after a short lingering time."""
+    if not request.body_exists:
+        return await handler(request)
+    timer = asyncio.get_running_loop().call_later(
+        body_timeout(request.content_length), _body_expired, request)
+    try:
+        return await handler(request)
+    finally:
+        timer.cancel()
 
 
 async def expect_continue(request: web.Request) -> None:
@@ -59,7 +114,9 @@ async def expect_continue(request: web.Request) -> None:
 def add_fallback_route(app: web.Application) -> None:
     """Route every unknown path or method through the middlewares (404 / 405 with Allow) with
     `expect_continue`, instead of aiohttp's built-in answers, whose `Expect` handling runs before
-    any middleware."""
+    any middleware. Every listener calls this, so it also puts `body_deadline` in front of the
+    app's middlewares."""
+    app.middlewares.insert(0, body_deadline)
 
     async def no_route(request: web.Request) -> web.StreamResponse:
         allowed: set[str] = set()
