@@ -86,3 +86,15 @@ def test_the_fake_model_takes_the_device_defaults_unless_told() -> None:
     assert (engine.scheduler.config.max_num_seqs,
             engine.scheduler.config.max_num_batched_tokens) == (8, 100)
     assert engine.kv.num_total_blocks == 64
+
+
+def test_a_step_without_drafts_gives_what_the_rule_gives() -> None:
+    from batcher.core.spec_verify import run_by_rule
+
+    runner = FakeRunner(64, 16, 1000, FakeSpeed(math.inf, 0.0, 0.0))
+    sched = step(5, 40)
+    sched.seqs[1].sample = False  # a prefill chunk that does not reach its end
+    out = runner.execute(sched)
+    want = run_by_rule(sched.seqs, runner.next_token)
+    assert (out.request_ids, out.token_ids) == (want.request_ids, want.token_ids)
+    assert len(out.request_ids) == 5
