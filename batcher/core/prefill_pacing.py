@@ -32,10 +32,16 @@ class PrefillPacer:
         """This step's prefill allowance under the time target; None when there is no decode
         to protect or a burst fills its batch (prefill then gets the whole token budget)."""
         bs = self.block_size
-        decode = StepShape()
+        # NOTE: the decode rows' StepShape, summed as plain ints (a StepShape a row cost a
+        # tenth of a 256-stream step): a row's context is its position rounded up to a block.
+        rows, last = 0, -1
         for r in running:
-            if r.num_tokens - r.num_computed_tokens == 1:
-                decode = decode.plus(1, r.num_computed_tokens, bs)
+            computed = r.num_computed_tokens
+            if len(r.token_ids) - computed == 1:
+                rows += 1
+                if computed > last:
+                    last = computed
+        decode = StepShape(rows, -(-(last + 1) // bs) * bs) if rows else StepShape()
         cfg = self.config
         if waiting and len(running) < cfg.max_num_seqs and self.one_burst(running, waiting):
             return None  # a burst's fill (see step_budget)
