@@ -60,7 +60,12 @@ def test_cap_slots_blocks_and_health() -> None:
     assert not gate.room(3, 10, 10) and "cap" in gate.last_reason
     # 64 blocks of 16 tokens; a quarter stays free for interactive requests.
     assert gate.room(0, 700, 64)
-    assert not gate.room(0, 800, 64) and "KV" in gate.last_reason
+    assert not gate.room(1, 800, 64) and "KV" in gate.last_reason
+    assert not gate.room(0, 800, 64, lines=2) and "KV" in gate.last_reason
+    # An idle engine lends one line the reserve: a line bigger than the pool less the reserve
+    # would otherwise never start. Past the whole pool it still waits.
+    assert gate.room(0, 800, 64)
+    assert not gate.room(0, 1000, 64) and "KV" in gate.last_reason
     for i in range(7):
         add(engine, f"b{i}", 4, Priority.BATCH)
     assert not gate.room(0, 10, 10) and "slots" in gate.last_reason

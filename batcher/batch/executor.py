@@ -6,6 +6,14 @@ Resuming is reading the store: at start every unfinished batch is loaded with th
 pending (including any that were running when the process died), so no answered line runs again
 and every unanswered one does. Lines refused for now (tenant budget, queue, SLO) wait their
 `retry_after` and run again; the tenant's other lines wait with them.
+
+Each pending line is held as its index and its cost (prompt and output tokens, counted once when
+the batch was created): the capacity check reads no line. A line is read from the store (and
+parsed, in a worker thread when large) only when it starts. Tenants take turns: each pass offers
+the next line of every tenant in turn (a tenant's own batches oldest first), and a line too big
+for the room there is now passes its tenant's turn to the others instead of stopping them all.
+
+Housekeeping deletes files past their expiry.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+import orjson
+
 from batcher.batch.lines import Deferred, LineResult, output_line, unanswered_line
 from batcher.batch.metrics import BatchMetrics
 from batcher.batch.records import BatchRecord, FileRecord, PendingLine, new_id
@@ -36,7 +46,13 @@ TICK_S = 0.05
 # A decoding line this close to its end finishes rather than gives way: cancelled, it would be
 # run again from the start, and it holds the interactive request back only that many steps.
 FINISH_STEPS = 2
-DEFAULT_LINE_MAX_TOKENS = 16
+# Expired files are looked for this often, also while no batch runs.
+HOUSEKEEP_S = 1.0
+# A line body longer than this is parsed in a worker thread when its line starts.
+PARSE_INLINE_BYTES = 64 * 1024
+# Gate refusals that depend on the line's own size: a smaller line of another tenant may still
+# fit, so only this tenant's turn passes. Any other refusal holds every line back.
+LINE_SIZED = frozenset({"kv", "ttft"})
 # Output files are written through a buffer this large: few system calls on the event loop.
 _WRITE_BUFFER = 1 << 20
 # Refusals about the server's state (queue, SLO, drain), not a tenant's budget.
@@ -78,6 +94,7 @@ class _Batch:
     endpoint: str
     expires_at: float
     pending: deque[int]
+    cost: dict[int, tuple[int, int]]  # index -> (prompt, max output) tokens, of unanswered lines
     retry: list[tuple[float, int]] = field(default_factory=list)  # heap of (not before, index)
     running: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     request_ids: dict[int, str] = field(default_factory=dict)  # of the running lines
@@ -85,21 +102,13 @@ class _Batch:
     ending: str | None = None  # "cancelled" | "expired" once decided
 
     @classmethod
-    def of(cls, rec: BatchRecord, pending: list[int]) -> _Batch:
-        return cls(rec.id, rec.tenant, rec.endpoint, rec.expires_at, deque(pending))
+    def of(cls, rec: BatchRecord, pending: list[tuple[int, int, int]]) -> _Batch:
+        return cls(rec.id, rec.tenant, rec.endpoint, rec.expires_at,
+                   deque(i for i, _, _ in pending), {i: (p, o) for i, p, o in pending})
 
     @property
     def queued(self) -> int:
         return len(self.pending) + len(self.retry)
-
-
-def estimate_tokens(body: dict) -> tuple[int, int]:
-    """(prompt, max output) tokens of a line before tokenizing it, for the capacity check:
-    about four characters of JSON per token (admission makes the exact check)."""
-    text = body.get("messages") or body.get("prompt") or body.get("input") or ""
-    prompt = max(1, len(str(text)) // 4)
-    out = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_LINE_MAX_TOKENS
-    return prompt, out if isinstance(out, int) and out > 0 else DEFAULT_LINE_MAX_TOKENS
 
 
 class BatchExecutor:
@@ -107,7 +116,8 @@ class BatchExecutor:
 
     def __init__(self, store: BatchStore, runner: Runner, gate: Gate,
                  tenants: Callable[[str], TenantConfig | None], metrics: BatchMetrics,
-                 wall_clock: Callable[[], float] = time.time, tick_s: float = TICK_S):
+                 wall_clock: Callable[[], float] = time.time, tick_s: float = TICK_S,
+                 file_expiry_s: float | None = None):
         self.store = store
         self.runner = runner
         self.gate = gate
@@ -115,7 +125,12 @@ class BatchExecutor:
         self.metrics = metrics
         self.wall_clock = wall_clock
         self.tick_s = tick_s
+        self.file_expiry_s = file_expiry_s  # of output files; None: kept until deleted
         self.batches: dict[str, _Batch] = {}
+        # Tenants in turn order: a pass offers a line of each in this order, and a tenant whose
+        # line started moves to the back.
+        self._turns: dict[str, None] = {}
+        self._housekept = 0.0
         self._paused: dict[str, float] = {}  # tenant -> monotonic time its lines may retry
         self._hold_until = 0.0  # no line starts before (admission refused one for now)
         self._wake = asyncio.Event()
@@ -128,7 +143,7 @@ class BatchExecutor:
             if rec.status == "cancelling":
                 self._add(rec, []).ending = "cancelled"
             else:
-                self._add(rec, self.store.pending_indices(rec.id))
+                self._add(rec, self.store.pending_lines(rec.id))
         if self.batches:
             log.info("resuming %d batches (%d lines pending)", len(self.batches),
                      sum(b.queued for b in self.batches.values()))
@@ -155,7 +170,7 @@ class BatchExecutor:
     # commands from the routes --------------------------------------------------------------
     def add(self, rec: BatchRecord) -> None:
         """A batch was just created in the store: start working on it."""
-        self._add(rec, self.store.pending_indices(rec.id))
+        self._add(rec, self.store.pending_lines(rec.id))
         self._wake.set()
 
     def cancel(self, batch_id: str) -> None:
@@ -169,7 +184,7 @@ class BatchExecutor:
     def in_flight(self) -> int:
         return sum(len(b.running) for b in self.batches.values())
 
-    def _add(self, rec: BatchRecord, pending: list[int]) -> _Batch:
+    def _add(self, rec: BatchRecord, pending: list[tuple[int, int, int]]) -> _Batch:
         b = self.batches[rec.id] = _Batch.of(rec, pending)
         return b
 
@@ -177,11 +192,12 @@ class BatchExecutor:
     async def _run(self) -> None:
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
-                # Idle (no batch) until woken: a new batch, or a step, wakes it.
-                async with asyncio.timeout(self.tick_s if self.batches else None):
+                # With no batch, only housekeeping until woken: a new batch, or a step.
+                async with asyncio.timeout(self.tick_s if self.batches else HOUSEKEEP_S):
                     await self._wake.wait()
             self._wake.clear()
             try:
+                self._housekeep()
                 await self._end_batches()
                 self._make_way()
                 self._start_lines()
@@ -190,6 +206,14 @@ class BatchExecutor:
                 await asyncio.sleep(1.0)
             self.metrics.queued.set(sum(b.queued for b in self.batches.values()))
             self.metrics.running.set(self.in_flight)
+
+    def _housekeep(self) -> None:
+        mono = time.monotonic()
+        if mono - self._housekept < HOUSEKEEP_S:
+            return
+        self._housekept = mono
+        if gone := self.store.delete_expired_files():
+            log.info("deleted %d expired files", gone)
 
     async def _end_batches(self) -> None:
         now = self.wall_clock()
@@ -242,43 +266,57 @@ class BatchExecutor:
         mono = time.monotonic()
         if mono < self._hold_until:
             return
+        waiting: dict[str, list[_Batch]] = {}  # tenant -> its batches with lines, oldest first
+        for b in self.batches.values():
+            if b.ending is None and b.queued and self._paused.get(b.tenant, 0.0) <= mono:
+                waiting.setdefault(b.tenant, []).append(b)
+        have = {b.tenant for b in self.batches.values()}
+        self._turns = {t: None for t in self._turns if t in have}
+        self._turns.update(dict.fromkeys(waiting))  # a new tenant joins at the back
+        order = [t for t in self._turns if t in waiting]
         in_flight = self.in_flight
         # Lines started in this pass are not in the engine's queues yet: the gate must count
         # them with the next one, or one pass could start a burst that no single check allowed.
         started = started_prompt = started_out = 0
-        for b in list(self.batches.values()):  # oldest batch first
-            if b.ending is not None or self._paused.get(b.tenant, 0.0) > mono:
-                continue
-            while b.queued:
-                if b.retry and b.retry[0][0] <= mono:
-                    index = b.retry[0][1]
-                    from_retry = True
-                elif b.pending:
-                    index = b.pending[0]
-                    from_retry = False
-                else:
-                    break  # only retries not yet due
-                line = self.store.line(b.id, index)
-                if line is None:  # cannot happen while the batch is active; do not spin on it
-                    self._take(b, from_retry)
+        while order:
+            for tenant in list(order):
+                pick = self._next_line(waiting[tenant], mono)
+                if pick is None:
+                    order.remove(tenant)
                     continue
-                prompt, out = estimate_tokens(line.body)
+                b, index, from_retry = pick
+                prompt, out = b.cost.get(index, (1, 1))
                 room = self.gate.room(in_flight, started_prompt + prompt, started_out + out,
                                       started + 1)
                 if self.gate.last_predicted_s is not None:
                     self.metrics.gate_predicted.set(self.gate.last_predicted_s)
                 if not room:
                     self.metrics.gate_blocked.labels(self.gate.last_code).inc()
+                    if self.gate.last_code in LINE_SIZED:
+                        order.remove(tenant)  # this line waits; other tenants' may fit
+                        continue
                     return
                 self._take(b, from_retry)
                 rid = new_id("batch_req_")
                 b.request_ids[index] = rid
                 b.running[index] = asyncio.get_running_loop().create_task(
-                    self._line(b, line, rid), name=f"batch-line-{b.id}-{index}")
+                    self._line(b, index, rid), name=f"batch-line-{b.id}-{index}")
                 in_flight += 1
                 started += 1
                 started_prompt += prompt
                 started_out += out
+                del self._turns[tenant]
+                self._turns[tenant] = None
+
+    @staticmethod
+    def _next_line(batches: list[_Batch], mono: float) -> tuple[_Batch, int, bool] | None:
+        """(batch, line index, from the retry heap) of the tenant's next line to start."""
+        for b in batches:
+            if b.retry and b.retry[0][0] <= mono:
+                return b, b.retry[0][1], True
+            if b.pending:
+                return b, b.pending[0], False
+        return None
 
     @staticmethod
     def _take(b: _Batch, from_retry: bool) -> None:
@@ -287,8 +325,20 @@ class BatchExecutor:
         else:
             b.pending.popleft()
 
-    async def _line(self, b: _Batch, line: PendingLine, rid: str) -> None:
+    async def _read(self, b: _Batch, index: int) -> PendingLine | None:
+        row = self.store.line_bytes(b.id, index)
+        if row is None:  # cannot happen while the batch is active
+            return None
+        custom_id, raw = row
+        body = (orjson.loads(raw) if len(raw) <= PARSE_INLINE_BYTES
+                else await asyncio.to_thread(orjson.loads, raw))
+        return PendingLine(b.id, index, custom_id, body)
+
+    async def _line(self, b: _Batch, index: int, rid: str) -> None:
         try:
+            line = await self._read(b, index)
+            if line is None:
+                return
             tenant = self.tenants(b.tenant)
             if tenant is None:
                 result = LineResult(401, error_body(401, "the batch's tenant is no longer "
@@ -315,16 +365,17 @@ class BatchExecutor:
                                                         code="internal_error"))
             if self.store.record_result(b.id, line.index, result.status_code,
                                         output_line(line.custom_id, result), result.tokens):
+                b.cost.pop(index, None)
                 self.metrics.done.labels("ok" if result.ok else "error").inc()
                 if result.ok:
                     self.metrics.tokens.inc(result.tokens)
         finally:
-            b.running.pop(line.index, None)
-            b.request_ids.pop(line.index, None)
-            if line.index in b.yielded:
-                b.yielded.discard(line.index)
+            b.running.pop(index, None)
+            b.request_ids.pop(index, None)
+            if index in b.yielded:
+                b.yielded.discard(index)
                 if b.ending is None:
-                    b.pending.appendleft(line.index)
+                    b.pending.appendleft(index)
             self._wake.set()
 
     # ending a batch ------------------------------------------------------------------------
@@ -364,7 +415,8 @@ class BatchExecutor:
         await asyncio.to_thread(sink.close)
         # The ID derives from the batch's: a finalize repeated after a crash replaces the file.
         return self.store.add_file(b.tenant, f"{b.id}_{kind}.jsonl", "batch_output", sink.path,
-                                   sink.size, file_id=f"file-{b.id.removeprefix('batch_')}-{kind}")
+                                   sink.size, file_id=f"file-{b.id.removeprefix('batch_')}-{kind}",
+                                   expires_after_s=self.file_expiry_s)
 
 
 class _LineFile:

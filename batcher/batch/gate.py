@@ -121,18 +121,21 @@ class SpareCapacity:
         # Slots and blocks a new interactive request needs must stay free.
         if sched.num_running + sched.num_waiting + lines > max_seqs - max(1, max_seqs // 8):
             return "slots", "sequence slots reserved for interactive traffic"
-        kv = eng.kv
-        need = -(-(prompt_tokens + max_tokens) // kv.block_size)
-        if kv.num_free_blocks - need < self.cfg.free_blocks_share * kv.num_total_blocks:
-            return "kv", "KV blocks reserved for interactive traffic"
-        slo = self.admission.slo_ttft_s
-        if slo is not None:
-            slo *= self._slo_scale()
         # NOTE: one line may always start on an idle engine. The prediction learns only from
         # steps that run: were it to stay pessimistic (measured while lines crowded the engine,
         # or not measured yet) an idle engine would never run the step that corrects it. And
         # one line delays an interactive request by at most its own prefill.
         idle = sched.num_running == 0 and sched.num_waiting == 0 and lines == 1
+        kv = eng.kv
+        need = -(-(prompt_tokens + max_tokens) // kv.block_size)
+        # An idle engine lends a line the reserve too: a line bigger than the pool less the
+        # reserve (but within the pool: the engine refuses more) would otherwise never start.
+        reserve = 0 if idle and in_flight == 0 else self.cfg.free_blocks_share
+        if kv.num_free_blocks - need < reserve * kv.num_total_blocks:
+            return "kv", "KV blocks reserved for interactive traffic"
+        slo = self.admission.slo_ttft_s
+        if slo is not None:
+            slo *= self._slo_scale()
         if slo is not None and not idle:
             # The interactive work the arrival would find; batch lines are left out, since
             # they give way when it arrives (the executor cancels them within a step). The

@@ -24,12 +24,13 @@ class FileRecord:
     purpose: str
     bytes: int
     created_at: int
+    expires_at: int | None = None
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes,
                 "created_at": self.created_at, "filename": self.filename,
                 "purpose": self.purpose, "status": "processed", "status_details": None,
-                "expires_at": None}
+                "expires_at": self.expires_at}
 
 
 @dataclass(slots=True)

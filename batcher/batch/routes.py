@@ -1,10 +1,12 @@
 """`/v1/files` and `/v1/batches` in OpenAI's shapes, scoped by tenant.
 
-Limits are checked before work: an upload's declared length before reading it and its actual
-bytes while streaming it to disk; a batch input's line count, line shapes and endpoint when the
-file is uploaded and again when a batch is created. A batch whose input does not match its
-endpoint is created `failed` with its `errors`, as OpenAI does; everything else a client gets
-wrong is a 4xx in OpenAI's error shape.
+Limits are checked before work: an upload's declared length (against the file limit and the
+tenant's storage quota) before reading it and its actual bytes while streaming it to disk; a batch
+input's line count, line sizes and shapes and endpoint when the file is uploaded and again when a
+batch is created, then each line as its live request (`validate.py`): a line that can never run
+is answered then, alone. Files are read and checked in worker threads, a chunk at a time. A batch
+whose input does not match its endpoint is created `failed` with its `errors`, as OpenAI does;
+everything else a client gets wrong is a 4xx in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 from aiohttp import BodyPartReader, web
 
 from batcher.batch.executor import BatchExecutor
-from batcher.batch.jsonl import ENDPOINTS, MAX_LINES, LineProblem, parse_input
-from batcher.batch.records import TERMINAL
+from batcher.batch.jsonl import ENDPOINTS, MAX_LINE_BYTES, MAX_LINES, LineProblem, check_file
+from batcher.batch.records import TERMINAL, new_id
 from batcher.batch.store import BatchStore, CreatedBounds
+from batcher.batch.validate import LineCheck, StagedInput
 from batcher.http.errors import ApiError, invalid
 from batcher.http.responses import json_response
 
@@ -34,22 +38,44 @@ MAX_FIELD_BYTES = 1024
 _WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_WINDOW_S = 7 * 86400
+# `expires_after.seconds` a client may ask for, as OpenAI's API bounds it (1 hour to 30 days).
+MIN_EXPIRES_AFTER_S = 3600
+MAX_EXPIRES_AFTER_S = 30 * 86400
 _CHUNK = 1 << 16
 
 
 @dataclass(slots=True)
 class BatchLimits:
+    """`max_tenant_bytes` / `max_tenant_files`: what one tenant may store (batch outputs
+    included); `file_expiry_s`: a file's lifetime unless its upload asks otherwise (None:
+    kept until deleted)."""
+
     max_file_bytes: int = 100 * 2**20
     max_lines: int = MAX_LINES
+    max_line_bytes: int = MAX_LINE_BYTES
+    max_tenant_bytes: int = 2 * 2**30
+    max_tenant_files: int = 1000
+    file_expiry_s: float | None = 30 * 86400.0
+
+    def validate(self) -> BatchLimits:
+        for name in ("max_file_bytes", "max_lines", "max_line_bytes", "max_tenant_bytes",
+                     "max_tenant_files"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"batch {name.replace('_', ' ')} must be >= 1")
+        if self.file_expiry_s is not None and self.file_expiry_s <= 0:
+            raise ValueError("batch file expiry must be > 0 seconds (or none)")
+        return self
 
 
 @dataclass(slots=True)
 class BatchService:
-    """What the routes share: the store, the executor and the limits."""
+    """What the routes share: the store, the executor, the limits and the line validation
+    (None: lines are checked only for shape, and run to find the rest)."""
 
     store: BatchStore
     executor: BatchExecutor
     limits: BatchLimits
+    check: LineCheck | None = None
 
 
 BATCH = web.AppKey("batch_service", BatchService)
@@ -113,16 +139,36 @@ def _problems(problems: list[LineProblem]) -> ApiError:
 
 
 # files ---------------------------------------------------------------------------------------
+def _quota(svc: BatchService, tenant: str, adding: int) -> int:
+    """Bytes the tenant may still store; a 400 (`quota_exceeded`) when another file of
+    `adding` bytes would pass its file count or its bytes."""
+    lim = svc.limits
+    count, used = svc.store.usage(tenant)
+    if count + 1 > lim.max_tenant_files:
+        raise invalid(f"you store {count} files, the most this server keeps for one API key; "
+                      "delete some (or wait for them to expire)", "file", "quota_exceeded")
+    if used + adding > lim.max_tenant_bytes:
+        raise invalid(f"you store {used} bytes of files; with this upload ({adding} bytes or "
+                      f"more) that would pass the {lim.max_tenant_bytes} bytes this server keeps "
+                      "for one API key; delete some (or wait for them to expire)", "file",
+                      "quota_exceeded")
+    return lim.max_tenant_bytes - used
+
+
 async def upload_file(request: web.Request) -> web.Response:
     svc = _service(request)
+    tenant = _tenant(request)
     limit = svc.limits.max_file_bytes
     if request.content_length is not None and request.content_length > limit + _CHUNK:
         raise ApiError(413, f"the upload is {request.content_length} bytes; files are limited "
                        f"to {limit} bytes", code="file_too_large")
+    # The declared length holds a little multipart framing around the file.
+    room = _quota(svc, tenant, max(0, (request.content_length or 0) - _CHUNK))
     if not request.content_type.startswith("multipart/"):
         raise invalid("upload a file as multipart/form-data with 'file' and 'purpose' fields",
                       None, "invalid_content_type")
     purpose: str | None = None
+    expiry: dict[str, str] = {}
     temp: Path | None = None
     filename = ""
     size = 0
@@ -134,12 +180,17 @@ async def upload_file(request: web.Request) -> web.Response:
                     raise invalid("nested multipart bodies are not accepted", None)
                 if part.name == "purpose":
                     purpose = await _field(part)
+                elif part.name is not None and part.name.startswith("expires_after"):
+                    if len(expiry) >= 2:
+                        raise invalid("'expires_after' takes 'anchor' and 'seconds'",
+                                      "expires_after")
+                    expiry[part.name] = await _field(part)
                 elif part.name == "file":
                     if temp is not None:
                         raise invalid("send one 'file' per upload", "file")
                     filename = (part.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
                     temp = svc.store.temp_path()
-                    size = await _save(part, temp, limit)
+                    size = await _save(part, temp, limit, room)
                 else:
                     await part.release()
         except (ValueError, AssertionError, web.HTTPException) as exc:
@@ -149,18 +200,56 @@ async def upload_file(request: web.Request) -> web.Response:
                           "invalid_body") from None
         if purpose not in PURPOSES:
             raise invalid(f"'purpose' must be one of {list(PURPOSES)}", "purpose")
+        expires_after_s = _expires_after(expiry, svc.limits.file_expiry_s)
         if temp is None:
             raise invalid("'file' is required", "file", "missing")
-        data = await asyncio.to_thread(temp.read_bytes)
-        _, problems = await asyncio.to_thread(parse_input, data, None, svc.limits.max_lines)
+        problems = await asyncio.to_thread(_check_upload, temp, svc.limits)
         if problems:
             raise _problems(problems)
-        rec = svc.store.add_file(_tenant(request), filename, purpose, temp, size)
+        _quota(svc, tenant, size)  # again: other uploads may have finished meanwhile
+        rec = svc.store.add_file(tenant, filename, purpose, temp, size,
+                                 expires_after_s=expires_after_s)
         temp = None
     finally:
         if temp is not None:
             temp.unlink(missing_ok=True)
     return json_response(rec.to_openai())
+
+
+def _check_upload(path: Path, limits: BatchLimits) -> list[LineProblem]:
+    with path.open("rb") as f:
+        return check_file(f, limits.max_lines, limits.max_line_bytes)
+
+
+def _expires_after(fields: dict[str, str], default_s: float | None) -> float | None:
+    """Seconds until the file expires: OpenAI's `expires_after` (`{"anchor": "created_at",
+    "seconds": N}`, as form fields `expires_after[anchor]` and `expires_after[seconds]` or one
+    JSON field), else the server's default."""
+    if not fields:
+        return default_s
+    param = "expires_after"
+    if param in fields:
+        try:
+            raw = orjson.loads(fields.pop(param))
+        except orjson.JSONDecodeError:
+            raw = None
+        if not isinstance(raw, dict):
+            raise invalid("'expires_after' must be an object with 'anchor' and 'seconds'",
+                          param)
+        fields.update({f"{param}[{k}]": v for k, v in raw.items()})
+    anchor = fields.pop(f"{param}[anchor]", None)
+    seconds = fields.pop(f"{param}[seconds]", None)
+    if fields:
+        raise invalid(f"unknown field {next(iter(fields))!r}; 'expires_after' takes 'anchor' "
+                      "and 'seconds'", param)
+    if anchor != "created_at":
+        raise invalid("'expires_after.anchor' must be 'created_at'", f"{param}.anchor")
+    text = str(seconds) if isinstance(seconds, int | str) else ""
+    if not (text.isascii() and text.isdigit()
+            and MIN_EXPIRES_AFTER_S <= int(text) <= MAX_EXPIRES_AFTER_S):
+        raise invalid(f"'expires_after.seconds' must be an integer from {MIN_EXPIRES_AFTER_S} "
+                      f"to {MAX_EXPIRES_AFTER_S}", f"{param}.seconds")
+    return float(int(text))
 
 
 async def _field(part: BodyPartReader) -> str:
@@ -174,7 +263,9 @@ async def _field(part: BodyPartReader) -> str:
     return part.decode(bytes(data)).decode("utf-8", "replace").strip()
 
 
-async def _save(part: BodyPartReader, path: Path, limit: int) -> int:
+async def _save(part: BodyPartReader, path: Path, limit: int, room: int) -> int:
+    """Stream the part to `path`; a 413 past `limit` bytes, a 400 `quota_exceeded` past the
+    `room` left in the tenant's quota."""
     size = 0
     f = await asyncio.to_thread(path.open, "wb")
     try:
@@ -183,6 +274,10 @@ async def _save(part: BodyPartReader, path: Path, limit: int) -> int:
             if size > limit:
                 raise ApiError(413, f"files are limited to {limit} bytes", param="file",
                                code="file_too_large")
+            if size > room:
+                raise invalid(f"this upload would pass the storage this server keeps for one "
+                              f"API key ({room} bytes left); delete some files (or wait for "
+                              "them to expire)", "file", "quota_exceeded")
             f.write(chunk)  # one chunk into the page cache: not worth a thread hop
     finally:
         f.close()
@@ -261,14 +356,33 @@ async def create_batch(request: web.Request) -> web.Response:
     if rec.purpose != "batch":
         raise invalid(f"file {file_id!r} has purpose {rec.purpose!r}; a batch input needs "
                       "'batch'", "input_file_id")
-    data = await asyncio.to_thread(svc.store.path(file_id).read_bytes)
-    lines, problems = await asyncio.to_thread(parse_input, data, endpoint, svc.limits.max_lines)
+    bid = new_id("batch_")
+    try:
+        staged = await asyncio.to_thread(StagedInput, svc.store.path(file_id), bid, endpoint,
+                                         svc.check, svc.limits.max_lines,
+                                         svc.limits.max_line_bytes)
+    except FileNotFoundError:  # deleted (or expired) since the lookup
+        raise ApiError(404, f"no such file: {file_id!r}", param="input_file_id",
+                       code="file_not_found") from None
+    try:
+        # Each chunk is read and validated in a worker thread and stored in its own short
+        # transaction on the loop.
+        while (rows := await asyncio.to_thread(staged.next_rows)) is not None:
+            if rows:
+                svc.store.stage_lines(rows)
+        problems = staged.problems()
+    except BaseException:  # the caller left, or a bug: the staged lines belong to no batch
+        svc.store.drop_lines(bid)
+        raise
+    finally:
+        staged.close()
     if problems:
+        svc.store.drop_lines(bid)
         batch = svc.store.create_failed_batch(tenant, endpoint, file_id, window, window_s,
                                               metadata, [p.to_json() for p in problems])
     else:
-        batch = svc.store.create_batch(tenant, endpoint, file_id, window, window_s, metadata,
-                                       lines)
+        batch = svc.store.open_batch(bid, tenant, endpoint, file_id, window, window_s,
+                                     metadata, staged.total, staged.answered)
         svc.executor.add(batch)
     return json_response(batch.to_openai())
 

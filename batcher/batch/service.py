@@ -16,6 +16,7 @@ from batcher.batch.lines import LineRunner
 from batcher.batch.metrics import BatchMetrics
 from batcher.batch.routes import BATCH, BatchLimits, BatchService, add_routes, upload_body_limit
 from batcher.batch.store import BatchStore
+from batcher.batch.validate import LineCheck
 from batcher.http.listener import expect_continue
 from batcher.server.app import BODY_LIMIT, GATEWAY
 from batcher.server.gateway import Gateway
@@ -48,6 +49,7 @@ def install(app: web.Application, cfg: BatchConfig) -> None:
     """Serve the batch API on `app` (a `create_app` extension): its routes, the upload limit,
     and the store and executor for as long as the app runs."""
     cfg.gate.validate()
+    cfg.limits.validate()
     add_routes(app, expect_handler=expect_continue)
     app[BODY_LIMIT] = upload_body_limit
 
@@ -56,10 +58,11 @@ def install(app: web.Application, cfg: BatchConfig) -> None:
         store = BatchStore(cfg.data_dir, cfg.db_path)
         executor = BatchExecutor(store, LineRunner(gw),
                                  SpareCapacity(gw.engine, gw.admission, cfg.gate),
-                                 tenant_lookup(gw), BatchMetrics(gw.metrics.registry))
+                                 tenant_lookup(gw), BatchMetrics(gw.metrics.registry),
+                                 file_expiry_s=cfg.limits.file_expiry_s)
         # Every step may have freed capacity (or ended a line): look again at once.
         gw.engine.step_listeners.append(executor.wake)
-        app[BATCH] = BatchService(store, executor, cfg.limits)
+        app[BATCH] = BatchService(store, executor, cfg.limits, LineCheck(gw))
         await executor.start()
         try:
             yield
@@ -85,8 +88,21 @@ def add_batch_serve_args(p: argparse.ArgumentParser) -> None:
                    "database; the batch API is served only when given (default: off)")
     g.add_argument("--batch-db", default=None, help="SQLite database path (default: "
                    "DATA_DIR/batches.sqlite3)")
-    g.add_argument("--batch-max-file-bytes", type=int, default=BatchLimits().max_file_bytes,
+    d = BatchLimits()
+    g.add_argument("--batch-max-file-bytes", type=int, default=d.max_file_bytes,
                    help="largest file upload (default: %(default)s)")
+    g.add_argument("--batch-max-line-bytes", type=int, default=d.max_line_bytes,
+                   help="largest request (line) in a batch input file; a file with a longer "
+                   "line is refused (default: %(default)s)")
+    g.add_argument("--batch-max-file-bytes-per-tenant", type=int, default=d.max_tenant_bytes,
+                   help="bytes of files one tenant may store, batch outputs included; an upload "
+                   "past it is refused (default: %(default)s)")
+    g.add_argument("--batch-max-files-per-tenant", type=int, default=d.max_tenant_files,
+                   help="files one tenant may store, batch outputs included (default: "
+                   "%(default)s)")
+    g.add_argument("--batch-file-expiry", type=float, default=d.file_expiry_s,
+                   help="seconds a file is kept unless its upload sets 'expires_after' (batch "
+                   "outputs too); 0: until deleted (default: %(default)s, 30 days)")
     g.add_argument("--batch-max-running", type=int, default=GateConfig().max_running,
                    help="batch lines in the engine at once (default: %(default)s)")
     g.add_argument("--batch-ttft-share", type=float, default=GateConfig().ttft_share,
@@ -103,9 +119,18 @@ def config_from_args(args: argparse.Namespace) -> BatchConfig | None:
     values."""
     if not args.data_dir:
         return None
-    if args.batch_max_file_bytes < 1:
-        raise ValueError("--batch-max-file-bytes must be >= 1")
+    for flag in ("max_file_bytes", "max_line_bytes", "max_file_bytes_per_tenant",
+                 "max_files_per_tenant"):
+        if getattr(args, f"batch_{flag}") < 1:
+            raise ValueError(f"--batch-{flag.replace('_', '-')} must be >= 1")
+    if not args.batch_file_expiry >= 0:
+        raise ValueError("--batch-file-expiry must be >= 0 seconds")
     gate = GateConfig(max_running=args.batch_max_running, ttft_share=args.batch_ttft_share,
                       shed_share=args.batch_shed_share)
+    limits = BatchLimits(max_file_bytes=args.batch_max_file_bytes,
+                         max_line_bytes=args.batch_max_line_bytes,
+                         max_tenant_bytes=args.batch_max_file_bytes_per_tenant,
+                         max_tenant_files=args.batch_max_files_per_tenant,
+                         file_expiry_s=args.batch_file_expiry or None)
     return BatchConfig(Path(args.data_dir), Path(args.batch_db) if args.batch_db else None,
-                       BatchLimits(max_file_bytes=args.batch_max_file_bytes), gate.validate())
+                       limits.validate(), gate.validate())

@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS files (
     filename TEXT NOT NULL,
     purpose TEXT NOT NULL,
     bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -72,10 +73,44 @@ CREATE TABLE IF NOT EXISTS lines (
     state TEXT NOT NULL DEFAULT 'pending',
     status_code INTEGER,
     output BLOB,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    max_tokens INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (batch_id, idx)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, idx);
 """
+# Columns added since the first schema: a database made before them gains them at open.
+_ADDED = (("files", "expires_at", "INTEGER"),
+          ("lines", "prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
+          ("lines", "max_tokens", "INTEGER NOT NULL DEFAULT 0"))
+_FILE_COLS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
+# Rows of staged lines inserted per transaction: each commit is short, so answers recorded
+# meanwhile wait for at most one.
+STAGE_ROWS = 1000
+
+
+def line_rows(batch_id: str, lines: list[InputLine]) -> list[tuple[Any, ...]]:
+    """The `lines` rows of a batch's lines, for `stage_lines`: any thread may build them (a line
+    answered at creation is stored done, with its output-file line). Lines with no `cost` are
+    sized roughly from their body (`rough_cost`)."""
+    rows = []
+    for ln in lines:
+        prompt, out = ln.cost or rough_cost(ln.body)
+        status, output = ln.answer or (None, None)
+        # An answered line's body is never read again: not stored.
+        body = orjson.dumps(ln.body) if output is None else b"{}"
+        rows.append((batch_id, ln.index, ln.custom_id, body,
+                     "pending" if output is None else "done", status, output, prompt, out))
+    return rows
+
+
+def rough_cost(body: dict[str, Any]) -> tuple[int, int]:
+    """(prompt, max output) tokens of a body nobody tokenized: about four characters of JSON
+    per token, the output as asked (16 when not, or not a sane number)."""
+    text = body.get("messages") or body.get("prompt") or body.get("input") or ""
+    out = body.get("max_completion_tokens") or body.get("max_tokens")
+    return (max(1, len(str(text)) // 4),
+            out if isinstance(out, int) and 0 < out <= 1 << 20 else 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +167,15 @@ class BatchStore:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=5000")
         self.db.executescript(_SCHEMA)
+        for table, column, decl in _ADDED:
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        self.db.execute("CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) "
+                        "WHERE expires_at IS NOT NULL")
         self._clean_uploads()
+        # Lines staged for a batch whose creation a crash cut short: no batch row names them.
+        self.db.execute("DELETE FROM lines WHERE batch_id NOT IN (SELECT id FROM batches)")
 
     def close(self) -> None:
         self.db.close()
@@ -155,22 +198,43 @@ class BatchStore:
         return self.files_dir / file_id
 
     def add_file(self, tenant: str, filename: str, purpose: str, temp: Path, size: int,
-                 file_id: str | None = None) -> FileRecord:
-        """Adopt the complete file at `temp` (renamed into place) as a new file of `tenant`."""
-        rec = FileRecord(file_id or new_id("file-"), tenant, filename, purpose, size,
-                         int(self.clock()))
+                 file_id: str | None = None, expires_after_s: float | None = None
+                 ) -> FileRecord:
+        """Adopt the complete file at `temp` (renamed into place) as a new file of `tenant`,
+        deleted `expires_after_s` seconds from now (never when None)."""
+        now = int(self.clock())
+        expires = None if expires_after_s is None else now + int(expires_after_s)
+        rec = FileRecord(file_id or new_id("file-"), tenant, filename, purpose, size, now,
+                         expires)
         os.replace(temp, self.path(rec.id))
         self.db.execute(
-            "INSERT OR REPLACE INTO files (id, tenant, filename, purpose, bytes, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (rec.id, tenant, filename, purpose, size, rec.created_at))
+            "INSERT OR REPLACE INTO files (id, tenant, filename, purpose, bytes, created_at, "
+            "expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (rec.id, tenant, filename, purpose, size, rec.created_at, expires))
         return rec
 
     def get_file(self, tenant: str, file_id: str) -> FileRecord | None:
+        """The tenant's file; None once it expired (even before housekeeping deleted it)."""
         row = self.db.execute(
-            "SELECT id, tenant, filename, purpose, bytes, created_at FROM files "
-            "WHERE id = ? AND tenant = ?", (file_id, tenant)).fetchone()
+            f"SELECT {_FILE_COLS} FROM files WHERE id = ? AND tenant = ? "
+            "AND (expires_at IS NULL OR expires_at > ?)",
+            (file_id, tenant, self.clock())).fetchone()
         return None if row is None else FileRecord(*row)
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(files, bytes) the tenant stores, batch outputs included."""
+        count, size = self.db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM files "
+                                      "WHERE tenant = ?", (tenant,)).fetchone()
+        return count, size
+
+    def delete_expired_files(self, limit: int = 100) -> int:
+        """Delete up to `limit` files past their expiry (rows, then bytes); how many."""
+        rows = self.db.execute("SELECT id FROM files WHERE expires_at IS NOT NULL AND "
+                               "expires_at <= ? LIMIT ?", (self.clock(), limit)).fetchall()
+        for (file_id,) in rows:
+            self.db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            self.path(file_id).unlink(missing_ok=True)
+        return len(rows)
 
     def list_files(self, tenant: str, limit: int, after: str | None = None,
                    purpose: str | None = None, ascending: bool = False,
@@ -178,9 +242,9 @@ class BatchStore:
         """A page of the tenant's files (newest first unless `ascending`) and whether more
         follow. `after` must be a file ID of this tenant (check with `get_file`)."""
         op, order = (">", "ASC") if ascending else ("<", "DESC")
-        sql = ("SELECT id, tenant, filename, purpose, bytes, created_at FROM files "
-               "WHERE tenant = ?")
-        args: list[Any] = [tenant]
+        sql = (f"SELECT {_FILE_COLS} FROM files WHERE tenant = ? "
+               "AND (expires_at IS NULL OR expires_at > ?)")
+        args: list[Any] = [tenant, self.clock()]
         if purpose is not None:
             sql += " AND purpose = ?"
             args.append(purpose)
@@ -205,20 +269,37 @@ class BatchStore:
     def create_batch(self, tenant: str, endpoint: str, input_file_id: str, window: str,
                      window_s: float, metadata: dict[str, str] | None,
                      lines: list[InputLine]) -> BatchRecord:
-        """A new batch, `in_progress`, with its lines pending."""
-        now = self.clock()
+        """A new batch, `in_progress`, with its lines pending (or answered, see `line_rows`),
+        in one call: for a batch small enough to stage at once."""
         bid = new_id("batch_")
+        rows = line_rows(bid, lines)
+        for i in range(0, len(rows), STAGE_ROWS):
+            self.stage_lines(rows[i:i + STAGE_ROWS])
+        return self.open_batch(bid, tenant, endpoint, input_file_id, window, window_s, metadata,
+                               len(lines), sum(ln.answer is not None for ln in lines))
+
+    def stage_lines(self, rows: list[tuple[Any, ...]]) -> None:
+        """Insert lines (`line_rows`) of a batch not opened yet, in one short transaction. Until
+        `open_batch` they belong to no batch: a crash leaves them to be removed at the next
+        open, and `drop_lines` removes them when the batch is not created after all."""
         with self._tx():
-            self.db.execute(
-                "INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, "
-                "status, created_at, expires_at, in_progress_at, total, metadata) "
-                "VALUES (?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?)",
-                (bid, tenant, endpoint, input_file_id, window, now, now + window_s, now,
-                 len(lines), orjson.dumps(metadata).decode() if metadata else None))
             self.db.executemany(
-                "INSERT INTO lines (batch_id, idx, custom_id, body) VALUES (?, ?, ?, ?)",
-                ((bid, ln.index, ln.custom_id, orjson.dumps(ln.body)) for ln in lines))
-        rec = self.get_batch(tenant, bid)
+                "INSERT INTO lines (batch_id, idx, custom_id, body, state, status_code, output, "
+                "prompt_tokens, max_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def open_batch(self, batch_id: str, tenant: str, endpoint: str, input_file_id: str,
+                   window: str, window_s: float, metadata: dict[str, str] | None, total: int,
+                   failed: int) -> BatchRecord:
+        """The batch row over its staged lines, `in_progress`; `failed` of them were answered
+        at creation."""
+        now = self.clock()
+        self.db.execute(
+            "INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, "
+            "status, created_at, expires_at, in_progress_at, total, failed, metadata) "
+            "VALUES (?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?, ?)",
+            (batch_id, tenant, endpoint, input_file_id, window, now, now + window_s, now,
+             total, failed, orjson.dumps(metadata).decode() if metadata else None))
+        rec = self.get_batch(tenant, batch_id)
         assert rec is not None
         return rec
 
@@ -282,6 +363,18 @@ class BatchStore:
         return cur.rowcount == 1
 
     # lines ---------------------------------------------------------------------------------
+    def pending_lines(self, batch_id: str) -> list[tuple[int, int, int]]:
+        """(index, prompt tokens, max output tokens) of every pending line, in order."""
+        return self.db.execute("SELECT idx, prompt_tokens, max_tokens FROM lines WHERE "
+                               "batch_id = ? AND state = 'pending' ORDER BY idx",
+                               (batch_id,)).fetchall()
+
+    def line_bytes(self, batch_id: str, index: int) -> tuple[str, bytes] | None:
+        """(custom_id, body as JSON text) of a line: parsed by the caller, off the event loop
+        when large."""
+        return self.db.execute("SELECT custom_id, body FROM lines WHERE batch_id = ? AND "
+                               "idx = ?", (batch_id, index)).fetchone()
+
     def pending_indices(self, batch_id: str) -> list[int]:
         rows = self.db.execute("SELECT idx FROM lines WHERE batch_id = ? AND state = 'pending' "
                                "ORDER BY idx", (batch_id,)).fetchall()
