@@ -163,6 +163,15 @@ class IncrementalDetokenizer:
         character cut by it is U+FFFD, as in a decode of the whole)."""
         table = self._table
         assert table is not None
+        if len(token_ids) == 1 and not self._tail:
+            # NOTE: the common case, one token whose bytes are whole ASCII characters.
+            t = token_ids[0]
+            piece = table.token_bytes[t] if 0 <= t < len(table.token_bytes) else None
+            if piece is not None and piece.isascii():
+                text = piece.decode("ascii")
+                if not self.stop:
+                    return self._emit(text) if text else ""
+                return self._check_stop(self._pending + text) if text else ""
         data, text = self._tail, ""
         for t in token_ids:
             piece = table.token_bytes[t] if 0 <= t < len(table.token_bytes) else None

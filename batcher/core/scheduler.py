@@ -400,7 +400,7 @@ class Scheduler:
         return ScheduledSeq(req.request_id, req.token_ids[start:], start,
                             list(req.block_ids), True, sp,
                             len(req.token_ids) - len(req.prompt_token_ids),
-                            suppressed_tokens(req),
+                            suppressed_tokens(req) if sp.min_tokens else (),
                             tuple(req.token_ids) if sp.needs_history else ())
 
     def _seq(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
