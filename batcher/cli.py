@@ -178,12 +178,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run(coro) -> int:
+    # NOTE: only uvloop's own import may fall back to asyncio: an ImportError raised inside the
+    # server must reach the operator as it is, not as a second run of an awaited coroutine.
     try:
         import uvloop
-
-        return uvloop.run(coro)
     except ImportError:
         return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 if __name__ == "__main__":
