@@ -19,6 +19,8 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from batcher.json_limits import loads_bounded
+
 # A grammar may be large, but a schema of megabytes is a mistake or an attack.
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 256
@@ -34,9 +36,10 @@ def _compiled(grammar: str, field: str) -> str:
 def json_schema_grammar(schema: Any, field: str) -> str:
     if isinstance(schema, str):  # vLLM's `guided_json` may be the schema's JSON text
         try:
-            schema = json.loads(schema)
-        except ValueError:
-            raise ValueError(f"'{field}' is not valid JSON") from None
+            schema = loads_bounded(schema)
+        except ValueError as exc:
+            raise ValueError(f"'{field}' is {'not valid JSON' if 'JSON' in str(exc) else exc}"
+                             ) from None
     if not isinstance(schema, dict):
         raise ValueError(f"'{field}' must be a JSON schema object")  # noqa: TRY004 (a 400)
     if len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from batcher.batch.executor import BatchExecutor
 from batcher.batch.jsonl import ENDPOINTS, MAX_LINE_BYTES, MAX_LINES, LineProblem, check_file
@@ -27,6 +28,7 @@ from batcher.batch.store import BatchStore, CreatedBounds
 from batcher.batch.validate import LineCheck, StagedInput
 from batcher.http.errors import ApiError, invalid
 from batcher.http.responses import json_response
+from batcher.http.text import excerpt, safe_filename
 
 PURPOSES = ("batch",)
 MAX_FILENAME_CHARS = 255
@@ -106,7 +108,8 @@ def parse_window(value: Any) -> float:
 def _limit(request: web.Request) -> int:
     raw = request.query.get("limit", "20")
     # isascii: str.isdigit() also takes digits int() refuses ('²'), which would be a 500.
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    digits = raw.isascii() and raw.isdigit() and len(raw) <= 6  # int() of 5,000 digits raises
+    if not digits or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise invalid(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
     return int(raw)
 
@@ -188,15 +191,15 @@ async def upload_file(request: web.Request) -> web.Response:
                 elif part.name == "file":
                     if temp is not None:
                         raise invalid("send one 'file' per upload", "file")
-                    filename = (part.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
+                    filename = safe_filename(part.filename)
                     temp = svc.store.temp_path()
                     size = await _save(part, temp, limit, room)
                 else:
                     await part.release()
-        except (ValueError, AssertionError, web.HTTPException) as exc:
+        except (ValueError, AssertionError, web.HTTPException, HttpProcessingError) as exc:
             if isinstance(exc, ApiError | web.HTTPException):
                 raise
-            raise invalid(f"the multipart body could not be read: {exc}", None,
+            raise invalid(f"the multipart body could not be read: {excerpt(exc, 200)}", None,
                           "invalid_body") from None
         if purpose not in PURPOSES:
             raise invalid(f"'purpose' must be one of {list(PURPOSES)}", "purpose")

@@ -321,7 +321,7 @@ async def _list(request: web.Request, kind: str) -> web.Response:
     q = request.query
     raw_limit = q.get("limit", "20")
     # isascii: str.isdigit() also takes digits int() refuses ('²'), which would be a 500.
-    digits = raw_limit.isascii() and raw_limit.isdigit()
+    digits = raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 6
     if not digits or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
         raise invalid(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
     limit = int(raw_limit)

@@ -34,6 +34,7 @@ from batcher.fleet.scope import tenant_scope
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import AuthError, bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
+from batcher.http.middleware import answer_unexpected
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
 from batcher.http.upstream import UpstreamPool
@@ -76,6 +77,8 @@ async def middleware(request: web.Request, handler: Callable[[web.Request],
         if exc.status < 400:
             raise
         resp = from_http_exception(exc).response(rid)
+    except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
+        resp = answer_unexpected(request, exc, rid)
     if not resp.prepared and "X-Request-Id" not in resp.headers:
         resp.headers["X-Request-Id"] = rid
     return resp

@@ -6,7 +6,7 @@ timeouts, and a server log that never quotes what a client sent.
 - `add_fallback_route(app)`: unknown path -> 404, wrong method -> 405 with `Allow`, both through
   the app's middlewares (OpenAI's shape).
 - `read_body(request)` / `read_json(request)`: the body, `ApiError` 413 / 400 when it is too large,
-  cannot be decoded (bad gzip/deflate, broken chunking) or is not JSON.
+  cannot be decoded (bad gzip/deflate, broken chunking), is not JSON or nests too deep.
 - `KEEPALIVE_TIMEOUT_S`, `keepalive_timeout()`: the idle and header timeout (env
   `BATCHER_KEEPALIVE_TIMEOUT` overrides it).
 - `body_deadline`, `body_timeout(length)`: a body not received whole within
@@ -27,6 +27,7 @@ from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from batcher.http.errors import ApiError, invalid
+from batcher.json_limits import MAX_JSON_DEPTH, too_deep
 
 # aiohttp closes a connection that has not sent a complete request within `keepalive_timeout`
 # of connecting or of its previous response. Partial data does not reset that timer, so it is
@@ -151,12 +152,17 @@ async def read_body(request: web.Request) -> bytes:
 
 
 async def read_json(request: web.Request, raw: bytes | None = None) -> Any:
-    """The body parsed as JSON (`raw` when already read); ApiError 400 when it is not JSON."""
+    """The body parsed as JSON (`raw` when already read); ApiError 400 when it is not JSON or
+    nests deeper than `MAX_JSON_DEPTH` (code walking it would run out of stack: a 500)."""
     data = await read_body(request) if raw is None else raw
     try:
-        return orjson.loads(data)
+        body = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise invalid(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    if too_deep(body, MAX_JSON_DEPTH, data):
+        raise invalid(f"the body nests lists and objects more than {MAX_JSON_DEPTH} levels deep",
+                      None, "json_too_deep")
+    return body
 
 
 class QuietServerLog(logging.LoggerAdapter):

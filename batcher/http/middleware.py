@@ -6,16 +6,37 @@ with a request ID on every answer, and a bearer key in front of every route.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import bearer_matches
 from batcher.http.request_ids import new_request_id
 
+log = logging.getLogger("batcher.http")
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+
+def answer_unexpected(request: web.Request, exc: Exception, rid: str) -> web.Response:
+    """The answer to an exception no handler turned into an `ApiError`, in OpenAI's shape with
+    the request ID (aiohttp's own is a plain-text 500). What a client can cause deep inside
+    parsing (a document nested past the interpreter's stack, a multipart body that breaks the
+    HTTP parser) is a 400 and one log line; anything else is a 500 logged with its traceback.
+    Re-raises when the response has already started (aiohttp then drops the connection)."""
+    if request.writer is not None and request.writer.output_size > 0:
+        raise exc
+    if isinstance(exc, RecursionError | HttpProcessingError):
+        log.info("request %s to %s refused: %s", rid, request.path, type(exc).__name__)
+        return ApiError(400, "the request is nested too deeply or malformed",
+                        code="invalid_request").response(rid)
+    log.error("request %s to %s failed", rid, request.path, exc_info=exc)
+    return ApiError(500, "internal error; the request id identifies it in the server's log",
+                    code="internal_error").response(rid)
 
 
 @web.middleware
@@ -31,6 +52,8 @@ async def answer_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if exc.status < 400:
             raise
         return from_http_exception(exc).response(rid)
+    except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
+        return answer_unexpected(request, exc, rid)
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
     return resp

@@ -13,6 +13,7 @@ from aiohttp import web
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import AuthError
 from batcher.http.listener import add_fallback_route, expect_continue
+from batcher.http.middleware import answer_unexpected
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
 from batcher.server import embeddings_route, tokenize_route
@@ -64,6 +65,8 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         if exc.status < 400:
             raise
         resp = from_http_exception(exc).response(rid)
+    except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
+        resp = answer_unexpected(request, exc, rid)
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
         # DESIGN: the replica's state rides on every response, errors included, so a router's

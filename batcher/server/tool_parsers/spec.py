@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.http.errors import invalid
+from batcher.json_limits import loads_bounded
 
 MAX_TOOLS = 64
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -117,7 +118,7 @@ def call_arguments(calls: Any, i: int) -> list[tuple[str, Any]]:
             raise invalid(f"messages[{i}].tool_calls items need function.name", "messages")
         args = fn.get("arguments", "{}")
         try:
-            parsed = json.loads(args) if isinstance(args, str) else args
+            parsed = loads_bounded(args) if isinstance(args, str) else args
         except ValueError:
             raise invalid(f"messages[{i}].tool_calls arguments must be JSON", "messages"
                           ) from None
