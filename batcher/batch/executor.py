@@ -50,6 +50,8 @@ FINISH_STEPS = 2
 HOUSEKEEP_S = 1.0
 # A line body longer than this is parsed in a worker thread when its line starts.
 PARSE_INLINE_BYTES = 64 * 1024
+# Lines a finalize writes (or deletes from the store) between yields to the event loop.
+FINALIZE_SLICE = 2000
 # Gate refusals that depend on the line's own size: a smaller line of another tenant may still
 # fit, so only this tenant's turn passes. Any other refusal holds every line back.
 LINE_SIZED = frozenset({"kv", "ttft"})
@@ -386,7 +388,9 @@ class BatchExecutor:
         sinks = {kind: _LineFile(self.store.temp_path()) for kind in ("output", "error")}
         unanswered = 0
         try:
-            for custom_id, code, output in self.store.outputs(b.id):
+            for n, (custom_id, code, output) in enumerate(self.store.outputs(b.id), 1):
+                if n % FINALIZE_SLICE == 0:
+                    await asyncio.sleep(0)  # let the loop answer others between slices
                 if output is None:
                     unanswered += 1
                     sinks["error"].add(unanswered_line(custom_id, *UNANSWERED.get(
@@ -404,7 +408,8 @@ class BatchExecutor:
         failed = rec.failed + unanswered if rec is not None and unanswered else None
         if self.store.finish(b.id, status, out, err, failed):
             self.metrics.done.labels("unanswered").inc(unanswered)
-        self.store.drop_lines(b.id)
+        while self.store.drop_lines(b.id, FINALIZE_SLICE):
+            await asyncio.sleep(0)
         del self.batches[b.id]
         log.info("batch %s %s", b.id, status)
 

@@ -174,8 +174,11 @@ class BatchStore:
         self.db.execute("CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) "
                         "WHERE expires_at IS NOT NULL")
         self._clean_uploads()
-        # Lines staged for a batch whose creation a crash cut short: no batch row names them.
-        self.db.execute("DELETE FROM lines WHERE batch_id NOT IN (SELECT id FROM batches)")
+        # Lines staged for a batch whose creation a crash cut short (no batch row names them),
+        # or of a finished batch whose rows a crash left half deleted.
+        marks = ", ".join("?" * len(ACTIVE))
+        self.db.execute("DELETE FROM lines WHERE batch_id NOT IN (SELECT id FROM batches WHERE "
+                        f"status IN ({marks}))", ACTIVE)
 
     def close(self) -> None:
         self.db.close()
@@ -430,9 +433,14 @@ class BatchStore:
                                 "WHERE id = ?", (now, batch_id))
         return True
 
-    def drop_lines(self, batch_id: str) -> None:
-        """The per-line rows of a finished batch: its output files now hold the answers."""
-        self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+    def drop_lines(self, batch_id: str, limit: int | None = None) -> int:
+        """Delete the per-line rows of a finished batch (its output files now hold the answers)
+        or of one never created; at most `limit` of them. How many were deleted."""
+        if limit is None:
+            return self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,)).rowcount
+        return self.db.execute(
+            "DELETE FROM lines WHERE batch_id = ? AND idx IN (SELECT idx FROM lines WHERE "
+            "batch_id = ? LIMIT ?)", (batch_id, batch_id, limit)).rowcount
 
 
 class _Tx:
