@@ -403,3 +403,79 @@ async def test_running_lines_are_shed_newest_first_while_interactive_needs_room(
     assert rec.completed == 5
     assert [x["custom_id"] for x in rig.read(rec.output_file_id)] == [f"c{i}" for i in range(5)]
     assert all(runner.finished[f"p{i}"] == 1 for i in range(5))
+
+
+def costed(tag: str, n: int, cost: tuple[int, int]) -> list[Any]:
+    from batcher.batch.jsonl import InputLine
+
+    return [InputLine(i, f"{tag}{i}", "/v1/completions", {"model": "m", "prompt": f"{tag}{i}"},
+                      cost=cost) for i in range(n)]
+
+
+def create_for(rig: Rig, tenant: str, lines: list[Any]) -> str:
+    rec = rig.store.create_batch(tenant, "/v1/completions", "file-x", "1h", 3600.0, None, lines)
+    rig.ex.add(rec)
+    return rec.id
+
+
+class StartOrder(FakeRunner):
+    def __init__(self, delay: float):
+        super().__init__(delay)
+        self.order: list[str] = []
+
+    async def run(self, tenant: TenantConfig, url: str, body: dict, rid: str) -> LineResult:
+        self.order.append(body["prompt"])
+        return await super().run(tenant, url, body, rid)
+
+
+async def test_tenants_take_turns(tmp_path: Path, clock: list[float]) -> None:
+    runner = StartOrder(delay=0.05)
+    rig = Rig(tmp_path, runner, FakeGate(cap=2), clock)
+    rig.ex.tenants = lambda name: DEFAULT_TENANT
+    a = create_for(rig, "a", costed("a", 8, (4, 4)))
+    b = create_for(rig, "b", costed("b", 2, (4, 4)))
+    await rig.ex.start()
+    try:
+        await rig.wait(a)
+        await rig.wait(b)
+    finally:
+        await rig.ex.stop()
+    # b's batch is younger, but its lines start in the first rounds, not after all of a's.
+    assert sorted(runner.order[:4]) == ["a0", "a1", "b0", "b1"], runner.order
+
+
+class SizedGate(FakeGate):
+    """Refuses, as too big for the KV left ("kv"), any start past `max_prompt` tokens."""
+
+    def __init__(self, cap: int, max_prompt: int):
+        super().__init__(cap)
+        self.max_prompt = max_prompt
+
+    def room(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int = 1
+             ) -> bool:
+        if not super().room(in_flight, prompt_tokens, max_tokens, lines):
+            self.last_code = "cap"
+            return False
+        self.last_code = "kv" if prompt_tokens > self.max_prompt else "room"
+        return self.last_code == "room"
+
+
+async def test_a_line_too_big_for_now_holds_back_only_its_tenant(tmp_path: Path,
+                                                                 clock: list[float]) -> None:
+    runner = StartOrder(delay=0.01)
+    gate = SizedGate(cap=4, max_prompt=100)
+    rig = Rig(tmp_path, runner, gate, clock)
+    rig.ex.tenants = lambda name: DEFAULT_TENANT
+    big = create_for(rig, "a", costed("a", 1, (1000, 10)))
+    small = create_for(rig, "b", costed("b", 5, (5, 5)))
+    await rig.ex.start()
+    try:
+        assert (await rig.wait(small)).completed == 5
+        assert "a0" not in runner.order  # still waiting for room
+        assert rig.metrics.gate_blocked.labels("kv")._value.get() > 0
+        gate.max_prompt = 10_000  # room at last
+        assert (await rig.wait(big)).completed == 1
+    finally:
+        await rig.ex.stop()
+    # Each line was sized by its stored cost, never by reading it.
+    assert (0, 1000, 1) in gate.seen and (0, 5, 1) in gate.seen

@@ -84,3 +84,36 @@ async def test_a_line_uses_the_served_tool_call_format(aiohttp_client, tiny_fp32
     assert result.ok, result.body
     assert result.body["usage"]["prompt_tokens"] == live["usage"]["prompt_tokens"]
     assert result.body["choices"] == live["choices"]
+
+
+async def test_lines_are_checked_and_sized_as_live_requests(aiohttp_client, tiny_fp32,
+                                                            tokenizer) -> None:
+    import pytest
+
+    from batcher.batch.validate import LineCheck
+    from batcher.http.errors import ApiError
+
+    client = await aiohttp_client(app_factory(tiny_fp32, tokenizer, TENANTS)())
+    gw = client.server.app[GATEWAY]
+    check = LineCheck(gw)
+    prompt = len(tokenizer.encode("Hello there"))
+    assert check.cost("/v1/completions", completion(max_tokens=7)) == (prompt, 7)
+    assert check.cost("/v1/completions", completion(max_tokens=7, n=3)) == (3 * prompt, 21)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    chat_prompt, chat_out = check.cost("/v1/chat/completions", chat)
+    assert chat_prompt > 0 and chat_out == min(gw.cfg.default_max_tokens,
+                                               gw.cfg.max_model_len - chat_prompt)
+    cases = [
+        (completion(max_tokens=999_999_999_999), "max_tokens", None),
+        (completion(max_tokens=gw.cfg.max_model_len), "max_tokens", "context_length_exceeded"),
+        (completion(model="nope"), "model", "model_not_found"),
+        (completion(prompt=[[]]), "prompt", "invalid_type"),
+    ]
+    for body, param, code in cases:
+        with pytest.raises(ApiError) as err:
+            check.cost("/v1/completions", body)
+        assert err.value.status == 400 and err.value.param == param
+        assert code is None or err.value.code == code
+    with pytest.raises(ApiError) as err:
+        check.cost("/v1/embeddings", {"model": "e", "input": "x"})
+    assert err.value.status == 404  # this server has no embedding model

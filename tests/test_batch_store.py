@@ -123,3 +123,106 @@ def test_one_server_per_data_directory(tmp_path: Path) -> None:
         make_store(tmp_path)
     store.close()
     make_store(tmp_path).close()  # free again once closed
+
+
+def test_lines_are_read_in_blocks_and_a_long_one_is_skipped_not_held() -> None:
+    import io
+
+    from batcher.batch import jsonl as jsonl_mod
+
+    data = b"ab\n" + b"x" * 50 + b"\n\ncd\n" + b"y" * 30 + b"\nlast"
+    lines = list(jsonl_mod.iter_lines(io.BytesIO(data), max_line_bytes=20))
+    assert lines == [(1, b"ab"), (2, None), (3, b""), (4, b"cd"), (5, None), (6, b"last")]
+    # The same across block boundaries: a long line spanning several reads, then a short one.
+    old = jsonl_mod._READ_BYTES
+    jsonl_mod._READ_BYTES = 7
+    try:
+        assert list(jsonl_mod.iter_lines(io.BytesIO(data), max_line_bytes=20)) == lines
+        assert list(jsonl_mod.iter_lines(io.BytesIO(b"z" * 30), 20)) == [(1, None)]
+    finally:
+        jsonl_mod._READ_BYTES = old
+
+
+def test_a_line_past_the_size_or_depth_limit_is_a_problem_of_the_file() -> None:
+    from batcher.batch.jsonl import nesting_over
+
+    ok = req("a")
+    data = jsonl(ok, req("b", prompt="p" * 300), ok | {"custom_id": "c"})
+    lines, problems = parse_input(data, max_line_bytes=200)
+    assert [(p.code, p.line) for p in problems] == [("line_too_large", 2)]
+    deep = {"custom_id": "d", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "x", "extra": [[[[[[[[1]]]]]]]]}}
+    _, problems = parse_input(jsonl(deep))
+    assert problems == []
+    deep["body"]["extra"] = orjson.loads(b"[" * 62 + b"]" * 62)  # 64 deep in all: allowed
+    _, problems = parse_input(jsonl(deep))
+    assert problems == []
+    deep["body"]["extra"] = "[" * 100 + "]" * 100  # brackets inside a string do not nest
+    _, problems = parse_input(jsonl(deep))
+    assert problems == []
+    deep["body"]["extra"] = orjson.loads(b"[" * 70 + b"]" * 70)
+    _, problems = parse_input(jsonl(deep))
+    assert [(p.code, p.line) for p in problems] == [("invalid_json", 1)]
+    assert "deeper than 64" in problems[0].message
+    assert nesting_over(b'{"a": [[]], "b": "[[[[["}', 3) is False
+    assert nesting_over(b'{"a": [[[]]]}', 3) is True
+
+
+def test_files_expire_and_count_against_their_tenant(tmp_path: Path) -> None:
+    clock = [1000.0]
+    store = make_store(tmp_path, clock)
+    temp = store.temp_path()
+    temp.write_bytes(b"abc")
+    short = store.add_file("acme", "a.jsonl", "batch", temp, 3, expires_after_s=60)
+    assert short.to_openai()["expires_at"] == 1060
+    kept = add_file(store, "acme", b"defg")
+    assert kept.to_openai()["expires_at"] is None
+    assert store.usage("acme") == (2, 7) and store.usage("other") == (0, 0)
+    clock[0] = 1060.0
+    # Expired: gone from lookups at once, and from disk at the next housekeeping.
+    assert store.get_file("acme", short.id) is None
+    assert [f.id for f in store.list_files("acme", 10)[0]] == [kept.id]
+    assert store.delete_expired_files() == 1
+    assert not store.path(short.id).exists() and store.usage("acme") == (1, 4)
+    assert store.delete_expired_files() == 0
+
+
+def test_staged_lines_of_a_batch_never_opened_are_removed_at_open(tmp_path: Path) -> None:
+    from batcher.batch.jsonl import InputLine
+    from batcher.batch.store import line_rows
+
+    store = make_store(tmp_path)
+    lines = [InputLine(0, "a", "/v1/completions", {"prompt": "x"}, cost=(3, 5)),
+             InputLine(1, "b", "/v1/completions", {"prompt": "y"},
+                       answer=(400, b'{"error":1}'))]
+    store.stage_lines(line_rows("batch_crashed", lines))
+    b = store.create_batch("acme", "/v1/completions", "file-x", "24h", 86400, None, lines)
+    assert (b.total, b.failed) == (2, 1)
+    assert store.pending_lines(b.id) == [(0, 3, 5)]  # the cost stored, the answered line done
+    assert list(store.outputs(b.id))[1] == ("b", 400, b'{"error":1}')
+    store.close()
+    again = make_store(tmp_path)
+    assert again.pending_lines("batch_crashed") == [] and again.pending_lines(b.id) == [(0, 3, 5)]
+
+
+def test_a_database_from_before_costs_and_expiry_gains_their_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    root = tmp_path / "data"
+    root.mkdir()
+    db = sqlite3.connect(root / "batches.sqlite3")
+    db.executescript("""
+        CREATE TABLE files (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+            tenant TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL,
+            bytes INTEGER NOT NULL, created_at INTEGER NOT NULL);
+        CREATE TABLE lines (batch_id TEXT NOT NULL, idx INTEGER NOT NULL,
+            custom_id TEXT NOT NULL, body BLOB NOT NULL, state TEXT NOT NULL DEFAULT 'pending',
+            status_code INTEGER, output BLOB, PRIMARY KEY (batch_id, idx)) WITHOUT ROWID;
+        INSERT INTO files (id, tenant, filename, purpose, bytes, created_at)
+            VALUES ('file-old', 'acme', 'a.jsonl', 'batch', 3, 5);
+    """)
+    db.commit()
+    db.close()
+    store = make_store(tmp_path)
+    old = store.get_file("acme", "file-old")
+    assert old is not None and old.expires_at is None

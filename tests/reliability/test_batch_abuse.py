@@ -273,3 +273,29 @@ def test_files_expire_and_are_deleted(quota_server: tuple[Server, Path]) -> None
             other.files.retrieve(f.id)
         assert f.id not in [x.id for x in other.files.list()]
         assert other.files.retrieve(kept.id).id == kept.id
+
+
+async def test_a_50000_line_batch_is_created_without_stalls(server: Server) -> None:
+    data = jsonl([line(f"n{i}") for i in range(50_000)])
+
+    async def both() -> tuple[int, Any]:
+        status, f = await _upload(server.url, OTHER, data)
+        assert status == 200, f
+        return await _create(server.url, OTHER, f["id"])
+
+    t0 = time.monotonic()
+    work = asyncio.create_task(both())
+    health = await _health_while(server.url, work)
+    status, batch = work.result()
+    print(f"\n50,000 lines uploaded and created in {time.monotonic() - t0:.1f}s: /health max "
+          f"{max(health) * 1e3:.0f} ms over {len(health)} polls")
+    assert status == 200 and batch["request_counts"]["total"] == 50_000, batch
+    assert max(health) < HEALTH_BOUND_S, f"/health took up to {max(health):.3f}s"
+    # Cancelled, the batch answers its 50,000 lines in its error file, also without stalls.
+    with client_for(server, OTHER) as other:
+        assert other.batches.cancel(batch["id"]).status in ("cancelling", "cancelled")
+        ending = asyncio.create_task(asyncio.to_thread(wait_done, other, batch["id"], 60.0))
+        health = await _health_while(server.url, ending)
+        assert ending.result().status == "cancelled"
+    print(f"cancelled: /health max {max(health) * 1e3:.0f} ms over {len(health)} polls")
+    assert max(health) < HEALTH_BOUND_S, f"/health took up to {max(health):.3f}s"
