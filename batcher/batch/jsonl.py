@@ -13,12 +13,13 @@ time.
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
 import orjson
+
+from batcher.json_limits import MAX_JSON_DEPTH, too_deep
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_LINES = 50_000
@@ -26,17 +27,10 @@ MAX_CUSTOM_ID_CHARS = 512
 # A line is at most one live request body; the default is smaller than the live endpoint's
 # (`--max-body-bytes`) since a batch holds up to 50,000 of them.
 MAX_LINE_BYTES = 1 << 20
-# Deeper JSON than any real request needs (tool schemas included); recursive code further on
-# (schemas to grammars) stays well inside Python's recursion limit.
-MAX_JSON_DEPTH = 64
 # Problems reported per file: enough to fix a file, bounded so a broken upload cannot produce a
 # huge error body.
 MAX_PROBLEMS = 100
 _READ_BYTES = 1 << 20
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-# Bracket -> step of the nesting depth, for `bytes.translate` + `itertools.accumulate`.
-_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in _STEP)
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,14 +88,6 @@ def iter_lines(f: IO[bytes], max_line_bytes: int = MAX_LINE_BYTES
         yield lineno + 1, None if over else tail
 
 
-def nesting_over(raw: bytes, limit: int) -> bool:
-    """True when the (valid) JSON text `raw` nests arrays and objects deeper than `limit`."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False  # too few brackets to be that deep: the common case, at C speed
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) > limit
-
-
 class InputChecker:
     """Checks a file's lines one at a time, in order; `finish` adds what only the whole file
     shows. `endpoint`: every line's `url` must equal it (batch creation); None accepts any
@@ -150,9 +136,9 @@ class InputChecker:
         if not isinstance(item, dict):
             self._bad("invalid_request", "the line must be a JSON object", lineno)
             return None
-        if nesting_over(raw, self.max_depth):
-            self._bad("invalid_json", f"the line nests JSON deeper than {self.max_depth} levels",
-                      lineno)
+        if too_deep(item, self.max_depth, raw):
+            self._bad("json_too_deep", "the line nests lists and objects more than "
+                      f"{self.max_depth} levels deep", lineno)
             return None
         cid = item.get("custom_id")
         if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID_CHARS:
