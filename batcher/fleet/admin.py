@@ -117,8 +117,9 @@ async def status(request: web.Request) -> web.Response:
                            "readmitted_after": rec.readmitted_after}
     return json_response({
         "replicas": reps, "weights": ctx.rollout.weights, "inflight": ctx.inflight,
-        "retry_budget": {"allowed": ctx.budget.allowed(now, ctx.inflight),
-                         "retries_in_window": ctx.budget.retries_in_window},
+        "retry_budget": {"allowed_per_caller": ctx.budget.allowed(now),
+                         "callers": len(ctx.budget),
+                         "retries_in_window": ctx.budget.retries_in_window(now)},
         "processes": ctx.processes() if ctx.processes is not None else None,
         "discovery": ctx.discovery.status() if ctx.discovery is not None else None})
 

@@ -19,11 +19,11 @@ from batcher.fleet.discovery import Discovery
 from batcher.fleet.health import HealthChecker, HealthConfig
 from batcher.fleet.load import ReplicaLoad
 from batcher.fleet.metrics import RouterMetrics
+from batcher.fleet.ratelimit import KeyedRetryBudget
 from batcher.fleet.policy import (
     POLICIES,
     Candidate,
     PolicyConfig,
-    RetryBudget,
     blocks_for,
     choose,
     choose_round_robin,
@@ -132,7 +132,7 @@ class RouterContext:
         self.use_registry(Registry(cfg.beat_interval, cfg.suspect_beats,
                                    max_replicas=cfg.max_replicas))
         self.rollout = Rollout()
-        self.budget = RetryBudget(cfg.retry_ratio, cfg.retry_floor, cfg.retry_window)
+        self.budget = KeyedRetryBudget(cfg.retry_ratio, cfg.retry_floor, cfg.retry_window)
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         # The generation hop's own client (`batcher.http.upstream`): a lean one, for the cost

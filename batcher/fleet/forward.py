@@ -10,8 +10,10 @@ Contract:
 - Before the first byte reached the client, a 500/502/503 answer, a refused or broken
   connection, or an eviction of the replica moves the request to another replica (never one it
   tried), at most `max_attempts` in all, with full-jitter backoff (none after a 503: that is
-  "try the other candidate"). Each retry spends the fleet retry budget; over budget the client
-  gets 503 + Retry-After.
+  "try the other candidate"). A 4xx, or a 500 the replica marks `x-should-retry: false` (the
+  request's own fault), is the answer and is not retried. Each retry spends the caller's retry
+  budget (kept per credential scope, so one caller's failing requests cannot spend everyone's
+  failover); over budget the client gets 503 + Retry-After.
 - A stream is committed on its first event and relayed event by event, unbuffered. If the
   replica fails after that: `failover=resume` (completions with one text prompt and n = 1)
   sends prompt + the text already streamed to another replica with `max_tokens` reduced and
@@ -153,11 +155,11 @@ class Relay:
             return self._give_up()
         if self.attempts:
             if charge:
-                if not ctx.budget.try_spend(ctx.clock(), ctx.inflight):
+                if not ctx.budget.try_spend(ctx.clock(), self.rkey[0]):
                     ctx.metrics.budget_exhausted.inc()
                     self.budget_refused = True
-                    return error_response(503, "the fleet's retry budget is spent; retry later",
-                                          "retry_budget_exhausted", self.rid, 1)
+                    return error_response(503, "your retry budget on this fleet is spent; retry "
+                                          "later", "retry_budget_exhausted", self.rid, 1)
                 ctx.metrics.retries.labels("capacity" if self.last and self.last.capacity
                                            else "failure").inc()
                 ctx.metrics.failovers.labels("retry").inc()
@@ -232,7 +234,10 @@ class Relay:
         data = await up.read()
         resp = web.Response(status=up.status, body=data, headers=self._reply_headers(up),
                             content_type=up.content_type)
-        if up.status in RETRYABLE and self.rkey not in self.ctx.cancelled:
+        # NOTE: a 500 the replica marks `x-should-retry: false` is the request's own doing (the
+        # same body fails the same way anywhere): the answer, not a reason to spend the budget.
+        own_fault = up.status == 500 and up.headers.get("x-should-retry") == "false"
+        if up.status in RETRYABLE and not own_fault and self.rkey not in self.ctx.cancelled:
             return Failure(f"a replica answered {up.status}", up.status == 503, resp)
         return resp
 

@@ -94,7 +94,7 @@ def generation(chat: bool) -> Callable[[web.Request], Awaitable[web.StreamRespon
             raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
         relay = Relay(ctx, request, chat, body, raw, rid, request["scope"])
         ctx.inflight += 1  # the gauge reads it at scrape time
-        ctx.budget.note_request(ctx.clock())
+        ctx.budget.note_request(ctx.clock(), request["scope"])
         outcome = "cancelled"
         try:
             if body.get("stream") is True:

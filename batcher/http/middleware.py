@@ -35,8 +35,9 @@ def answer_unexpected(request: web.Request, exc: Exception, rid: str) -> web.Res
         return ApiError(400, "the request is nested too deeply or malformed",
                         code="invalid_request").response(rid)
     log.error("request %s to %s failed", rid, request.path, exc_info=exc)
+    # The same request would fail the same way again: tell clients and routers not to retry.
     return ApiError(500, "internal error; the request id identifies it in the server's log",
-                    code="internal_error").response(rid)
+                    code="internal_error", headers={"x-should-retry": "false"}).response(rid)
 
 
 @web.middleware
