@@ -43,7 +43,9 @@ def tenants_flags(tmp: pytest.TempPathFactory) -> list[str]:
 
 server = server_fixture(setup=tenants_flags, admin_key=ADMIN_KEY)
 # One sequence at a time and one waiting slot: the third concurrent request finds the queue full.
-small_queue = server_fixture("--max-num-seqs", "1", "--max-waiting", "1")
+# The count bound alone: with the TTFT check on, a calibrated server refuses the second request
+# for its wait (queue_slo) before the queue can fill.
+small_queue = server_fixture("--max-num-seqs", "1", "--max-waiting", "1", "--slo-ttft-ms", "0")
 
 
 def auth(key: str) -> dict[str, str]:
