@@ -323,6 +323,12 @@ class AsyncEngine:
             learn = self._learns_from(sched, started, model_seconds)
             updates = self.scheduler.update(sched, out)
             self._emit(updates, now)
+            for rid, reason in out.failed.items():  # cut by the runner (a grammar's budget)
+                live = self._live.get(rid)
+                if live is not None:
+                    if not live.request.is_finished:
+                        self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+                    self._finish(live, now, error=reason)
             self._work_pending_since = now if self.scheduler.has_unfinished() else None
             if self.metrics is not None and self.phase == "serve":
                 self.metrics.observe_step(self.snapshot(), self.scheduler.stats, len(sched.seqs))

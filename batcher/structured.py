@@ -12,6 +12,7 @@ This module imports no torch, so the HTTP layer can validate with it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -26,8 +27,23 @@ MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 256
 
 
+# How an engine's error starts when it cut a request whose grammar cost too much per token
+# (`batcher.runtime.grammar`): the server answers it as the request's fault (400), not the
+# engine's.
+GRAMMAR_TOO_COSTLY = "the grammar is too costly to follow"
+
+
+@functools.cache
+def grammar_limits() -> Any:
+    """llguidance's resource limits, the same at request time and in the matcher: grammar size
+    and the lexer's build fuel bound compiling (milliseconds); the Earley items a step may make
+    bound one mask (a matcher over it is in error, which ends its request)."""
+    return llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=1_000_000,
+                                     step_max_items=50_000, verbose_errors=False)
+
+
 def _compiled(grammar: str, field: str) -> str:
-    err = llguidance.LLMatcher.validate_grammar(grammar, None)
+    err = llguidance.LLMatcher.validate_grammar(grammar, None, limits=grammar_limits())
     if err:
         raise ValueError(f"'{field}' does not compile: {str(err)[:300]}")
     return grammar

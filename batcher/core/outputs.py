@@ -91,3 +91,6 @@ class RunnerOutput:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # Per request with `score_targets`: one entry per target, in order.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests the runner cannot go on with (a grammar over its time budget), with the reason:
+    # the engine ends each with that error after this step.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -11,12 +11,23 @@ made on the model thread and the helper writes through its pointer.
 A matcher is rebuilt from the request's output tokens whenever it is missing or out of step (the
 request was preempted and recomputed, or this is its first sample), so preemption and the prefix
 cache need nothing else.
+
+A grammar's cost is bounded. Building a matcher is bounded by llguidance's limits
+(`batcher.structured.grammar_limits`, also checked when the request arrives); each step, a
+row's mask and the consumption of its token are timed, and a request whose rows took more than
+`ROW_BUDGET_S` over its last `BUDGET_STEPS` steps (a grammar so ambiguous that each token costs
+milliseconds, which every other request in the step would wait for) is cut: `take_cut` names
+it with the reason, and the engine ends it with that error. So a constrained request never adds
+more than about `ROW_BUDGET_S` to the steps of the last `BUDGET_STEPS`, plus the one step that
+crossed it (at most llguidance's per-step item limit: tens of milliseconds).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +37,14 @@ import llguidance
 import torch
 
 from batcher.core.outputs import ScheduledSeq
+from batcher.structured import GRAMMAR_TOO_COSTLY, grammar_limits
+
+# A constrained request may spend this much of the steps' time on its masks and token
+# consumption over its last BUDGET_STEPS steps (5 ms a token on average; a JSON schema takes a
+# few tens of microseconds). The first mask after a matcher is built is not counted: it builds
+# the lexer's states, bounded by llguidance's fuel instead.
+ROW_BUDGET_S = 0.040
+BUDGET_STEPS = 8
 
 
 class _Failed:
@@ -48,6 +67,15 @@ class _Row:
     grammar: str
     matcher: Any  # llguidance.LLMatcher
     consumed: int  # output tokens the matcher has seen
+    costs: deque[float] | None = None  # seconds per step, the last BUDGET_STEPS (after the first)
+    counted: bool = False  # the first mask (building the lexer's states) has been seen
+
+    def charge(self, seconds: float) -> float:
+        """Add one step's cost; the total over the window."""
+        if self.costs is None:
+            self.costs = deque(maxlen=BUDGET_STEPS)
+        self.costs.append(seconds)
+        return sum(self.costs)
 
 
 @dataclass(slots=True)
@@ -57,6 +85,7 @@ class StepMasks:
 
     rows: list[int]
     bitmask: torch.Tensor
+    seconds: list[float] | None = None  # each row's mask time
 
 
 class GrammarMasks:
@@ -67,6 +96,7 @@ class GrammarMasks:
         self._ll: Any = None  # llguidance.LLTokenizer, built on first use (about a second)
         self._rows: dict[str, _Row] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._cut: dict[str, str] = {}  # requests over budget, with the reason
 
     def _lltokenizer(self) -> Any:
         # NOTE: building it reads the whole vocabulary (~1.4 s on this CPU), so the first
@@ -105,10 +135,13 @@ class GrammarMasks:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="batcher-grammar")
 
         def fill() -> StepMasks:
+            seconds = [0.0] * len(matchers)
             for j, m in enumerate(matchers):
                 if not m.is_error():
+                    t0 = time.perf_counter()
                     m.unsafe_compute_mask_ptr(ptr + j * stride, stride)
-            return StepMasks(rows, bitmask)
+                    seconds[j] = time.perf_counter() - t0
+            return StepMasks(rows, bitmask, seconds)
 
         return self._pool.submit(fill)
 
@@ -118,7 +151,12 @@ class GrammarMasks:
         masks = pending.result()
         for j, i in enumerate(masks.rows):
             row = self._rows.get(seqs[i].request_id)
+            if row is not None and masks.seconds is not None:
+                if row.counted:
+                    self._charge(seqs[i].request_id, row, masks.seconds[j])
+                row.counted = True
             if row is not None and row.matcher.is_error():
+                self._note_limit(seqs[i].request_id, row)
                 masks.bitmask[j].zero_()
                 for t in self._tokenizer.eos_token_ids:
                     masks.bitmask[j, t // 32] |= 1 << (t % 32)
@@ -133,8 +171,42 @@ class GrammarMasks:
             # A token outside the grammar (only possible when every allowed token was banned,
             # e.g. EOS under min_tokens) leaves the matcher in error: its masks then allow only
             # end of sequence, so the answer ends rather than run on unconstrained.
+            t0 = time.perf_counter()
             row.matcher.consume_token(t)
             row.consumed += 1
+            if row.costs is not None:
+                self._charge(s.request_id, row, time.perf_counter() - t0, same_step=True)
+
+    def _charge(self, request_id: str, row: _Row, seconds: float, same_step: bool = False
+                ) -> None:
+        if same_step and row.costs:
+            row.costs[-1] += seconds
+            total = sum(row.costs)
+        else:
+            total = row.charge(seconds)
+        if total > ROW_BUDGET_S and request_id not in self._cut:
+            self._cut[request_id] = (
+                f"{GRAMMAR_TOO_COSTLY}: its masks took {total * 1000:.0f} ms over "
+                f"{len(row.costs or ())} tokens, over the {ROW_BUDGET_S * 1000:.0f} ms this "
+                f"server allows per {BUDGET_STEPS} tokens; use a less ambiguous grammar")
+            row.matcher = _FAILED  # no more work for it; the engine ends the request
+
+    def _note_limit(self, request_id: str, row: _Row) -> None:
+        """A matcher that ran into llguidance's per-step limits ends its request with that
+        error (other errors, a token outside the grammar, end it as it stands)."""
+        if row.matcher is _FAILED or request_id in self._cut:
+            return
+        err = str(row.matcher.get_error() or "")
+        if "limit" in err.lower():
+            self._cut[request_id] = f"{GRAMMAR_TOO_COSTLY}: {err.splitlines()[0][:200]}"
+
+    def take_cut(self) -> dict[str, str]:
+        """Requests whose grammar went over its budget since the last call, with the reason
+        (the engine ends each with that error)."""
+        cut, self._cut = self._cut, {}
+        for rid in cut:
+            self._rows.pop(rid, None)
+        return cut
 
     def _synced(self, s: ScheduledSeq) -> Any:
         grammar = s.sampling.grammar
@@ -143,7 +215,7 @@ class GrammarMasks:
         if row is None or row.consumed != s.output_index or row.grammar != grammar:
             made = s.history[len(s.history) - s.output_index:] if s.output_index else ()
             try:
-                m = llguidance.LLMatcher(self._lltokenizer(), grammar)
+                m = llguidance.LLMatcher(self._lltokenizer(), grammar, limits=grammar_limits())
                 if made:
                     m.consume_tokens(list(made))
             except Exception:  # one request's grammar must never fail the step

@@ -174,6 +174,7 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits[:ns], sample_seqs, masks)
         if masks is not None:
             self.grammar.advance(sample_seqs, tokens)
+            out.failed = self.grammar.take_cut()
         # NOTE: with drafts, `sample_seqs` has a row per drafted position (see `prepare`).
         out.request_ids, out.token_ids, out.logprobs = collapse(sched.seqs, tokens, logprobs)
         return out

@@ -21,6 +21,7 @@ from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
 from batcher.server.timing import RequestTiming
 from batcher.server.tool_parsers import ToolStream
+from batcher.structured import GRAMMAR_TOO_COSTLY
 
 
 def engine_refusal(exc: Exception) -> ApiError:
@@ -84,6 +85,8 @@ def final_error(ev: EngineEvent) -> ApiError | None:
     wants."""
     if ev.finish_reason != "error":
         return None
+    if ev.error and ev.error.startswith(GRAMMAR_TOO_COSTLY):  # the request's fault: no retry
+        return ApiError(400, ev.error, param="response_format", code="grammar_too_costly")
     return ApiError(503, ev.error or "the engine failed the request", code="engine_error",
                     retry_after=1)
 
