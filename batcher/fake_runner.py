@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from batcher.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.spec_verify import run_by_rule
+from batcher.warmup import TENANT as WARM_START_TENANT
 
 FAULTS = ("none", "hang", "crash", "slow", "error")
+WARM_START_IDS = WARM_START_TENANT + "-"  # the warm start's request ids
 _FIRST_TOKEN = 300  # skip special and byte tokens so the text is plain
 # KV blocks without --num-blocks: a full batch of the CUDA default sequences (256) at 1,024 tokens
 # each, in blocks of 16, so the fake runs all of them at once as a device would.
@@ -60,6 +62,7 @@ class FakeRunner:
         self.fault = fault
         self.fault_after_steps = fault_after_steps
         self.steps = 0
+        self.served_steps = 0  # steps with a request besides the warm start's: faults count these
         self._hang = threading.Event()
 
     def next_token(self, last_token: int, position: int) -> int:
@@ -75,8 +78,12 @@ class FakeRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
+        # NOTE: a fault strikes after N steps of traffic: the warm start's calibration steps,
+        # before the server is ready, are not the steps a test or a study counts.
+        if not all(s.request_id.startswith(WARM_START_IDS) for s in sched.seqs):
+            self.served_steps += 1
         seconds = self.step_seconds(sched)
-        if self.fault != "none" and self.steps > self.fault_after_steps:
+        if self.fault != "none" and self.served_steps > self.fault_after_steps:
             if self.fault == "hang":
                 self._hang.wait()  # never set: a wedged engine
             elif self.fault == "crash":

@@ -98,3 +98,17 @@ def test_a_step_without_drafts_gives_what_the_rule_gives() -> None:
     want = run_by_rule(sched.seqs, runner.next_token)
     assert (out.request_ids, out.token_ids) == (want.request_ids, want.token_ids)
     assert len(out.request_ids) == 5
+
+
+def test_faults_count_the_steps_of_traffic_not_the_warm_start() -> None:
+    from batcher.warmup import TENANT
+
+    runner = FakeRunner(64, 16, 1000, FakeSpeed(math.inf, 0.0, 0.0), fault="error",
+                        fault_after_steps=1)
+    warm = SchedulerOutput([ScheduledSeq(f"{TENANT}-{i}", [1], 4, [0], True, SamplingParams())
+                            for i in range(3)])
+    for _ in range(5):
+        runner.execute(warm)  # calibration before ready: no fault yet
+    runner.execute(step(2, 0))  # the first step of traffic
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.execute(step(2, 0))
