@@ -31,6 +31,12 @@ TENANT = "__warmup__"
 _FIRST_ID = 1000
 # A warm start that takes longer than this has a model that cannot serve: stop the start.
 DEFAULT_TIMEOUT_S = 900.0
+# Each phase starts no new wave after this many seconds: on a machine slowed by its neighbours
+# (or a model far too big for it) the start stays bounded. The waves run in order of need: every
+# prompt length and batch size before the sampling paths and mixed steps; calibration's prefill
+# and decode steps before its mixed ones.
+WARM_BUDGET_S = 60.0
+CALIBRATE_BUDGET_S = 20.0
 
 
 @dataclass(slots=True)
@@ -41,6 +47,8 @@ class WarmStart:
     calibrate_s: float = 0.0
     warmup_steps: int = 0
     calibrate_steps: int = 0
+    # Waves left out when a phase ran past its budget (a slow machine).
+    waves_skipped: int = 0
     requests: int = 0
     compilations_during: int = 0
     # Calibrated step times (ms) the server starts with: decode-only by batch size, and a
@@ -51,6 +59,7 @@ class WarmStart:
     def to_json(self) -> dict[str, object]:
         return {"warmup_s": round(self.warmup_s, 3), "calibrate_s": round(self.calibrate_s, 3),
                 "warmup_steps": self.warmup_steps, "calibrate_steps": self.calibrate_steps,
+                "waves_skipped": self.waves_skipped,
                 "requests": self.requests, "compilations_during": self.compilations_during,
                 "decode_ms": {str(k): round(v, 3) for k, v in self.decode_ms.items()},
                 "prefill_ms": {str(k): round(v, 3) for k, v in self.prefill_ms.items()}}
@@ -130,9 +139,14 @@ class _Driver:
             for t in tasks:
                 t.cancel()
 
-    async def run(self, plan: Plan) -> None:
-        for wave in plan.waves:
+    async def run(self, plan: Plan, budget_s: float = float("inf")) -> int:
+        """Run the waves in order until `budget_s` is spent; returns the waves left undone."""
+        deadline = time.perf_counter() + budget_s
+        for i, wave in enumerate(plan.waves):
+            if time.perf_counter() > deadline:
+                return len(plan.waves) - i
             await self.wave(wave)
+        return 0
 
 
 async def _all_set(events: list[asyncio.Event]) -> None:
@@ -164,7 +178,8 @@ def _calibrated(engine: AsyncEngine, report: WarmStart) -> None:
 
 
 async def warm_start(engine: AsyncEngine, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     calibrate: bool = True) -> WarmStart:
+                     calibrate: bool = True, warm_budget_s: float = WARM_BUDGET_S,
+                     calibrate_budget_s: float = CALIBRATE_BUDGET_S) -> WarmStart:
     """Warm every shape, then calibrate on this device; leaves the engine serving."""
     from batcher.runtime.compile_count import compilations
 
@@ -183,14 +198,16 @@ async def warm_start(engine: AsyncEngine, timeout_s: float = DEFAULT_TIMEOUT_S,
             engine.phase = "warm"
             # A runner with nothing to compile or capture (the fake model) skips to calibration.
             if getattr(engine.runner, "needs_warm_up", True):
-                await driver.run(warmup_plan(cfg, cfg.max_model_len, tokens_free, sampling))
+                report.waves_skipped += await driver.run(
+                    warmup_plan(cfg, cfg.max_model_len, tokens_free, sampling), warm_budget_s)
             report.warmup_s = time.perf_counter() - t0
             report.warmup_steps = engine.steps - start_steps
             if calibrate:
                 engine.phase = "calibrate"
                 t1, s1 = time.perf_counter(), engine.steps
                 engine.step_time_model.start_recording()
-                await driver.run(calibration_plan(cfg, cfg.max_model_len, tokens_free))
+                report.waves_skipped += await driver.run(
+                    calibration_plan(cfg, cfg.max_model_len, tokens_free), calibrate_budget_s)
                 engine.step_time_model.refit_recorded()
                 report.calibrate_s = time.perf_counter() - t1
                 report.calibrate_steps = engine.steps - s1
@@ -199,6 +216,10 @@ async def warm_start(engine: AsyncEngine, timeout_s: float = DEFAULT_TIMEOUT_S,
     report.requests = next(driver.count)
     report.compilations_during = compilations() - before
     _calibrated(engine, report)
+    if report.waves_skipped:
+        log.warning("warm start: %d waves left out past the time budget (a slow or busy "
+                    "machine): the first requests may pay for what they would have warmed",
+                    report.waves_skipped)
     log.info("warm start: warm-up %.2fs (%d steps, %d compilations), calibration %.2fs "
              "(%d steps); decode step ms by batch %s; prefill step ms by tokens %s",
              report.warmup_s, report.warmup_steps, report.compilations_during,

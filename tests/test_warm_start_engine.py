@@ -51,6 +51,16 @@ async def test_warm_up_teaches_nothing_and_calibration_teaches_the_model(tiny_fp
         await engine.stop()
 
 
+async def test_a_spent_budget_leaves_the_rest_out(tiny_fp32) -> None:
+    engine = _engine(tiny_fp32)
+    try:
+        got = await warm_start(engine, warm_budget_s=0.0, calibrate_budget_s=0.0)
+        assert got.waves_skipped > 0 and got.warmup_steps == 0 and got.calibrate_steps == 0
+        assert engine.phase == "serve"
+    finally:
+        await engine.stop()
+
+
 @pytest.mark.slow
 async def test_a_warm_server_compiles_nothing_while_it_serves() -> None:
     """`--compile-decode` on the CPU compiles torch graphs: after the warm start, requests of
