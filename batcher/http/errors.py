@@ -26,7 +26,8 @@ def error_type(status: int) -> str:
 def error_body(status: int, message: str, *, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """The JSON body of an error (also the payload of an SSE error event)."""
-    return {"error": {"message": message, "type": error_type(status), "param": param,
+    return {"error": {"message": bounded_message(message), "type": error_type(status),
+                      "param": param,
                       "code": code}}
 
 
@@ -55,6 +56,18 @@ def retry_after_header(seconds: float) -> str:
     return str(max(1, int(-(-seconds // 1))))
 
 
+# An error message quotes what the client sent (an id, a model name, a field) to say what was
+# wrong; past this it says how long it was instead. A 3 MB id must not come back as a 3 MB 404.
+MAX_MESSAGE_CHARS = 1024
+
+
+def bounded_message(message: str) -> str:
+    """`message` cut to MAX_MESSAGE_CHARS characters, saying how long it was."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}...(message cut; {len(message)} characters)"
+
+
 class ApiError(Exception):
     """A client-facing error with its HTTP status. Raise it from a handler; a middleware turns it
     into `response()`. `retry_after` adds a Retry-After header; `headers` are sent as given."""
@@ -62,6 +75,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, retry_after: float | None = None,
                  headers: dict[str, str] | None = None):
+        message = bounded_message(message)
         super().__init__(message)
         self.status = status
         self.message = message
