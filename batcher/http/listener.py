@@ -29,6 +29,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from batcher.http.errors import ApiError, invalid
 from batcher.json_limits import MAX_JSON_DEPTH, too_deep
 
+log = logging.getLogger("batcher.http")
+
 # aiohttp closes a connection that has not sent a complete request within `keepalive_timeout`
 # of connecting or of its previous response. Partial data does not reset that timer, so it is
 # both the idle timeout and the header timeout that cuts off slow-loris clients (headers
@@ -149,6 +151,13 @@ async def read_body(request: web.Request) -> bytes:
         err = invalid(f"the request body could not be read: {why}", None, "invalid_body")
         err.headers["Connection"] = "close"
         raise err from None
+    except ConnectionError:
+        # The client closed the connection before its body was whole: one line, not a
+        # traceback per cut-off request (any client can repeat it).
+        log.info("request to %s: the client closed the connection before its body was whole",
+                 request.path)
+        raise ApiError(400, "the request body was cut off", code="body_incomplete",
+                       headers={"Connection": "close"}) from None
 
 
 async def read_json(request: web.Request, raw: bytes | None = None) -> Any:

@@ -30,6 +30,9 @@ def answer_unexpected(request: web.Request, exc: Exception, rid: str) -> web.Res
     Re-raises when the response has already started (aiohttp then drops the connection)."""
     if request.writer is not None and request.writer.output_size > 0:
         raise exc
+    if isinstance(exc, ConnectionError):  # the client went away: nobody reads the answer
+        log.info("request %s to %s: the client closed the connection", rid, request.path)
+        return ApiError(400, "the connection was closed", code="connection_closed").response(rid)
     if isinstance(exc, RecursionError | HttpProcessingError):
         log.info("request %s to %s refused: %s", rid, request.path, type(exc).__name__)
         return ApiError(400, "the request is nested too deeply or malformed",
