@@ -22,6 +22,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from batcher.bench.report import _bucket_quantile
+from batcher.http.text import excerpt
 from batcher.review import Review, review
 from batcher.timings import ROUTER_PHASES
 
@@ -222,18 +223,36 @@ def _explain(d: Diagnosis, means: dict[str, float], ctx: dict[str, Any],
 
 
 # fetching --------------------------------------------------------------------------------------
+# A target's answer is read up to this many bytes: a replica's /metrics is tens of kilobytes.
+MAX_ANSWER_BYTES = 8 * 2**20
+TIMEOUT_S = 30.0
+
+
 async def _get(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> str:
     async with session.get(url, headers=headers) as resp:
         if resp.status != 200:
-            raise RuntimeError(f"GET {url} answered {resp.status}")
-        return await resp.text()
+            body = (await resp.content.read(200)).decode(errors="replace")
+            raise RuntimeError(f"GET {url} answered {resp.status}: {excerpt(body, 120)}")
+        data = await resp.content.read(MAX_ANSWER_BYTES + 1)
+        if len(data) > MAX_ANSWER_BYTES:
+            raise RuntimeError(f"GET {url} answered more than {MAX_ANSWER_BYTES} bytes")
+        return data.decode(errors="replace")
+
+
+def reason(exc: BaseException, timeout: float) -> str:
+    """Why a target could not be read, in one bounded, printable line: a hostile or broken
+    target's text is cut and its control characters escaped; a timeout says so."""
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return f"no complete answer within {timeout:g} s (timed out)"
+    text = str(exc) or type(exc).__name__
+    return excerpt(" ".join(text.split()), 300)
 
 
 async def diagnose_url(url: str, window: float, slo: dict[str, float | None],
-                       api_key: str | None = None) -> Diagnosis:
+                       api_key: str | None = None, timeout_s: float = TIMEOUT_S) -> Diagnosis:
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = aiohttp.ClientTimeout(total=30)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         first = flatten(await _get(session, base + "/metrics", headers)) if window > 0 else {}
         if window > 0:
@@ -246,10 +265,10 @@ async def diagnose_url(url: str, window: float, slo: dict[str, float | None],
     return from_metrics(base, first, last, state, slo)
 
 
-async def review_url(url: str, api_key: str | None) -> Review:
+async def review_url(url: str, api_key: str | None, timeout_s: float = TIMEOUT_S) -> Review:
     """The deployment review of a replica's or router's admin listener."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         cfg = json.loads(await _get(session, url.rstrip("/") + "/admin/config", headers))
     return review(cfg if isinstance(cfg, dict) else {})
 
@@ -260,6 +279,8 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
                    "of /metrics; 0 reads once, everything since the server started "
                    "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds to wait for each "
+                   "answer of the target (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="bearer key: the admin key with --review, "
                    "else where /metrics needs one")
     p.add_argument("--review", action="store_true", help="review the deployment instead: read "
@@ -276,18 +297,22 @@ def run_diagnose(args: argparse.Namespace) -> int:
     if args.window < 0:
         print("batcher diagnose: --window must be >= 0", file=sys.stderr)
         return 2
+    if not 0 < args.timeout < float("inf"):
+        print("batcher diagnose: --timeout must be seconds > 0", file=sys.stderr)
+        return 2
     target = str(args.target)
     try:
         if args.review:
-            rv = asyncio.run(review_url(target, args.api_key))
+            rv = asyncio.run(review_url(target, args.api_key, args.timeout))
             print(json.dumps(rv.to_json()) if args.json else "\n".join(rv.lines()))
             return 0
         if target.startswith(("http://", "https://")):
-            d = asyncio.run(diagnose_url(target, args.window, slo, args.api_key))
+            d = asyncio.run(diagnose_url(target, args.window, slo, args.api_key, args.timeout))
         else:
             d = from_report(Path(target), slo)
     except (OSError, RuntimeError, ValueError, aiohttp.ClientError) as exc:
-        print(f"batcher diagnose: cannot read {target}: {exc}", file=sys.stderr)
+        print(f"batcher diagnose: cannot read {excerpt(target, 200)}: "
+              f"{reason(exc, args.timeout)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(d.to_json()))
