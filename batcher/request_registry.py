@@ -13,11 +13,10 @@ queue. Contracts:
   `loop.call_soon_threadsafe(registry.resolve, ...)`.
 - A stream's reader may fall behind its producer. An item pushed with `merge=True` while the
   reader has not yet taken the previous one is merged into it (`absorb`), so the reader takes
-  everything queued in one item. A producer that pushes in rounds (an engine's steps) may ask
-  for `paced` pushes: past the round's first `free_wakes` wakes, a stream woken less than its
-  share of `wakes_per_s` ago is held, not woken, and `release_held` (the end of a round) wakes
-  the held streams whose time has come; each wake then finds more to take. A reader never waits
-  for an item it could take: a hold only spares a wake-up.
+  everything queued in one item; one pushed with `hold=True` does not wake the reader, which is
+  then woken by a later push without it or by `release_held` (a producer paces how often a
+  reader runs, and each wake finds more to take). A reader never waits for an item it could
+  take: a hold only spares a wake-up.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from typing import Any
 
 from batcher.core.refusals import DuplicateRequestId
 
-__all__ = ["STREAM_END", "STREAM_FREE_WAKES", "STREAM_WAKES_PER_S", "DuplicateRequestId", "RequestRegistry", "Stream",
+__all__ = ["STREAM_END", "STREAM_WAKES_PER_S", "DuplicateRequestId", "RequestRegistry", "Stream",
            "StreamFailure", "iter_stream", "new_request_id"]
 
 
@@ -52,16 +51,13 @@ class _End:
 
 STREAM_END: Any = _End()
 
-# Paced pushes: past a round's first STREAM_FREE_WAKES wakes, a stream is woken at most every
-# `(streams - 1) / STREAM_WAKES_PER_S` seconds and takes everything that came meanwhile as one
-# item. Each wake of an engine stream costs the event loop a task switch, an SSE write and the
-# client a read (tens of microseconds together): at 256 streams of a fast device, one wake each
-# a step would be most of every step. The free wakes keep a round's readers running while the
-# next step is computed (with fewer, the loop would sleep through each step's hand-off to the
-# model thread, and on a busy host lose its core there): measured with a model that costs
-# nothing, pacing 64 streams cost a third of the throughput, pacing 256 doubled it.
+# How many times a second a registry wakes its streams' readers in all, at most, while items
+# come faster than that: a paced stream is woken at most every `(streams - 1) / this` seconds,
+# and takes everything that came meanwhile as one item. A push without `paced` and a stream
+# alone are never held. Each wake of an engine stream costs the event loop a task switch, an SSE
+# write and the client a read (tens of microseconds together), which at 256 streams of a fast
+# device would be most of every step; a reader gets a chunk of tokens instead, at the same rate.
 STREAM_WAKES_PER_S = 10_000.0
-STREAM_FREE_WAKES = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,13 +132,10 @@ async def iter_stream(queue: Stream | asyncio.Queue[Any]) -> AsyncIterator[Any]:
 class RequestRegistry:
     """In-flight request IDs, each with a future or a stream queue (never both)."""
 
-    __slots__ = ("_futures", "_held", "_round_wakes", "_streams", "free_wakes", "wakes_per_s")
+    __slots__ = ("_futures", "_held", "_streams", "wakes_per_s")
 
-    def __init__(self, wakes_per_s: float = STREAM_WAKES_PER_S,
-                 free_wakes: int = STREAM_FREE_WAKES) -> None:
+    def __init__(self, wakes_per_s: float = STREAM_WAKES_PER_S) -> None:
         self.wakes_per_s = wakes_per_s
-        self.free_wakes = free_wakes
-        self._round_wakes = 0  # streams woken since the last `release_held`
         self._futures: dict[str, asyncio.Future[Any]] = {}
         self._streams: dict[str, Stream] = {}
         self._held: dict[str, Stream] = {}  # pushed to with `hold`, not woken since
@@ -217,19 +210,17 @@ class RequestRegistry:
     def push(self, request_id: str, item: Any, *, merge: bool = False, paced: bool = False,
              now: float = 0.0) -> bool:
         """Append `item` to the request's stream; False if the ID is not an open stream.
-        `merge`: into the item its reader has not taken yet, if any. `paced`: past the round's
-        free wakes, a stream woken less than `hold_seconds()` before `now` is held, not woken
-        (see the module's contracts); a wake notes `now` as the stream's `woken_at`."""
+        `merge`: into the item its reader has not taken yet, if any. `paced`: a stream woken
+        less than `hold_seconds()` before `now` is held, not woken (see the module's
+        contracts); a wake notes `now` as the stream's `woken_at`."""
         stream = self._streams.get(request_id)
         if stream is None:
             return False
-        hold = (paced and self._round_wakes >= self.free_wakes
-                and now - stream.woken_at < (len(self._streams) - 1) / self.wakes_per_s)
+        hold = paced and now - stream.woken_at < (len(self._streams) - 1) / self.wakes_per_s
         stream.put(item, merge, hold)
         if hold:
             self._held[request_id] = stream
         else:
-            self._round_wakes += 1
             stream.woken_at = now
             if self._held:
                 self._held.pop(request_id, None)
@@ -241,9 +232,7 @@ class RequestRegistry:
         return (len(self._streams) - 1) / self.wakes_per_s
 
     def release_held(self, now: float) -> int:
-        """End a round of pushes: wake every held stream last woken `hold_seconds()` or more
-        before `now`; how many."""
-        self._round_wakes = 0
+        """Wake every held stream last woken `hold_seconds()` or more before `now`; how many."""
         if not self._held:
             return 0
         interval = self.hold_seconds()

@@ -156,7 +156,7 @@ async def test_merged_items_reach_a_reader_that_fell_behind_as_one() -> None:
 
 
 async def test_paced_pushes_hold_a_reader_until_its_share_of_wakes() -> None:
-    reg = RequestRegistry(wakes_per_s=1000.0, free_wakes=0)
+    reg = RequestRegistry(wakes_per_s=1000.0)
     streams = [reg.create_stream(f"s{i}") for i in range(11)]  # each: a wake per 10 ms at most
     assert reg.hold_seconds() == pytest.approx(0.010)
     reader = asyncio.create_task(streams[0].get())
@@ -182,7 +182,7 @@ async def test_paced_pushes_hold_a_reader_until_its_share_of_wakes() -> None:
 
 
 async def test_a_reader_that_comes_back_takes_held_items_without_a_wake() -> None:
-    reg = RequestRegistry(wakes_per_s=1.0, free_wakes=0)
+    reg = RequestRegistry(wakes_per_s=1.0)
     stream = reg.create_stream("s")
     reg.create_stream("t")
     reg.push("s", _Delta("a"), merge=True, now=5.0)
@@ -190,16 +190,3 @@ async def test_a_reader_that_comes_back_takes_held_items_without_a_wake() -> Non
     assert stream.qsize() == 2
     assert (await stream.get()).parts == ["a"]
     assert (await stream.get()).parts == ["b"]
-
-
-async def test_a_rounds_first_wakes_are_never_held() -> None:
-    reg = RequestRegistry(wakes_per_s=1.0, free_wakes=2)
-    streams = [reg.create_stream(f"s{i}") for i in range(4)]
-    for rnd in range(3):
-        for i in range(4):
-            reg.push(f"s{i}", _Delta(str(rnd)), merge=True, paced=True, now=10.0 + rnd)
-        reg.release_held(10.0 + rnd)
-    # Woken every round: the first two; held after their first wake: the other two.
-    assert [s.qsize() for s in streams] == [1, 1, 1, 1]
-    assert [(await s.get()).parts for s in streams[2:]] == [["0", "1", "2"]] * 2
-    assert len(reg._held) == 2
