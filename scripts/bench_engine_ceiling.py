@@ -78,7 +78,7 @@ def free_port() -> int:
 def supports_per_seq(path: str) -> bool:
     env = dict(os.environ, PYTHONPATH=path)
     out = subprocess.run([sys.executable, "-m", "batcher.cli", "serve", "--help"], env=env,
-                         capture_output=True, text=True, check=True).stdout
+                         cwd=path, capture_output=True, text=True, check=True).stdout
     return "--fake-per-seq-ms" in out
 
 
@@ -92,7 +92,8 @@ class Server:
         self.cmd = [sys.executable, "-m", "batcher.cli", "serve", "--model", "fake",
                     "--port", str(self.port), "--embedding-model", "none",
                     "--log-level", "warning", *SERVER_FLAGS, *flags, *extra]
-        self.proc = subprocess.Popen(self.cmd, env=dict(os.environ, PYTHONPATH=path),
+        # NOTE: run from the checkout: `python -m` puts the working directory first on the path.
+        self.proc = subprocess.Popen(self.cmd, env=dict(os.environ, PYTHONPATH=path), cwd=path,
                                      stdout=subprocess.DEVNULL)
 
     def __enter__(self) -> Server:
@@ -171,6 +172,36 @@ def run_one(label: str, path: str, n: int, args: argparse.Namespace) -> list[str
             f"{length_ok}/{len(ok)}"]
 
 
+def _median_cell(cells: list[str]) -> str:
+    """The median of one column's cells over rounds ("a / b" part by part; text as is)."""
+    parts = [c.split(" / ") for c in cells]
+    if len({len(p) for p in parts}) != 1:
+        return cells[0]
+    out = []
+    for k in range(len(parts[0])):
+        texts = [p[k] for p in parts]
+        try:
+            values = sorted(float(t.replace(",", "")) for t in texts)
+        except ValueError:
+            return cells[0]
+        mid = values[len(values) // 2]
+        digits = len(texts[0].partition(".")[2])
+        out.append(f"{mid:,.{digits}f}" if "," in texts[0] or mid >= 1000 else f"{mid:.{digits}f}")
+    return " / ".join(out)
+
+
+def medians(rows: list[list[str]]) -> list[list[str]]:
+    """One row per (code, streams): the median of each column over the rounds."""
+    groups: dict[tuple[str, str], list[list[str]]] = {}
+    for r in rows:
+        groups.setdefault((r[0], r[1]), []).append(r)
+    out = []
+    for (code, n), rs in groups.items():
+        cells = [_median_cell([r[c] for r in rs]) for c in range(2, len(rs[0]))]
+        out.append([f"{code} (median of {len(rs)})", n, *cells])
+    return sorted(out, key=lambda r: (int(r[1]), r[0]))
+
+
 def run_loop(coro):
     try:
         import uvloop
@@ -213,8 +244,13 @@ def main() -> int:
             for label, path in codes:
                 rows.append(run_one(label, path, n, args))
                 print("| " + " | ".join(rows[-1]) + " |", flush=True)
+    if args.rounds > 1:
+        rows = medians(rows) + rows
+        print("\n| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER))
+        print("\n".join("| " + " | ".join(r) + " |" for r in rows[:len(rows) // (args.rounds + 1)]))
     if args.append_benchmarks:
-        notes = ("- each row a fresh server, cold (no warm-up request), all requests at t=0; "
+        notes = ("- the first rows are the medians over the rounds, then every round in order; "
+                 "each row a fresh server, cold (no warm-up request), all requests at t=0; "
                  f"{args.prompt}-token prompts, {args.answer}-token answers, streamed with "
                  "usage; tok/s counts the usage's tokens over the client's wall time; host ms "
                  "/ step is that wall time over the engine's steps, server CPU ms / step the "
