@@ -19,6 +19,30 @@ MODULE = "batcher.runtime.triton_attention"
 # The interpreter runs kernels on CPU tensors only, and a compiled kernel refuses them: each
 # device gets the mode that accepts its tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter must be chosen before Triton's own modules are imported: where an earlier test
+# (torch.compile) imported them compiled, the interpreted tests run in a fresh process instead.
+CHILD = os.environ.get("BATCHER_TRITON_CHILD") == "1"
+
+
+def compiled_already() -> bool:
+    """Triton's modules were imported here without the interpreter (asked when a test runs: an
+    earlier test in the session may have imported them)."""
+    return DEVICE == "cpu" and not CHILD and "triton.language" in sys.modules and \
+        type(sys.modules.get(MODULE, None) and getattr(sys.modules[MODULE],
+                                                          "_paged_decode_kernel", None)
+             ).__name__ != "InterpretedFunction"
+
+
+def test_interpreted_in_a_fresh_process() -> None:
+    if not compiled_already():
+        pytest.skip("the interpreted tests run in this process")
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "BATCHER_TRITON_CHILD": "1"}
+    got = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          __file__], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +50,9 @@ def kernel():
     """The kernel in the mode DEVICE needs. Triton reads TRITON_INTERPRET when `@triton.jit`
     runs, at the module's import: the module is imported again if it was imported in the other
     mode, and the variable is restored afterwards."""
+    if compiled_already():
+        pytest.skip("Triton was imported compiled here; test_interpreted_in_a_fresh_process "
+                    "runs these")
     interpret = "1" if DEVICE == "cpu" else "0"
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = interpret
