@@ -112,7 +112,10 @@ def build_fake_engine(args, sched, cache, metrics):
     from batcher.engine import AsyncEngine
     from batcher.tokenizer import load_tokenizer
 
+    from batcher.detokenizer import byte_level_table
+
     tok = load_tokenizer()
+    byte_level_table(tok)  # built now, not on the first request (tens of ms)
     speed = FakeSpeed(prefill_tokens_per_s=args.fake_prefill_rate,
                       decode_step_s=args.fake_decode_step_ms / 1000,
                       per_seq_s=getattr(args, "fake_per_seq_ms", 0.2) / 1000,
