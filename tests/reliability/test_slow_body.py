@@ -3,8 +3,8 @@ listener, and a balancer over the router.
 
 Pass figure: connections that announce `Content-Length: 1000000` and then send a byte every 0.5 s
 are answered 408 (or closed) within the body timeout (2 s here, plus 1 MB at 256 KiB/s: 5.8 s),
-at most 9 s after connecting; `/health` of each keeps answering meanwhile; nothing is logged as
-a traceback.
+at most 12 s after connecting (slack for a loaded machine); `/health` of each keeps answering
+within 3 s meanwhile; nothing is logged as a traceback.
 
 A fake replica (no tenants, so anonymous bodies are read), a router and a balancer on 127.0.0.1,
 started and stopped by this module, each with `BATCHER_BODY_TIMEOUT=2`.
@@ -25,7 +25,7 @@ from tests.server_process import Server, serve
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 ENV = {"BATCHER_BODY_TIMEOUT": "2"}
-BOUND_S = 9.0
+BOUND_S = 12.0
 PER_LISTENER = 6
 
 
@@ -104,4 +104,4 @@ async def test_slow_bodies_are_cut_off_everywhere(fleet: tuple[Server, Proc, Pro
         where = targets[i // PER_LISTENER][:2]
         assert took < BOUND_S, f"{where}: still open after {took:.1f} s ({got[:80]!r})"
         assert got == b"" or got.startswith(b"HTTP/1.1 408"), (where, got[:200])
-    assert worst < 2.0, f"/health took {worst:.2f} s meanwhile"
+    assert worst < 3.0, f"/health took {worst:.2f} s meanwhile"
