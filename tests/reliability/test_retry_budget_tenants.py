@@ -21,8 +21,14 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.fleet.procs import free_port, router, running, start_stub_replica, wait_http
-from tests.fleet.procs import wait_routable
+from tests.fleet.procs import (
+    free_port,
+    router,
+    running,
+    start_stub_replica,
+    wait_http,
+    wait_routable,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
