@@ -114,11 +114,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "tenant may learn what the others send) (default: %(default)s)")
     a("--max-num-seqs", type=positive_int, default=_E.max_num_seqs,
       help=f"most sequences in one step (default: {CPU_MAX_NUM_SEQS} on CPU, "
-      f"{CUDA_MAX_NUM_SEQS} on CUDA)")
+      f"{CUDA_MAX_NUM_SEQS} on CUDA and for --model fake, which stands for a device)")
     a("--max-num-batched-tokens", type=positive_int, default=_E.max_num_batched_tokens,
       help=f"most tokens in one step, an upper bound on every step's budget; a step with no "
       f"decodes gives prefill all of it (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, "
-      f"{CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
+      f"{CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA and for --model fake)")
     a("--prefill-budget", default=_E.prefill_budget, choices=list(PREFILL_BUDGETS),
       help="how much prefill a step carrying decodes takes: 'time' sizes each chunk with a "
       "model of step time fitted online from the engine's measured steps, so the step stays "
