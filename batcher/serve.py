@@ -21,7 +21,7 @@ from batcher.config import (
 )
 from batcher.engine import AsyncEngine
 from batcher.heap import freeze_startup_heap
-from batcher.http.listener import server_log
+from batcher.http.listener import LISTEN_BACKLOG, server_log
 from batcher.metrics import Metrics
 from batcher.serve_startup import engine_configs, preflight
 from batcher.server.admin import create_admin_app
@@ -174,7 +174,7 @@ async def run_server(args: argparse.Namespace) -> int:
         pre.close()
         raise
     freeze_startup_heap()
-    await web.SockSite(runner, pre.sock).start()
+    await web.SockSite(runner, pre.sock, backlog=LISTEN_BACKLOG).start()
     admin_runner = None
     if pre.admin_sock is not None and pre.admin_key:
         admin_runner = web.AppRunner(create_admin_app(app, pre.admin_key), access_log=None,

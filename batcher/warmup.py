@@ -192,6 +192,8 @@ async def warm_start(engine: AsyncEngine, timeout_s: float = DEFAULT_TIMEOUT_S,
         sampling += ("grammar",)
     before = compilations()
     start_steps = engine.steps
+    # Read once now, not on the first request (the whole vocabulary is scanned).
+    getattr(engine.tokenizer, "max_chars_per_token", None)
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):

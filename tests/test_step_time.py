@@ -193,3 +193,15 @@ def test_a_few_small_steps_on_a_slower_machine_extrapolate_to_a_large_batch() ->
         model.observe(mixed, slow(mixed) * rng.uniform(0.95, 1.05))
     batch = StepShape(16, 256)
     assert model.predict(batch) == pytest.approx(slow(batch), rel=0.15)
+
+
+def test_shape_of_a_step_sums_its_rows_as_plus_does() -> None:
+    rng = random.Random(0)
+    for _ in range(500):
+        seqs = [ScheduledSeq(f"s{i}", [1] * rng.choice([0, 1, 1, 2, 17, 64]),
+                             rng.randrange(0, 3000), [0], True, SamplingParams())
+                for i in range(rng.randrange(0, 9))]
+        want = StepShape()
+        for s in seqs:
+            want = want.plus(len(s.token_ids), s.start_pos, 16)
+        assert StepShape.of(SchedulerOutput(seqs), 16) == want

@@ -48,10 +48,23 @@ class StepShape:
 
     @classmethod
     def of(cls, sched: SchedulerOutput, block_size: int = 16) -> StepShape:
-        shape = cls()
+        # NOTE: once per step over every row, so plain integers rather than `plus` (an object
+        # per row); the same arithmetic.
+        rows = ctx = tokens = attn = chunks = pctx = 0
         for s in sched.seqs:
-            shape = shape.plus(len(s.token_ids), s.start_pos, block_size)
-        return shape
+            n = len(s.token_ids)
+            if n == 1:
+                rows += 1
+                c = -(-(s.start_pos + 1) // block_size) * block_size
+                if c > ctx:
+                    ctx = c
+            elif n > 1:
+                end = s.start_pos + n
+                tokens += n
+                attn += n * end
+                chunks += 1
+                pctx += end
+        return cls(rows, ctx, tokens, attn, chunks, pctx)
 
     def plus(self, num_tokens: int, start_pos: int, block_size: int = 16) -> StepShape:
         """This step with one more sequence computing `num_tokens` from `start_pos`. A one-token

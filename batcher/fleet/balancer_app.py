@@ -41,7 +41,7 @@ from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import GENERATION_PATHS, create_router_app
 from batcher.fleet.registry import Registry, Replica
 from batcher.http.errors import ApiError
-from batcher.http.listener import keepalive_timeout, server_log
+from batcher.http.listener import LISTEN_BACKLOG, keepalive_timeout, server_log
 
 
 @dataclass(slots=True)
@@ -218,7 +218,7 @@ async def serve_balancer(ctx: BalancerContext, host: str, port: int,
                                    logger=server_log(), **kw)
             await runner.setup()
             runners.append(runner)
-            await web.TCPSite(runner, at, on, reuse_address=True).start()
+            await web.TCPSite(runner, at, on, reuse_address=True, backlog=LISTEN_BACKLOG).start()
     except BaseException:
         await close()
         raise

@@ -35,7 +35,7 @@ from batcher.fleet.admin import create_admin_app
 from batcher.fleet.context import RouterContext
 from batcher.fleet.internal import create_internal_app
 from batcher.fleet.proxy import create_router_app
-from batcher.http.listener import keepalive_timeout, server_log
+from batcher.http.listener import LISTEN_BACKLOG, keepalive_timeout, server_log
 
 log = logging.getLogger("batcher.fleet")
 
@@ -64,7 +64,7 @@ async def serve_router(ctx: RouterContext, host: str, port: int, admin_port: int
                                logger=server_log(), **kw)
         await runner.setup()
         runners.append(runner)
-        await web.TCPSite(runner, at, on, reuse_address=True).start()
+        await web.TCPSite(runner, at, on, reuse_address=True, backlog=LISTEN_BACKLOG).start()
 
     async def close() -> None:
         for runner in reversed(runners):

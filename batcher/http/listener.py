@@ -29,6 +29,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 from batcher.http.errors import ApiError, invalid
 from batcher.json_limits import MAX_JSON_DEPTH, too_deep
 
+# Connections the kernel queues for a listener before it accepts them: a burst of a thousand
+# clients connects at once, and with aiohttp's default (128) the excess SYNs are dropped and
+# those clients wait a second to try again.
+LISTEN_BACKLOG = 2048
+
 log = logging.getLogger("batcher.http")
 
 # aiohttp closes a connection that has not sent a complete request within `keepalive_timeout`
