@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from bench_common import append_rows, load_workload, pct
+from bench_common import append_rows, left_padded, load_workload, pct
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.loader import load_model
@@ -216,14 +216,7 @@ def run_hf_static(model, work: list[dict], batch: int, device: torch.device) -> 
     t0 = time.perf_counter()
     for i in range(0, len(work), batch):
         group = work[i:i + batch]
-        width = max(len(r["prompt_ids"]) for r in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for j, r in enumerate(group):
-            n = len(r["prompt_ids"])
-            ids[j, width - n:] = torch.tensor(r["prompt_ids"])
-            mask[j, width - n:] = 1
-        new = max(r["max_new_tokens"] for r in group)
+        ids, mask, new = left_padded(group)
         with torch.inference_mode():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  max_new_tokens=new, min_new_tokens=new, do_sample=False,
