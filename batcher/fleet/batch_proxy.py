@@ -4,10 +4,12 @@ A file is uploaded to the routable replica with the most headroom (fewest waitin
 most free KV, then fewest running), or, with `--batch-pool`, to the pool's replica with the most
 headroom; a batch is created where its input file is (its lines run on that replica's spare
 capacity). Every later call on a file or batch goes to the replica its id names (`batch_ids.py`).
-Lists merge every replica's answer for the caller. The router checks nothing about tenants: it
-passes the caller's key on, and each replica answers for that key's tenant only, exactly as when
-called directly. A replica that cannot be reached is a 503 (OpenAI's error shape, Retry-After)
-for the objects it holds, and for lists, which would otherwise be silently short.
+Lists merge the answers of every replica the router trusts (`Registry.trusted`: healthy, ready,
+not evicted) for the caller. The router checks nothing about tenants: it passes the caller's key
+on, to trusted replicas only, and each answers for that key's tenant only, exactly as when called
+directly. A replica that cannot be reached is a 503 (OpenAI's error shape, Retry-After) for the
+objects it holds; a list leaves it out and says `"partial": true` (as it does when a registered
+replica is not trusted), so one replica down does not fail every tenant's listing.
 """
 
 from __future__ import annotations
@@ -338,9 +340,13 @@ async def _list(request: web.Request, kind: str) -> web.Response:
     if "after" in q:
         cursor = await _cursor(request, kind, q["after"], headers)
     path = KINDS[kind][2]
-    reps = list(proxy.ctx.registry)
+    reg = proxy.ctx.registry
+    # A tenant's key goes only to replicas the router trusts; one it does not (registered by a
+    # beat but never reached, evicted) may hold objects of the caller's, so the list says so.
+    reps = [r for r in reg if reg.trusted(r)]
+    partial = len(reps) < len(reg)
     if not reps:
-        raise ApiError(503, "no replica is registered with this router", code="no_replica",
+        raise ApiError(503, "no replica is ready to list from", code="no_replica",
                        retry_after=2)
 
     async def ask(rep: Replica) -> tuple[int, Any]:
@@ -349,13 +355,13 @@ async def _list(request: web.Request, kind: str) -> web.Response:
 
     answers = await asyncio.gather(*(ask(r) for r in reps), return_exceptions=True)
     pages: dict[str, tuple[list[dict[str, Any]], bool]] = {}
-    disabled = 0
+    disabled = unreachable = 0
     for rep, ans in zip(reps, answers, strict=True):
         if isinstance(ans, BaseException):
             if isinstance(ans, Unreachable):
-                raise ApiError(503, f"a replica holding {kind}s did not answer; the list would "
-                               "be incomplete, retry later", code="replica_unavailable",
-                               retry_after=2)
+                # What the others hold is still an answer; `partial` says it may lack some.
+                unreachable += 1
+                continue
             raise ans
         status, body = ans
         if status == 404 and _code(body) == "batch_api_disabled":
@@ -366,10 +372,16 @@ async def _list(request: web.Request, kind: str) -> web.Response:
         items = [batch_ids.outward(x, rep.replica_id) for x in body.get("data") or ()
                  if isinstance(x, dict)]
         pages[rep.replica_id] = (items, bool(body.get("has_more")))
-    if disabled == len(reps):
+    if not pages and unreachable:
+        raise ApiError(503, f"no replica holding {kind}s answered; retry later",
+                       code="replica_unavailable", retry_after=2)
+    if not pages:
         raise ApiError(404, "no replica behind this router serves the batch API",
                        code="batch_api_disabled")
-    return json_response(batch_ids.merge(pages, limit, order == "asc"))
+    page = batch_ids.merge(pages, limit, order == "asc")
+    if partial or unreachable:
+        page["partial"] = True  # an addition to OpenAI's list shape; absent when complete
+    return json_response(page)
 
 
 async def _cursor(request: web.Request, kind: str, after: str, headers: dict[str, str]

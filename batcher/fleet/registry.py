@@ -234,11 +234,18 @@ class Registry:
         return rep.beat_at is None or now - rep.beat_at > self.suspect_after
 
     @staticmethod
-    def routable(rep: Replica) -> bool:
-        """Healthy, ready and not draining, by every source the router has."""
+    def trusted(rep: Replica) -> bool:
+        """Healthy, ready and not evicted, by every source the router has: a replica the router
+        may send a tenant's key to. Draining or not: one that drains still holds its files."""
         st = rep.state
-        return (st is not None and st.healthy and not st.draining and rep.ready
-                and not rep.evicted and not rep.router_draining)
+        return st is not None and st.healthy and rep.ready and not rep.evicted
+
+    @staticmethod
+    def routable(rep: Replica) -> bool:
+        """Trusted and not draining: a replica that takes new work."""
+        st = rep.state
+        return (Registry.trusted(rep) and st is not None and not st.draining
+                and not rep.router_draining)
 
     @staticmethod
     def effective_free(rep: Replica) -> int:

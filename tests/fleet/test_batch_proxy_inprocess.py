@@ -193,3 +193,54 @@ async def test_a_huge_purpose_field_is_a_400_not_read_whole(aiohttp_client,
         assert resp.status == 200 and body["purpose"] == "batch", body
     finally:
         store.close()
+
+
+async def test_a_list_asks_trusted_replicas_only_and_survives_one_down(aiohttp_client) -> None:
+    """A replica registered by a beat but never reached is not sent a tenant's key; one that
+    does not answer leaves the list partial, not a 503 for every tenant."""
+    state = {"free_blocks": 10, "total_blocks": 10, "block_size": 16, "running": 0,
+             "waiting": 0, "version": "v1", "draining": False, "healthy": True}
+    keys: dict[str, list[str | None]] = {"good": [], "unready": []}
+
+    def recording(name: str, data: list[dict]) -> web.Application:
+        async def anything(request: web.Request) -> web.Response:
+            if not request.path.startswith("/v1/files"):  # health checks: unready stays so
+                return web.json_response(state, status=500 if name == "unready" else 200)
+            keys[name].append(request.headers.get("Authorization"))
+            return web.json_response({"object": "list", "data": data, "has_more": False})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", anything)
+        return app
+
+    good = TestServer(recording("good", [{"id": "file-a", "object": "file",
+                                          "created_at": 1}]), host="127.0.0.1")
+    unready = TestServer(recording("unready", []), host="127.0.0.1")
+    for s in (good, unready):
+        await s.start_server()
+    try:
+        ctx = RouterContext(RouterConfig())
+        ctx.registry.add_static(str(good.make_url("")).rstrip("/"), "good")
+        ctx.registry.observe("good", state, ctx.clock())
+        ctx.registry.beat({**state, "replica_id": "unready", "epoch": 1, "seq": 1,
+                           "url": str(unready.make_url("")).rstrip("/")}, ctx.clock(), True)
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            gone = s.getsockname()[1]
+        ctx.registry.add_static(f"http://127.0.0.1:{gone}", "gone")
+        ctx.registry.observe("gone", state, ctx.clock())
+        client = await aiohttp_client(create_router_app(ctx))
+        resp = await client.get("/v1/files", headers=KEY)
+        body = await resp.json()
+        assert resp.status == 200, body
+        assert [x["id"] for x in body["data"]] == [batch_ids.encode("file-a", "good")]
+        assert body["partial"] is True
+        assert keys == {"good": [KEY["Authorization"]], "unready": []}
+        # With the untrusted and the unreachable one gone, the list is whole again.
+        ctx.registry.remove("unready")
+        ctx.registry.remove("gone")
+        body = await (await client.get("/v1/files", headers=KEY)).json()
+        assert "partial" not in body and len(body["data"]) == 1, body
+    finally:
+        for s in (good, unready):
+            await s.close()

@@ -133,14 +133,19 @@ def test_lists_merge_both_replicas_with_pagination(fleet) -> None:
 
 
 def test_a_replica_that_is_down_is_a_503(fleet) -> None:
-    """Last: it stops a replica."""
+    """Last: it stops a replica. What it holds is a 503; a list answers with what the other
+    holds and says it is partial."""
     with client(fleet["replicas"][1].url) as direct:
         made = direct.files.create(file=("in.jsonl", io.BytesIO(jsonl(1, "d"))),
                                    purpose="batch")
     f = batch_ids.encode(made.id, fleet["ids"][1])
     fleet["replicas"][1].stop()
     with client(fleet["router"].url) as c:
-        for call in (lambda: c.files.retrieve(f), lambda: c.files.list(),
+        page = c.files.list()
+        assert page.model_extra and page.model_extra.get("partial") is True
+        assert f not in [x.id for x in page.data]
+        assert all(owner(x.id) == fleet["ids"][0] for x in page.data)
+        for call in (lambda: c.files.retrieve(f),
                      lambda: c.batches.create(input_file_id=f, endpoint="/v1/completions",
                                               completion_window="24h")):
             with pytest.raises(openai.APIStatusError) as err:
