@@ -147,6 +147,9 @@ def _owner(request: web.Request, kind: str, router_id: str | None = None,
     rep = None if decoded is None else request.app[PROXY].ctx.registry.get(decoded[1])
     if decoded is None or rep is None:
         raise ApiError(404, f"no such {kind}: {router_id!r}", param=param or name, code=code)
+    if not request.app[PROXY].ctx.registry.trusted(rep):
+        # Registered but not (or no longer) reached and healthy: not sent a tenant's key.
+        raise _unavailable(f"{kind} {router_id!r}")
     return rep, decoded[0]
 
 
@@ -395,7 +398,9 @@ async def _cursor(request: web.Request, kind: str, after: str, headers: dict[str
                                         headers)
     except Unreachable:
         raise _unavailable(f"{kind} {after!r}") from None
-    except ApiError:
+    except ApiError as err:
+        if err.status == 503:  # its replica is not trusted now
+            raise
         status, body = 404, None
     if status in (401, 403):
         raise _passed_error(status, body)

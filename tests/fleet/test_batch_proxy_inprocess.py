@@ -26,6 +26,8 @@ from batcher.tenants import TenantConfig
 
 KEY = {"Authorization": "Bearer some-key"}
 HEALTH_PATHS = ("/health", "/v1/state", "/v1/probe")  # the router's health checker asks these
+STATE = {"free_blocks": 10, "total_blocks": 10, "block_size": 16, "running": 0, "waiting": 0,
+         "version": "v1", "draining": False, "healthy": True}
 
 
 def calls(seen: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -40,6 +42,10 @@ async def stub() -> AsyncIterator[tuple[TestServer, list[tuple[str, str]]]]:
 
     async def anything(request: web.Request) -> web.Response:
         seen.append((request.method, request.raw_path))
+        if request.path == "/v1/state":  # healthy, so the router trusts it
+            return web.json_response(STATE)
+        if request.path.startswith(HEALTH_PATHS):
+            return web.json_response({"status": "ok", "ok": True, "latency_ms": 1.0})
         return web.json_response({"object": "list", "data": [], "has_more": False})
 
     app = web.Application()
@@ -54,6 +60,7 @@ async def test_dot_segment_ids_reach_no_replica_path(aiohttp_client, stub) -> No
     server, seen = stub
     ctx = RouterContext(RouterConfig())
     ctx.registry.add_static(str(server.make_url("")).rstrip("/"), "r0")
+    ctx.registry.observe("r0", STATE, ctx.clock())
     client = await aiohttp_client(create_router_app(ctx))
     for inner in ("..", ".", "a.b", "x%2F..", " "):
         rid = batch_ids.encode(inner, "r0")
@@ -236,6 +243,12 @@ async def test_a_list_asks_trusted_replicas_only_and_survives_one_down(aiohttp_c
         assert [x["id"] for x in body["data"]] == [batch_ids.encode("file-a", "good")]
         assert body["partial"] is True
         assert keys == {"good": [KEY["Authorization"]], "unready": []}
+        # Nor does a call on an object the unready replica would hold reach it.
+        resp = await client.get(f"/v1/files/{batch_ids.encode('file-b', 'unready')}",
+                                headers=KEY)
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == (
+            "replica_unavailable")
+        assert keys["unready"] == []
         # With the untrusted and the unreachable one gone, the list is whole again.
         ctx.registry.remove("unready")
         ctx.registry.remove("gone")
