@@ -158,6 +158,10 @@ class RouterContext:
         event after it, such as a token or an end, then counts as "since" it)."""
         self.registry = registry
         registry.on_state = self._state_arrived
+        registry.on_forget = self._forgotten
+
+    def _forgotten(self, replica_id: str) -> None:
+        self.metrics.forget_replica(replica_id)
 
     def _state_arrived(self, rep: Replica) -> None:
         load = self.loads.get(rep.replica_id)

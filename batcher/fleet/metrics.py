@@ -51,6 +51,9 @@ class RouterMetrics:
         self.phases = {p: Histogram(f"batcher_router_request_{p}_seconds",
                                     f"Time in the {p} phase, through the router",
                                     buckets=PHASE_BUCKETS, registry=r) for p in ROUTER_PHASES}
+        # (version, outcome) pairs each replica's request series has, so a forgotten replica's
+        # series can be removed (a flood of registrations must not grow /metrics for ever).
+        self._attempted: dict[str, set[tuple[str, str]]] = {}
         self.request_total = Histogram("batcher_router_request_total_seconds", "Router "
                                        "receipt to answer relayed", buckets=PHASE_BUCKETS,
                                        registry=r)
@@ -64,7 +67,16 @@ class RouterMetrics:
         self.client_requests.labels(outcome).inc()
 
     def attempt(self, replica: str, version: str | None, outcome: str) -> None:
-        self.requests.labels(replica, version or "unknown", outcome).inc()
+        version = version or "unknown"
+        self._attempted.setdefault(replica, set()).add((version, outcome))
+        self.requests.labels(replica, version, outcome).inc()
+
+    def forget_replica(self, replica: str) -> None:
+        """Remove every series labelled with a replica the registry forgot."""
+        for version, outcome in self._attempted.pop(replica, ()):
+            self.requests.remove(replica, version, outcome)
+        self.evictions.remove(replica)
+        self.readmissions.remove(replica)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

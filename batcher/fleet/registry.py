@@ -111,6 +111,8 @@ class Registry:
         self._tokens = itertools.count(1)
         # Told each time a replica's state changes (the router's load account reads it then).
         self.on_state: Callable[[Replica], None] | None = None
+        # Told the id of each replica forgotten (its metric series go with it).
+        self.on_forget: Callable[[str], None] | None = None
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(list(self.replicas.values()))
@@ -134,7 +136,10 @@ class Registry:
 
     def remove(self, replica_id: str) -> Replica | None:
         """Forget one replica now (discovery, once its address is gone and its work is done)."""
-        return self.replicas.pop(replica_id, None)
+        rep = self.replicas.pop(replica_id, None)
+        if rep is not None and self.on_forget is not None:
+            self.on_forget(replica_id)
+        return rep
 
     def forget_stale(self, now: float) -> list[str]:
         """Drop dynamic replicas that stopped beating long ago and are evicted."""
@@ -142,7 +147,7 @@ class Registry:
                 if not r.static and r.evicted and r.beat_at is not None
                 and now - r.beat_at > self.forget_after and not r.reservations]
         for rid in gone:
-            del self.replicas[rid]
+            self.remove(rid)  # one way out, so what a subclass or listener keeps goes too
         return gone
 
     # state updates ---------------------------------------------------------------------------

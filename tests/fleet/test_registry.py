@@ -200,3 +200,38 @@ def test_replica_count_is_capped_and_known_replicas_stay():
         reg.beat(beat("flood"), 0.1)
     assert err.value.status == 503 and len(reg) == 3 and reg.get("flood") is None
     assert reg.beat(beat("r0", seq=2), 0.2)  # known replicas keep beating
+
+
+@pytest.mark.parametrize("kind", ["router", "balancer"])
+def test_forgotten_replicas_leave_no_metric_series(kind: str) -> None:
+    """A flood of 300 registrations, each evicted after some traffic and then forgotten: the
+    router's (and a balancer's) /metrics keep no series labelled with any of them."""
+    from batcher.fleet.balancer_app import BalancerContext
+    from batcher.fleet.context import RouterConfig, RouterContext
+
+    ctx = (RouterContext(RouterConfig(max_replicas=400)) if kind == "router"
+           else BalancerContext(RouterConfig(max_replicas=400)))
+    reg = ctx.registry
+    reg.beat(beat("keep"), 0.0, trusted=True)
+    reg.observe("keep", beat("keep"), 0.0)
+    for i in range(300):
+        rid = f"flood-{i}"
+        reg.beat(beat(rid), 0.0, trusted=True)
+        reg.observe(rid, beat(rid), 0.0)  # as a poll or piggyback (a balancer keeps figures)
+        rep = reg.get(rid)
+        assert rep is not None
+        ctx.metrics.attempt(rid, "v1", "ok")
+        ctx.metrics.attempt(rid, None, "error")
+        rep.evicted = True
+        ctx.on_evict(rep, "flood")
+        ctx.on_readmit(rep)
+        rep.evicted = True
+    ctx.metrics.attempt("keep", "v1", "ok")
+    before = ctx.metrics.exposition().decode()
+    assert 'replica="flood-299"' in before
+    assert len(reg.forget_stale(reg.forget_after + 1.0)) == 300
+    after = ctx.metrics.exposition().decode()
+    assert "flood-" not in after
+    assert 'replica="keep"' in after  # a replica still known keeps its series
+    if kind == "balancer":
+        assert set(reg.figures) == {"keep"}  # type: ignore[attr-defined]
