@@ -44,6 +44,9 @@ class Wave:
         return sum(g.count for g in (*self.first, *self.late))
 
 
+# The longest prefill chunk calibration measures (see `calibration_plan`).
+CALIBRATE_MAX_CHUNK = 2048
+
 # Sampling variants whose code paths differ (greedy argmax, the filtered sampler, penalties over
 # the history, logprobs, logit bias); warm-up runs each once.
 SAMPLING_PATHS = ("greedy", "random", "penalties", "logprobs", "bias")
@@ -90,7 +93,9 @@ def calibration_plan(config: SchedulerConfig, max_len: int, tokens_free: int) ->
     chunk sizes, decode batches of three sizes for a few steps each, and a prompt read beside a
     small and a full batch of streams."""
     budget, most = _limits(config, max_len, tokens_free)
-    prompts = [p for p in _ladder(budget, (64, 512)) if p >= 2]
+    # NOTE: chunks past CALIBRATE_MAX_CHUNK add cost, not information: the model is linear in
+    # the chunk's tokens and its attention, and extrapolates to the budget.
+    prompts = [p for p in _ladder(min(budget, CALIBRATE_MAX_CHUNK), (64, 512)) if p >= 2]
     batches = _ladder(most, (1, 16))
     waves = [Wave((Group(1, p, 1),)) for p in prompts]
     waves += [Wave((Group(b, 8, 6),)) for b in batches]
