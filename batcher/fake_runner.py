@@ -43,7 +43,7 @@ class FakeSpeed:
 class FakeRunner:
     """Implements the engine's Runner protocol without a model."""
 
-    needs_warm_up = False  # nothing to compile: a warm start only calibrates
+    warm_up_kind = "none"  # nothing to compile: a warm start only calibrates
 
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int,
                  speed: FakeSpeed | None = None, fault: str = "none", fault_after_steps: int = 0):

@@ -37,6 +37,7 @@ DEFAULT_TIMEOUT_S = 900.0
 # and decode steps before its mixed ones.
 WARM_BUDGET_S = 60.0
 CALIBRATE_BUDGET_S = 20.0
+LIGHT_CALIBRATE_BUDGET_S = 3.0
 
 
 @dataclass(slots=True)
@@ -198,10 +199,17 @@ async def warm_start(engine: AsyncEngine, timeout_s: float = DEFAULT_TIMEOUT_S,
     try:
         async with asyncio.timeout(timeout_s):
             engine.phase = "warm"
-            # A runner with nothing to compile or capture (the fake model) skips to calibration.
-            if getattr(engine.runner, "needs_warm_up", True):
+            # "full": kernels compile or graphs capture per shape (CUDA, torch.compile); "light":
+            # eager steps (a CPU); "none": nothing runs a model (the fake one).
+            kind = getattr(engine.runner, "warm_up_kind", "full")
+            if kind != "none":
                 report.waves_skipped += await driver.run(
-                    warmup_plan(cfg, cfg.max_model_len, tokens_free, sampling), warm_budget_s)
+                    warmup_plan(cfg, cfg.max_model_len, tokens_free, sampling,
+                                light=kind == "light"), warm_budget_s)
+            if kind != "full":
+                # Eager steps: the prior was measured on such a machine; a short calibration
+                # rescales it, and a start that many tests and replicas pay stays short.
+                calibrate_budget_s = min(calibrate_budget_s, LIGHT_CALIBRATE_BUDGET_S)
             report.warmup_s = time.perf_counter() - t0
             report.warmup_steps = engine.steps - start_steps
             if calibrate:

@@ -35,7 +35,7 @@ async def test_warm_up_teaches_nothing_and_calibration_teaches_the_model(tiny_fp
     engine.step_listeners.append(lambda sched, s: heard.append(len(sched.seqs)))
     try:
         got = await warm_start(engine, calibrate=False)
-        assert got.warmup_steps > 10 and got.requests > 10
+        assert got.warmup_steps >= 5 and got.requests > 10  # a light warm-up on the CPU
         assert engine.step_time_model.num_observations == 0 and not heard
         assert engine.phase == "serve"
         got = await warm_start(engine)

@@ -75,10 +75,15 @@ def _limits(config: SchedulerConfig, max_len: int, tokens_free: int) -> tuple[in
 
 
 def warmup_plan(config: SchedulerConfig, max_len: int, tokens_free: int,
-                sampling: tuple[str, ...] = SAMPLING_PATHS) -> Plan:
+                sampling: tuple[str, ...] = SAMPLING_PATHS, light: bool = False) -> Plan:
     """Prompts of several lengths (multiples of the kernels' tile sizes and not), decode batches
-    of several sizes, each sampling path once, and one mixed step."""
+    of several sizes, each sampling path once, and one mixed step. `light`: for a device with
+    nothing to compile or capture (eager steps on a CPU), one prompt, one batch and the sampling
+    paths, which fill what is built on first use."""
     budget, most = _limits(config, max_len, tokens_free)
+    if light:
+        return Plan((Wave((Group(1, budget, 2),)), Wave((Group(min(8, most), 8, 3),)),
+                     Wave((Group(len(sampling), 8, 3),), sampling=sampling)))
     prompts = [p for p in _ladder(budget, (7, 64, 1024)) if p >= 2]
     batches = _ladder(most, (1, 3, 8, 32, 128))
     waves = [Wave((Group(1, p, 2),)) for p in prompts]

@@ -112,6 +112,13 @@ class ModelRunner:
         # another.
         release_openmp_pool()
 
+    @property
+    def warm_up_kind(self) -> str:
+        """What a warm start must run (`batcher.warmup`): every shape where kernels compile or
+        graphs capture per shape ("full": CUDA, torch.compile), else a few eager steps."""
+        full = self.device.type != "cpu" or self.compiled is not None or self.graphs is not None
+        return "full" if full else "light"
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
         if sched.is_empty:
