@@ -24,6 +24,9 @@ from typing import Any, ClassVar
 # The `/v1/state` contract keys, in the order DESIGN lists them.
 CONTRACT_KEYS: tuple[str, ...] = ("free_blocks", "total_blocks", "block_size", "running",
                                   "waiting", "version", "draining", "healthy")
+# Additions only the operator and the fleet read: server-wide figures of what tenants' prompts
+# hit in the prefix cache say something about other tenants' traffic.
+PRIVATE_KEYS: frozenset[str] = frozenset({"prefix_hit_tokens"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +68,10 @@ class EngineSnapshot:
     def to_wire(self) -> dict[str, Any]:
         """JSON-ready dict: the contract keys first, then the additions."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def public_wire(self) -> dict[str, Any]:
+        """`to_wire` without `PRIVATE_KEYS`: what anyone may read."""
+        return {k: v for k, v in self.to_wire().items() if k not in PRIVATE_KEYS}
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> EngineSnapshot:

@@ -161,10 +161,12 @@ async def run_server(args: argparse.Namespace) -> int:
     # Everything checkable without the model is checked, and the ports bound, before it loads.
     pre = preflight(args)
     try:
+        fleet_key = os.environ.get("BATCHER_FLEET_KEY")
         app = create_app(gateway_factory(args, pre.tenants), args.max_body_bytes,
-                         probe_keys=(pre.admin_key, os.environ.get("BATCHER_FLEET_KEY")),
+                         probe_keys=(pre.admin_key, fleet_key),
                          extend=None if pre.batch_config is None
-                         else lambda a: batch.install(a, pre.batch_config))
+                         else lambda a: batch.install(a, pre.batch_config),
+                         fleet_key=fleet_key)
         quiet_log = server_log()
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=args.shutdown_timeout,

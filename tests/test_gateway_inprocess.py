@@ -81,11 +81,17 @@ async def test_state_is_the_snapshot_wire_form(client) -> None:
     snap = EngineSnapshot.from_wire(body)
     assert snap.free_blocks == snap.total_blocks == 128 and snap.block_size == 16
     assert snap.healthy and not snap.draining and snap.running == snap.waiting == 0
-    # The same facts ride on every response, errors included.
-    for method, path, headers in (("GET", "/v1/models", auth(ALICE)), ("GET", "/nope", {}),
-                                  ("POST", C, {})):
+    assert "prefix_hit_tokens" not in body  # server-wide: for the admin and fleet keys only
+    # The same facts ride on every response, errors included (a replica without a fleet key
+    # serves a loopback fleet), but never on a refused credential.
+    for method, path, headers in (("GET", "/v1/models", auth(ALICE)),
+                                  ("GET", "/nope", auth(ALICE)), ("POST", C, auth(ALICE))):
         r = await client.request(method, path, headers=headers)
         assert replica_state(r).total_blocks == 128, (path, r.status)
+        assert "prefix_hit_tokens" not in r.headers["X-Replica-State"]
+    for method, path in (("GET", "/nope"), ("POST", C)):
+        r = await client.request(method, path)
+        assert r.status == 401 and "X-Replica-State" not in r.headers, path
 
 
 async def test_whole_answer_and_stream_agree(client) -> None:

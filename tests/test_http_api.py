@@ -38,6 +38,7 @@ LONG = 3000
 # The deep probe needs the admin or fleet key.
 PROBE_KEY = "http-api-fleet-key"
 server = server_fixture(env={"BATCHER_FLEET_KEY": PROBE_KEY})
+FLEET = {"X-Fleet-Key": PROBE_KEY}  # as a router sends it
 
 
 @pytest.fixture
@@ -58,7 +59,8 @@ def chat(messages: Any = None, **kw: Any) -> dict[str, Any]:
 
 
 def replica_state(resp: aiohttp.ClientResponse) -> dict[str, Any]:
-    """The piggybacked `X-Replica-State` JSON (DESIGN: on every replica response)."""
+    """The piggybacked `X-Replica-State` JSON (DESIGN: on every replica response to its
+    fleet, which sends the fleet key in `X-Fleet-Key`)."""
     raw = resp.headers.get("X-Replica-State")
     assert raw is not None, f"no X-Replica-State on {resp.method} {resp.url.path}"
     st = orjson.loads(raw)
@@ -292,14 +294,14 @@ async def test_context_overflow_names_the_limit(server: Server,
 
 async def test_health_ready_state_probe_models(server: Server,
                                                session: aiohttp.ClientSession) -> None:
-    async with session.get(server.url + "/health") as resp:
+    async with session.get(server.url + "/health", headers=FLEET) as resp:
         assert resp.status == 200
         assert (await resp.json())["status"] == "ok"
         replica_state(resp)
-    async with session.get(server.url + "/ready") as resp:
+    async with session.get(server.url + "/ready", headers=FLEET) as resp:
         assert resp.status == 200
         replica_state(resp)
-    async with session.get(server.url + "/v1/state") as resp:
+    async with session.get(server.url + "/v1/state", headers=FLEET) as resp:
         assert resp.status == 200
         st = await resp.json()
         replica_state(resp)
@@ -310,12 +312,13 @@ async def test_health_ready_state_probe_models(server: Server,
     async with session.post(server.url + "/v1/probe") as resp:
         assert resp.status == 401  # an operator's tool, not a tenant's
     async with session.post(server.url + "/v1/probe",
-                            headers={"Authorization": f"Bearer {PROBE_KEY}"}) as resp:
+                            headers={"Authorization": f"Bearer {PROBE_KEY}", **FLEET}
+                            ) as resp:
         assert resp.status == 200
         body = await resp.json()
         replica_state(resp)
     assert body["ok"] is True and body["latency_ms"] >= 0
-    async with session.get(server.url + "/v1/models") as resp:
+    async with session.get(server.url + "/v1/models", headers=FLEET) as resp:
         assert resp.status == 200
         models = await resp.json()
         replica_state(resp)
@@ -325,26 +328,31 @@ async def test_health_ready_state_probe_models(server: Server,
 async def test_every_response_carries_request_id_and_state(server: Server,
                                                            session: aiohttp.ClientSession
                                                            ) -> None:
-    async with session.post(server.url + C, json=completion()) as resp:
+    async with session.post(server.url + C, json=completion(), headers=FLEET) as resp:
         assert resp.status == 200
         rid = resp.headers["X-Request-Id"]
         body = await resp.json()
         replica_state(resp)
     assert body["id"].endswith(rid)
-    async with session.post(server.url + C, json=completion(model="nope")) as resp:
+    async with session.post(server.url + C, json=completion(model="nope"),
+                            headers=FLEET) as resp:
         assert resp.status == 400
         assert resp.headers["X-Request-Id"]
         replica_state(resp)
-    async with session.get(server.url + "/metrics") as resp:
+    async with session.get(server.url + "/metrics", headers=FLEET) as resp:
         assert resp.headers["X-Request-Id"]
         replica_state(resp)
-    async with session.post(server.url + C, json=completion(stream=True)) as resp:
+    async with session.post(server.url + C, json=completion(stream=True),
+                            headers=FLEET) as resp:
         assert resp.status == 200
         assert resp.headers["X-Request-Id"]
         # A stream's headers leave with its first token and say so: this request is running.
         assert replica_state(resp)["running"] >= 1
         events = [ev async for ev in sse_events(resp)]
     assert events[-1] == DONE
+    # Without the fleet key (`X-Fleet-Key`, as the router sends it) no state rides along.
+    async with session.post(server.url + C, json=completion()) as resp:
+        assert resp.status == 200 and "X-Replica-State" not in resp.headers
 
 
 async def test_client_request_id_is_echoed_and_refused_while_in_flight(

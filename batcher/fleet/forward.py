@@ -48,6 +48,7 @@ from batcher.fleet.registry import Replica
 from batcher.fleet.route_timing import RouteClock
 from batcher.fleet.stream_ledger import StreamLedger
 from batcher.http.errors import ApiError
+from batcher.http.keys import FLEET_KEY_HEADER
 from batcher.http.sse import DONE, SSE_HEADERS
 from batcher.http.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
 from batcher.tracing import current as current_tracer
@@ -185,6 +186,8 @@ class Relay:
         h = {k: v for k in PASS_HEADERS if (v := self.request.headers.get(k)) is not None}
         h.update({"Content-Type": "application/json", "X-Request-Id": self.rid,
                   "X-Attempt": str(self.attempts)})
+        if self.ctx.cfg.fleet_key:  # the replica piggybacks its state for the fleet only
+            h[FLEET_KEY_HEADER] = self.ctx.cfg.fleet_key
         h.update(forward_headers(self.request.headers, self.span))
         return h
 

@@ -69,3 +69,19 @@ def bearer_matches(headers: Headers | Mapping[str, str], expected_key: str) -> b
     # Compare even when the header is missing or malformed, so the time taken says nothing.
     ok = same_secret(token if token is not None else "", expected_key)
     return ok and token is not None and bool(expected_key)
+
+
+# The header a router sends its fleet key in to the replicas it forwards to (their
+# `Authorization` carries the tenant's key): a replica tells its router from a tenant by it.
+FLEET_KEY_HEADER = "X-Fleet-Key"
+
+
+def header_matches(headers: Headers | Mapping[str, str], name: str, expected_key: str) -> bool:
+    """True when the request carries header `name` exactly once, equal to `expected_key`
+    (compared in constant time). An empty `expected_key` matches nothing."""
+    try:
+        value = single_header(headers, name)
+    except AuthError:
+        return False
+    ok = same_secret(value if value is not None else "", expected_key)
+    return ok and value is not None and bool(expected_key)

@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from batcher.http.errors import ApiError, from_http_exception
-from batcher.http.keys import AuthError
+from batcher.http.keys import FLEET_KEY_HEADER, AuthError, header_matches
 from batcher.http.listener import add_fallback_route, expect_continue
 from batcher.http.middleware import answer_unexpected
 from batcher.http.request_ids import client_request_id, new_request_id
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 HANDLERS = web.AppKey("handlers", dict)
 PROBE = web.AppKey("probe", ProbeGuard)
+FLEET_KEY = web.AppKey("fleet_key", str)  # "" when the replica has none
 # Optional: a request's body limit when it differs from the server's (None: the server's).
 BODY_LIMIT = web.AppKey("body_limit", Callable[[web.Request], "int | None"])
 # Routes without a tenant key: liveness, readiness, capacity, metrics; the probe checks its own.
@@ -38,9 +39,17 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
     """Request ID on every response, auth, body limit before reading, errors in OpenAI shape."""
     gw = request.app[GATEWAY]
     rid = new_request_id()
+    fleet_key = request.app[FLEET_KEY]
+    from_fleet = header_matches(request.headers, FLEET_KEY_HEADER, fleet_key)
 
-    def state_header() -> str:
-        return orjson.dumps(gw.state().to_wire()).decode()
+    def state_header() -> str | None:
+        """The piggybacked state, for the fleet only: its router, which sends the fleet key
+        beside the tenant's (a replica without a fleet key serves a loopback fleet, and tells
+        everyone the figures `/v1/state` tells anyone)."""
+        if fleet_key and not from_fleet:
+            return None
+        st = gw.state()
+        return orjson.dumps(st.to_wire() if from_fleet else st.public_wire()).decode()
 
     try:
         rid = client_request_id(request.headers.get("X-Request-Id")) or rid
@@ -69,10 +78,12 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         resp = answer_unexpected(request, exc, rid)
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
-        # DESIGN: the replica's state rides on every response, errors included, so a router's
-        # view is refreshed by all traffic.
-        if "X-Replica-State" not in resp.headers:
-            resp.headers["X-Replica-State"] = state_header()
+        # DESIGN: the replica's state rides on the fleet's responses, errors included, so a
+        # router's view is refreshed by all traffic; never on a refused credential.
+        if resp.status == 401:
+            resp.headers.popall("X-Replica-State", None)
+        elif "X-Replica-State" not in resp.headers and (st := state_header()) is not None:
+            resp.headers["X-Replica-State"] = st
     return resp
 
 
@@ -90,7 +101,12 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def state(request: web.Request) -> web.Response:
-    return json_response(request.app[GATEWAY].state().to_wire())
+    """The contract keys and additions anyone may read; the private ones (prefix-cache hits,
+    server-wide) only for the admin or fleet key."""
+    st = request.app[GATEWAY].state()
+    trusted = request.app[PROBE].holds_key(request.headers) or header_matches(
+        request.headers, FLEET_KEY_HEADER, request.app[FLEET_KEY])
+    return json_response(st.to_wire() if trusted else st.public_wire())
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -131,12 +147,15 @@ async def cancel(request: web.Request) -> web.Response:
 
 def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int,
                probe_keys: tuple[str | None, ...] = (),
-               extend: Callable[[web.Application], None] | None = None) -> web.Application:
+               extend: Callable[[web.Application], None] | None = None,
+               fleet_key: str | None = None) -> web.Application:
     """The public app. `gw_factory` builds the gateway (model, engine) at startup; cleanup
     stops the engine. `/v1/probe` takes any of `probe_keys` (the admin and fleet keys).
-    `extend` adds routes and lifetimes of optional tiers (the batch API)."""
+    `extend` adds routes and lifetimes of optional tiers (the batch API). With `fleet_key`,
+    `X-Replica-State` goes only to callers that send it in `X-Fleet-Key` (the router)."""
     app = web.Application(middlewares=[gateway_middleware], client_max_size=max_body_bytes)
     app[PROBE] = ProbeGuard(probe_keys)
+    app[FLEET_KEY] = fleet_key or ""
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         gw = await gw_factory()

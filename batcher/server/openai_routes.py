@@ -147,9 +147,11 @@ class GenerationHandler:
             answer = self._whole(spec, rid, choices, job)
             t = timing.finish([c.final for c in choices], answer["usage"])
             answer["timings"] = t.to_json()
+            headers = {"Server-Timing": t.server_timing()}
+            if (state := request["state_header"]()) is not None:
+                headers["X-Replica-State"] = state
             return web.Response(body=orjson.dumps(answer), content_type="application/json",
-                                headers={"X-Replica-State": request["state_header"](),
-                                         "Server-Timing": t.server_timing()})
+                                headers=headers)
         finally:
             gw.release(job, generated or sum(r.num_output_tokens for r in job.requests))
 
@@ -225,7 +227,8 @@ class GenerationHandler:
                 first = await self._first_event(events)
                 # The headers leave now: the state they carry is the replica's now, not at
                 # admission (a router routes the next requests on it).
-                resp.headers["X-Replica-State"] = request["state_header"]()
+                if (state := request["state_header"]()) is not None:
+                    resp.headers["X-Replica-State"] = state
                 await resp.prepare(request)
                 base = {"id": self.prefix + rid, "object": self.object + ".chunk"
                         if self.chat else self.object, "created": now_s(), "model": spec.model}

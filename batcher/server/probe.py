@@ -27,9 +27,13 @@ class ProbeGuard:
         self._tokens, self._at = float(burst), clock()
         self._flight: asyncio.Future[float] | None = None
 
-    def check(self, headers: Headers | Mapping[str, str]) -> None:
+    def holds_key(self, headers: Headers | Mapping[str, str]) -> bool:
+        """The caller's bearer key is the admin or the fleet key."""
         # Every key is compared, so the time taken does not say which one matched.
-        if not sum(bearer_matches(headers, k) for k in self.keys):
+        return sum(bearer_matches(headers, k) for k in self.keys) > 0
+
+    def check(self, headers: Headers | Mapping[str, str]) -> None:
+        if not self.holds_key(headers):
             raise ApiError(401, "the probe needs this replica's admin or fleet key",
                            code="invalid_api_key")
         now = self.clock()
