@@ -143,9 +143,16 @@ class _Driver:
     async def run(self, plan: Plan, budget_s: float = float("inf")) -> int:
         """Run the waves in order until `budget_s` is spent; returns the waves left undone."""
         deadline = time.perf_counter() + budget_s
+        refit = self.engine.phase == "calibrate"
         for i, wave in enumerate(plan.waves):
             if time.perf_counter() > deadline:
                 return len(plan.waves) - i
+            if refit and wave.late:
+                # NOTE: before the mixed steps, the step-time model is refitted to the steps
+                # measured so far: admission compares each step's wall time with the model's
+                # price of it, and a price from the prior would skew those ratios for good.
+                self.engine.step_time_model.refit_recorded(keep=True)
+                refit = False
             await self.wave(wave)
         return 0
 
@@ -196,12 +203,12 @@ async def warm_start(engine: AsyncEngine, timeout_s: float = DEFAULT_TIMEOUT_S,
     # Read once now, not on the first request (the whole vocabulary is scanned).
     getattr(engine.tokenizer, "max_chars_per_token", None)
     t0 = time.perf_counter()
+    kind = getattr(engine.runner, "warm_up_kind", "full")
     try:
         async with asyncio.timeout(timeout_s):
             engine.phase = "warm"
             # "full": kernels compile or graphs capture per shape (CUDA, torch.compile); "light":
             # eager steps (a CPU); "none": nothing runs a model (the fake one).
-            kind = getattr(engine.runner, "warm_up_kind", "full")
             if kind != "none":
                 report.waves_skipped += await driver.run(
                     warmup_plan(cfg, cfg.max_model_len, tokens_free, sampling,
@@ -226,14 +233,15 @@ async def warm_start(engine: AsyncEngine, timeout_s: float = DEFAULT_TIMEOUT_S,
     report.requests = next(driver.count)
     report.compilations_during = compilations() - before
     _calibrated(engine, report)
-    if report.waves_skipped:
+    if report.waves_skipped and kind == "full":
         log.warning("warm start: %d waves left out past the time budget (a slow or busy "
                     "machine): the first requests may pay for what they would have warmed",
                     report.waves_skipped)
     log.info("warm start: warm-up %.2fs (%d steps, %d compilations), calibration %.2fs "
-             "(%d steps); decode step ms by batch %s; prefill step ms by tokens %s",
+             "(%d steps, %d waves left out past the budget); decode step ms by batch %s; "
+             "prefill step ms by tokens %s",
              report.warmup_s, report.warmup_steps, report.compilations_during,
-             report.calibrate_s, report.calibrate_steps,
+             report.calibrate_s, report.calibrate_steps, report.waves_skipped,
              {k: round(v, 2) for k, v in report.decode_ms.items()},
              {k: round(v, 2) for k, v in report.prefill_ms.items()})
     return report

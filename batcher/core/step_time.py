@@ -242,9 +242,10 @@ class OnlineStepTimeModel:
         """Keep every step observed from now on, for `refit_recorded` (a calibration)."""
         self._recorded = []
 
-    def refit_recorded(self, passes: int = 3) -> int:
+    def refit_recorded(self, passes: int = 3, keep: bool = False) -> int:
         """Start again from the prior rescaled to the steps observed since `start_recording`,
-        then learn those steps `passes` times over; returns how many there were.
+        then learn those steps `passes` times over; returns how many there were. `keep`: go on
+        recording (a later refit takes these steps and the next ones).
 
         A prior measured on another machine can be off by a factor of fifty (a CPU's prior on
         a GPU). Observed once each, a few dozen calibration steps move it only part of the way:
@@ -253,6 +254,8 @@ class OnlineStepTimeModel:
         the filter starts on the device's scale and the passes settle the relative costs."""
         steps, self._recorded = self._recorded or [], None
         if not steps:
+            if keep:
+                self._recorded = []
             return 0
         ratios = sorted(sec / p for shape, sec in steps
                         if (p := _prior_predict(self.prior, shape)) > 0)
@@ -263,6 +266,8 @@ class OnlineStepTimeModel:
         for _ in range(passes):
             for shape, sec in steps:
                 self.observe(shape, sec)
+        if keep:
+            self._recorded = list(steps)
         return len(steps)
 
     @property

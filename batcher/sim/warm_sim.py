@@ -28,7 +28,11 @@ def run_plan(replica: SimReplica, plan: Plan, now: float = 0.0) -> float:
         return rid
 
     replica.step_time_model.start_recording()
+    refit = True
     for wave in plan.waves:
+        if refit and wave.late:  # as the engine's warm start does (`batcher.warmup`)
+            replica.step_time_model.refit_recorded(keep=True)
+            refit = False
         first = [add(g.prompt_tokens, g.max_tokens, now) for g in wave.first
                  for _ in range(g.count)]
         late_added = not wave.late
