@@ -222,7 +222,7 @@ def run_hf_static(model, work: list[dict], batch: int, device: torch.device) -> 
                                  max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                  pad_token_id=0)
         sync(device)
-        exact &= out.shape[1] - width == new
+        exact &= out.shape[1] - ids.shape[1] == new
         lat += [time.perf_counter() - t0] * len(group)
     wall = time.perf_counter() - t0
     tokens = sum(r["max_new_tokens"] for r in work)
