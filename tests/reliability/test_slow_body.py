@@ -103,5 +103,9 @@ async def test_slow_bodies_are_cut_off_everywhere(fleet: tuple[Server, Proc, Pro
     for i, (took, got) in enumerate(results):
         where = targets[i // PER_LISTENER][:2]
         assert took < BOUND_S, f"{where}: still open after {took:.1f} s ({got[:80]!r})"
-        assert got == b"" or got.startswith(b"HTTP/1.1 408"), (where, got[:200])
+        # 408 once the body's deadline passes, or closed; a balancer that sees every cell
+        # saturated (its cells' state not in yet) sheds at once with a 503 before reading
+        # the body, which frees the connection as well.
+        ok = (b"HTTP/1.1 408", b"HTTP/1.1 503") if where[0] == top.url else (b"HTTP/1.1 408",)
+        assert got == b"" or got.startswith(ok), (where, got[:200])
     assert worst < 3.0, f"/health took {worst:.2f} s meanwhile"
