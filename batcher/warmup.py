@@ -16,7 +16,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from batcher.core.calibration import Plan, Wave, calibration_plan, warmup_plan
+from batcher.core.calibration import (
+    FIRST_PROMPT_ID,
+    Plan,
+    Wave,
+    calibration_plan,
+    synthetic_prompt,
+    warmup_plan,
+)
 from batcher.core.step_time import StepShape
 from batcher.engine import AsyncEngine
 from batcher.engine_events import EngineError
@@ -26,9 +33,6 @@ from batcher.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 TENANT = "__warmup__"
-# Token ids for synthetic prompts start here (past the special and byte tokens of common
-# vocabularies) and step through a range no prompt repeats within a warm start.
-_FIRST_ID = 1000
 # A warm start that takes longer than this has a model that cannot serve: stop the start.
 DEFAULT_TIMEOUT_S = 900.0
 # Each phase starts no new wave after this many seconds: on a machine slowed by its neighbours
@@ -75,7 +79,7 @@ def _sampling(path: str, max_tokens: int, grammar: str | None) -> SamplingParams
     elif path == "logprobs":
         sp.logprobs = 5
     elif path == "bias":
-        sp.logit_bias, sp.min_p, sp.temperature = {_FIRST_ID: 1.0}, 0.05, 0.7
+        sp.logit_bias, sp.min_p, sp.temperature = {FIRST_PROMPT_ID: 1.0}, 0.05, 0.7
     elif path == "grammar":
         sp.grammar = grammar
     return sp
@@ -86,14 +90,13 @@ class _Driver:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.vocab = max(_FIRST_ID + 2, int(getattr(engine.tokenizer, "vocab_size", 0) or 0))
+        self.vocab = int(getattr(engine.tokenizer, "vocab_size", 0) or 0)
         self.ids = itertools.count()
         self.count = itertools.count()
         self.grammar = _grammar(engine)
 
     def prompt(self, n: int) -> list[int]:
-        span = max(1, self.vocab - _FIRST_ID - 1)
-        return [_FIRST_ID + next(self.ids) % span for _ in range(n)]
+        return synthetic_prompt(self.ids, n, self.vocab)
 
     async def one(self, prompt: int, sampling: SamplingParams,
                   first: asyncio.Event | None) -> None:

@@ -18,6 +18,7 @@ Pure Python: the engine (`batcher.warmup`) and the simulator drive the same plan
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from batcher.config import SchedulerConfig
@@ -42,6 +43,18 @@ class Wave:
     @property
     def requests(self) -> int:
         return sum(g.count for g in (*self.first, *self.late))
+
+
+# Synthetic prompts' token ids start here (past the special and byte tokens of common
+# vocabularies) and step through the vocabulary, so no prompt of a warm start repeats another's
+# blocks (a prefix-cache hit would shorten the step it is meant to measure).
+FIRST_PROMPT_ID = 1000
+
+
+def synthetic_prompt(counter: Iterator[int], n: int, vocab_size: int) -> list[int]:
+    """`n` token ids for a warm-start prompt, drawn from `counter` (shared by a plan's prompts)."""
+    span = max(1, vocab_size - FIRST_PROMPT_ID - 1)
+    return [FIRST_PROMPT_ID + next(counter) % span for _ in range(n)]
 
 
 # The longest prefill chunk calibration measures (see `calibration_plan`).

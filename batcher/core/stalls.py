@@ -32,14 +32,12 @@ class StallLog:
     """Recent stall spans `(start, end)`, oldest first."""
 
     spans: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=KEEP_MAX))
-    total_s: float = 0.0
     count: int = 0
 
     def note(self, start: float, end: float) -> None:
         if not end > start:
             return
         self.spans.append((start, end))
-        self.total_s += end - start
         self.count += 1
         while self.spans and self.spans[0][1] < end - KEEP_S:
             self.spans.popleft()

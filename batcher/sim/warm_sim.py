@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import itertools
 
-from batcher.core.calibration import Plan
+from batcher.core.calibration import Plan, synthetic_prompt
 from batcher.request import Request
 from batcher.sampling import SamplingParams
 from batcher.sim.engine_sim import SimReplica, Timing
 
-_FIRST_ID = 1000
+# The simulated replica keeps no tokenizer: prompts draw from this many ids.
+_VOCAB = 31_000
 
 
 def run_plan(replica: SimReplica, plan: Plan, now: float = 0.0) -> float:
@@ -22,7 +23,7 @@ def run_plan(replica: SimReplica, plan: Plan, now: float = 0.0) -> float:
 
     def add(prompt: int, max_tokens: int, at: float) -> str:
         rid = f"warm-{next(names)}"
-        req = Request(rid, [_FIRST_ID + next(ids) % 30000 for _ in range(prompt)],
+        req = Request(rid, synthetic_prompt(ids, prompt, _VOCAB),
                       SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         replica.add(req, Timing(rid, at, prompt, max_tokens), at)
         return rid
