@@ -11,9 +11,12 @@ Contract:
   connection, or an eviction of the replica moves the request to another replica (never one it
   tried), at most `max_attempts` in all, with full-jitter backoff (none after a 503: that is
   "try the other candidate"). A 4xx, or a 500 the replica marks `x-should-retry: false` (the
-  request's own fault), is the answer and is not retried. Each retry spends the caller's retry
-  budget (kept per credential scope, so one caller's failing requests cannot spend everyone's
-  failover); over budget the client gets 503 + Retry-After.
+  request's own fault), is the answer and is not retried. A retry after an answer (500/502/503)
+  or a timeout spends the caller's retry budget (kept per credential scope, so one caller's
+  failing requests cannot spend everyone's); over budget the client gets 503 + Retry-After. A
+  replica that died or became unreachable (refused or broken connection, eviction) before the
+  first byte is failover, not overload: moving the request adds no work to the fleet, so it
+  spends no budget (still at most `max_attempts` in all, and the dead replica leaves the pool).
 - A stream is committed on its first event and relayed event by event, unbuffered. If the
   replica fails after that: `failover=resume` (completions with one text prompt and n = 1)
   sends prompt + the text already streamed to another replica with `max_tokens` reduced and
@@ -67,6 +70,7 @@ class Failure:
     reason: str
     capacity: bool = False  # a 503: try the other candidate at once
     response: web.Response | None = None  # the upstream answer, passed on if nothing else works
+    lost: bool = False  # the replica died or became unreachable: failover, not an overload retry
 
 
 def error_response(status: int, message: str, code: str, rid: str | None = None,
@@ -155,7 +159,11 @@ class Relay:
         if rep is None:
             return self._give_up()
         if self.attempts:
-            if charge:
+            lost = self.last is not None and self.last.lost
+            if charge and lost:
+                ctx.metrics.retries.labels("replica_lost").inc()
+                ctx.metrics.failovers.labels("retry").inc()
+            elif charge:
                 if not ctx.budget.try_spend(ctx.clock(), self.rkey[0]):
                     ctx.metrics.budget_exhausted.inc()
                     self.budget_refused = True
@@ -223,15 +231,15 @@ class Relay:
             pass
 
     def _failed(self, rep: Replica, att: Attempt, exc: BaseException) -> Failure:
-        if att.killed is not None:
-            return Failure(att.killed)
-        if isinstance(exc, TimeoutError):
+        if att.killed is not None:  # evicted by health: the replica is gone
+            return Failure(att.killed, lost=True)
+        if isinstance(exc, TimeoutError):  # slow is not dead: a retry here is overload's
             self.ctx.report_failure(rep, "an attempt timed out")
             return Failure(f"replica {rep.replica_id} timed out")
         conclusive = isinstance(exc, UpstreamConnectError)
         what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self.ctx.report_failure(rep, f"{what} on live traffic", conclusive)
-        return Failure(f"replica {rep.replica_id} failed: {what}")
+        return Failure(f"replica {rep.replica_id} failed: {what}", lost=True)
 
     async def _status(self, up: UpstreamResponse) -> Failure | web.Response:
         data = await up.read()
@@ -381,7 +389,8 @@ class Relay:
                         await self.write(DONE, eof=True)  # finished but [DONE] was lost
                         outcome = "ok"
                         return None
-                    return Failure(f"replica {rep.replica_id} closed the stream early")
+                    return Failure(f"replica {rep.replica_id} closed the stream early",
+                                   lost=True)
         except (asyncio.CancelledError, ClientGone):
             outcome = "cancelled"
             raise

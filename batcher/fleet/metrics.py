@@ -26,8 +26,10 @@ class RouterMetrics:
                                 registry=r)
         self.client_requests = Counter("batcher_router_client_requests", "Client requests by "
                                        "final outcome", ["outcome"], registry=r)
-        self.retries = Counter("batcher_retries", "Retries before the first byte by "
-                               "reason", ["reason"], registry=r)
+        self.retries = Counter("batcher_retries", "Retries before the first byte by reason: "
+                               "capacity (a 503) and failure (another answer, a timeout) spend "
+                               "the retry budget; replica_lost (it died or became unreachable) "
+                               "is failover and spends none", ["reason"], registry=r)
         self.budget_exhausted = Counter("batcher_router_retry_budget_exhausted",
                                         "Retries refused by the fleet retry budget", registry=r)
         self.evictions = Counter("batcher_router_evictions", "Replicas evicted by health",

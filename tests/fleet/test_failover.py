@@ -183,3 +183,43 @@ async def test_wedged_engine_is_caught_by_the_deep_probe():
             status = await admin(s, rt, "/admin/status")
             assert status["retry_budget"]["retries_in_window"] >= 1
         wedged.signal(signal.SIGKILL)  # its engine thread never returns: no clean shutdown
+
+
+async def test_kill9_in_a_burst_spends_no_retry_budget():
+    """A burst of 60 at once on a fresh router (its retry budget allows max(3, 10%) = 6), and
+    one of three replicas killed while it holds a third of them: the requests it held move to
+    the other two as failover, not as overload retries, so all 60 are answered in full."""
+    rt, reps = fleet(3, decode_ms=10, num_blocks=1024)
+    with running(rt, *reps):
+        wait_http(rt.url + "/health", procs=(rt,))
+        async with aiohttp.ClientSession() as s:
+            await wait_routable(s, rt, 3)
+
+            async def one(i: int):
+                prompt = f"burst request {i}"
+                if i % 2 == 0:
+                    return await completion(s, rt.url, prompt, 120, rid=f"b-{i}")
+                return await stream(s, rt.url, prompt, 120, rid=f"b-{i}", failover="resume")
+
+            tasks = [asyncio.create_task(one(i)) for i in range(60)]
+            deadline = time.monotonic() + 20
+            while (await replica_view(s, rt, "r0"))["router_inflight"] < 12:
+                assert time.monotonic() < deadline and not all(t.done() for t in tasks)
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)  # the streams there have sent tokens; the rest have not
+            reps[0].signal(signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            exhausted = await router_samples(s, rt, "batcher_router_retry_budget_exhausted_total")
+            retries = {lb["reason"]: v for lb, v in await router_samples(
+                s, rt, "batcher_retries_total")}
+    refused = [(i, out) for i, (status, out) in enumerate(results) if status != 200]
+    assert not refused, refused
+    for i, (_, out) in enumerate(results):
+        if i % 2 == 0:
+            assert out["choices"][0]["finish_reason"] == "length", out
+            assert out["usage"]["completion_tokens"] == 120, out
+        else:
+            assert out[-1] == "[DONE]" and "error" not in out[-2], (i, out[-2:])
+            assert out[-2]["choices"][0]["finish_reason"] == "length"
+    assert retries.get("replica_lost", 0) >= 1, retries
+    assert exhausted == [({}, 0.0)], retries
