@@ -197,6 +197,9 @@ async def run_server(args: argparse.Namespace) -> int:
             gw.state, args.router, args.replica_id or f"{args.host}:{pre.port}", url,
             admin_url=admin_url))
     log.info("serving %s on http://%s:%d", gw.cfg.model_name, args.host, pre.port)
+    if pre.batch_config is not None:
+        log.info("batch API (/v1/files, /v1/batches) keeps its files and database in %s "
+                 "(--data-dir; --no-batch-api turns it off)", pre.batch_config.data_dir)
     print(f"batcher: serving {gw.cfg.model_name} on http://{args.host}:{pre.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -129,7 +129,6 @@ def preflight(args: argparse.Namespace) -> Preflight:
     try:
         sched.validate()
         cache.validate()
-        batch_config = batch.config_from_args(args)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     for flag in ("slo_ttft_ms", "slo_tpot_ms"):
@@ -142,6 +141,11 @@ def preflight(args: argparse.Namespace) -> Preflight:
         raise StartupError("--admin-port needs --admin-key or BATCHER_ADMIN_KEY")
     keepalive = getattr(args, "keepalive_timeout", None) or _env_keepalive()
     sock = bind(args.host, args.port, "--port")
+    try:  # after binding: the default data directory is named by the port in use
+        batch_config = batch.config_from_args(args, sock.getsockname()[1])
+    except ValueError as exc:
+        sock.close()
+        raise StartupError(str(exc)) from None
     admin_sock = None
     if args.admin_port:
         try:

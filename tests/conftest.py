@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -8,6 +10,11 @@ import torch
 
 # Keep tests deterministic and sized for a 2-core machine.
 torch.manual_seed(0)
+
+# Servers the tests start keep their default data directories (the batch tier's) in a folder of
+# the run's own, not in the user's home; child processes inherit it.
+_DATA_HOME = tempfile.TemporaryDirectory(prefix="batcher-test-data-")
+os.environ["XDG_DATA_HOME"] = _DATA_HOME.name
 
 
 @pytest.fixture(scope="session")

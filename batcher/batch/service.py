@@ -4,6 +4,8 @@ its lifetime (started after the engine, stopped before it)."""
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,8 @@ from batcher.http.listener import expect_continue
 from batcher.server.app import BODY_LIMIT, GATEWAY
 from batcher.server.gateway import Gateway
 from batcher.tenants import DEFAULT_TENANT, TenantConfig
+
+log = logging.getLogger("batcher.batch")
 
 
 @dataclass(slots=True)
@@ -85,7 +89,11 @@ def add_batch_serve_args(p: argparse.ArgumentParser) -> None:
     """The batch tier's `batcher serve` flags."""
     g = p.add_argument_group("batch API (/v1/files, /v1/batches)")
     g.add_argument("--data-dir", default=None, help="directory for the batch tier's files and "
-                   "database; the batch API is served only when given (default: off)")
+                   "database (default: $XDG_DATA_HOME/batcher/port-PORT, or "
+                   "~/.local/share/batcher/port-PORT; a restart on the same port finds its "
+                   "batches again)")
+    g.add_argument("--no-batch-api", action="store_true", help="serve no batch API "
+                   "(/v1/files and /v1/batches answer 404) and keep no data directory")
     g.add_argument("--batch-db", default=None, help="SQLite database path (default: "
                    "DATA_DIR/batches.sqlite3)")
     d = BatchLimits()
@@ -114,10 +122,19 @@ def add_batch_serve_args(p: argparse.ArgumentParser) -> None:
                    "SLO (default: %(default)s)")
 
 
-def config_from_args(args: argparse.Namespace) -> BatchConfig | None:
-    """The batch tier's config, or None when `--data-dir` is not given. ValueError on bad
-    values."""
-    if not args.data_dir:
+def default_data_dir(port: int) -> Path:
+    """Where the batch tier keeps its state when `--data-dir` is not given: one directory per
+    listening port (one server holds a data directory at a time, and a port is one server's)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "share")
+    return Path(base) / "batcher" / f"port-{port}"
+
+
+def config_from_args(args: argparse.Namespace, port: int) -> BatchConfig | None:
+    """The batch tier's config for a server listening on `port`, or None with
+    `--no-batch-api` (or when the default data directory cannot be made). ValueError on bad
+    values, or when the `--data-dir` given cannot be made."""
+    if args.no_batch_api:
         return None
     for flag in ("max_file_bytes", "max_line_bytes", "max_file_bytes_per_tenant",
                  "max_files_per_tenant"):
@@ -132,5 +149,15 @@ def config_from_args(args: argparse.Namespace) -> BatchConfig | None:
                          max_tenant_bytes=args.batch_max_file_bytes_per_tenant,
                          max_tenant_files=args.batch_max_files_per_tenant,
                          file_expiry_s=args.batch_file_expiry or None)
-    return BatchConfig(Path(args.data_dir), Path(args.batch_db) if args.batch_db else None,
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(port)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if args.data_dir:
+            raise ValueError(f"--data-dir {data_dir} cannot be made: {exc.strerror}") from None
+        # Not asked for: a read-only home (a locked-down container) serves without the tier.
+        log.warning("no batch API: the default data directory %s cannot be made (%s); give a "
+                    "writable --data-dir, or --no-batch-api to say so", data_dir, exc.strerror)
+        return None
+    return BatchConfig(data_dir, Path(args.batch_db) if args.batch_db else None,
                        limits.validate(), gate.validate())
