@@ -16,15 +16,23 @@ from batcher.timings import Timings
 
 ACCESS = logging.getLogger("batcher.access")
 LOG_FORMATS = ("text", "json")
+# The key a handler sets on its `aiohttp` request once it wrote the request's line itself.
+LOGGED = "batcher.access_logged"
 
 
 def log_access(*, request_id: str, tenant: str, route: str, status: int,
                timings: Timings | None, finish_reason: str | None = None,
-               priority: str | None = None, error_code: str | None = None) -> None:
+               priority: str | None = None, error_code: str | None = None,
+               outcome: str | None = None) -> None:
+    """One line: who, where, the status and how the request ended (`outcome`: done,
+    client_disconnect, shutdown, deadline, error, refused), why it was refused or failed
+    (`error_code`), its phases and tokens."""
     if not ACCESS.isEnabledFor(logging.INFO):
         return
     fields: dict[str, Any] = {"request_id": request_id, "tenant": tenant, "route": route,
                               "status": status}
+    if outcome is not None:
+        fields["outcome"] = outcome
     if priority is not None:
         fields["priority"] = priority
     if finish_reason is not None:
@@ -35,6 +43,14 @@ def log_access(*, request_id: str, tenant: str, route: str, status: int,
         fields.update(timings.to_json())
     text = " ".join(f"{k}={v}" for k, v in fields.items())
     ACCESS.info("%s", text, extra={"access": fields})
+
+
+def log_refusal(*, request_id: str, tenant: str, route: str, status: int,
+                error_code: str | None) -> None:
+    """The line of a request answered with an error before any handler ran it (a key refused,
+    an unknown route or model, a body too large): why, where an operator looks."""
+    log_access(request_id=request_id, tenant=tenant, route=route, status=status, timings=None,
+               error_code=error_code, outcome="error" if status == 500 else "refused")
 
 
 class JsonFormatter(logging.Formatter):

@@ -185,6 +185,11 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._error is None and not self._stopping
 
+    @property
+    def stopping(self) -> bool:
+        """`stop()` was called: requests that end now end for a shutdown, not a failure."""
+        return self._stopping
+
     # requests ------------------------------------------------------------------------------
     async def generate(self, request: Request, stop: list[str] | None = None
                        ) -> AsyncIterator[EngineEvent]:
@@ -231,6 +236,13 @@ class AsyncEngine:
         live.abort_time = self.clock()
         self._wake.set()
         return True
+
+    def times(self, request_id: str) -> EngineTimes | None:
+        """The marks of a request still in flight, as if it ended now (None once it has
+        ended): what a request cut short (a client gone, a shutdown) ran, for its access line
+        and phase histograms."""
+        live = self._live.get(request_id)
+        return None if live is None else self._times(live, self.clock())
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._live
@@ -458,16 +470,30 @@ class AsyncEngine:
         ev.priority = int(req.priority)
         live.end_requeue(now)
         self._preempted.discard(rid)
-        ev.times = EngineTimes(
-            first_scheduled=req.first_scheduled_time, first_token=req.first_token_time,
-            last_token=live.token_times[-1] if live.token_times else None, finished=now,
-            requeue_before_first_token=live.requeue_before,
-            requeue_after_first_token=live.requeue_after, preemptions=req.num_preemptions)
+        ev.times = self._times(live, now)
         del self._live[rid]
         self._streams.push(rid, ev, merge=True, now=time.monotonic())
         self._streams.close_stream(rid)
         if self.metrics is not None and not req.tenant.startswith("__"):
             self.metrics.observe_finished(ev)
+
+    @staticmethod
+    def _times(live: _Live, now: float) -> EngineTimes:
+        """The request's marks as its final event carries them, were it to end at `now` (a
+        wait after a preemption still under way counts to `now`)."""
+        req = live.request
+        before, after = live.requeue_before, live.requeue_after
+        if live.preempted_at is not None:
+            wait = max(0.0, now - live.preempted_at)
+            if req.first_token_time is None:
+                before += wait
+            else:
+                after += wait
+        return EngineTimes(
+            first_scheduled=req.first_scheduled_time, first_token=req.first_token_time,
+            last_token=live.token_times[-1] if live.token_times else None, finished=now,
+            requeue_before_first_token=before, requeue_after_first_token=after,
+            preemptions=req.num_preemptions)
 
     def _fail_all(self, reason: str) -> None:
         now = self.clock()

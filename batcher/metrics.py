@@ -107,6 +107,11 @@ class Metrics:
                                 ["reason"], registry=r)
         self.rejected = Counter("batcher_requests_rejected", "Requests refused before the "
                                 "engine", ["reason"], registry=r)
+        # What refused clients were told: how long to stay away (`batcher diagnose` reports
+        # it beside the refused share).
+        self.retry_after = Histogram("batcher_retry_after_seconds", "Retry-After given with "
+                                     "refusals", buckets=(1, 2, 5, 10, 30, 60, 300),
+                                     registry=r)
         self.goodput = Counter("batcher_goodput_requests", "Requests finished within both the "
                                "TTFT and the TPOT SLO", registry=r)
         self.info = Gauge("batcher_info", "Server identity", ["version", "model"], registry=r)
@@ -259,8 +264,10 @@ class Metrics:
     def observe_cancel_delay(self, seconds: float) -> None:
         self.cancel_delay.observe(seconds)
 
-    def observe_rejected(self, reason: str) -> None:
+    def observe_rejected(self, reason: str, retry_after: float | None = None) -> None:
         self.rejected.labels(reason).inc()
+        if retry_after is not None:
+            self.retry_after.observe(retry_after)
 
 
 class BusyWindow:

@@ -94,6 +94,11 @@ class ApiError(Exception):
             headers["x-should-retry"] = retry
         if self.retry_after is not None:
             headers["Retry-After"] = retry_after_header(self.retry_after)
+        # A refusal for now names its reason in a header too, so a client, a benchmark and a
+        # router read why without parsing the body: the same word as the body's code.
+        if self.status in (429, 503) and self.code and not any(
+                k.lower() == "x-reject-reason" for k in headers):
+            headers["X-Reject-Reason"] = self.code
         if request_id:
             headers["X-Request-Id"] = request_id
         resp = web.Response(status=self.status, body=orjson.dumps(self.body()),

@@ -10,12 +10,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from batcher.access_log import LOGGED, log_refusal
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import FLEET_KEY_HEADER, AuthError, header_matches
 from batcher.http.listener import add_fallback_route, expect_continue
 from batcher.http.middleware import answer_unexpected
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
+from batcher.http.text import excerpt
 from batcher.server import embeddings_route, tokenize_route
 from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import Gateway
@@ -70,12 +72,16 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         resp = await handler(request)
     except ApiError as err:
         resp = err.response(rid)
+        refused(request, rid, err.status, err.code)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        resp = from_http_exception(exc).response(rid)
+        err = from_http_exception(exc)
+        resp = err.response(rid)
+        refused(request, rid, err.status, err.code)
     except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
         resp = answer_unexpected(request, exc, rid)
+        refused(request, rid, resp.status, None)
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
         # DESIGN: the replica's state rides on the fleet's responses, errors included, so a
@@ -85,6 +91,16 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         elif "X-Replica-State" not in resp.headers and (st := state_header()) is not None:
             resp.headers["X-Replica-State"] = st
     return resp
+
+
+def refused(request: web.Request, rid: str, status: int, code: str | None) -> None:
+    """The access line of an error answer no generation handler logged itself (a key refused,
+    an unknown route, a bad body for another route)."""
+    if request.get(LOGGED):
+        return
+    tenant = getattr(request.get("tenant"), "name", "-")
+    log_refusal(request_id=rid, tenant=tenant, route=excerpt(request.rel_url.raw_path, 200),
+                status=status, error_code=code)
 
 
 async def health(request: web.Request) -> web.Response:

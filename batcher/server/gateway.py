@@ -145,7 +145,7 @@ class Gateway:
         if tenant is not None:
             busy = self.tokenizing.get(tenant.name, 0)
             if busy + self.admission.in_flight(tenant.name) >= tenant.max_concurrent:
-                self.metrics.observe_rejected("tenant_concurrency")
+                self.metrics.observe_rejected("tenant_concurrency", 1)
                 raise ApiError(429, f"too many concurrent requests (limit "
                                f"{tenant.max_concurrent})", code="tenant_concurrency",
                                retry_after=1, headers={"X-Reject-Reason": "tenant_concurrency"})
@@ -207,7 +207,7 @@ class Gateway:
             ticket = self.admission.admit(tenant, spec.priority, prompt_tokens, max_tokens,
                                           backlog, len(prompts) * copies)
         except Rejected as rej:
-            self.metrics.observe_rejected(rej.reason)
+            self.metrics.observe_rejected(rej.reason, float(rej.retry_after_header))
             # NOTE: the reason travels in the body's code, the access line and a header, so a
             # client, an operator and a router each read why without parsing the message.
             raise ApiError(rej.status, rej.message, code=rej.reason,

@@ -104,13 +104,17 @@ class GenerationHandler:
         self.prefix = "chatcmpl-" if chat else "cmpl-"
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
-        timing = RequestTiming(self.gw.metrics, request)
+        timing = RequestTiming(self.gw.metrics, request, self.gw.engine)
         try:
             resp = await self._handle(request, timing)
         except ApiError as err:
+            if timing.job is not None and self.gw.engine.stopping:
+                timing.cut("shutdown")
             timing.done(err.status, err.code)
             raise
-        except asyncio.CancelledError:  # the client went away
+        except asyncio.CancelledError:  # the client went away, or shutdown cut the request
+            if timing.outcome is None:
+                timing.cut(self.gone())
             timing.done(499)
             raise
         except Exception:
@@ -138,6 +142,7 @@ class GenerationHandler:
         rid: str = request["request_id"]
         job = gw.admit(tenant, spec, prompts, rid)
         timing.job = job
+        timing.copies = spec.n
         generated = 0
         try:
             if spec.stream:
@@ -154,6 +159,10 @@ class GenerationHandler:
                                 headers=headers)
         finally:
             gw.release(job, generated or sum(r.num_output_tokens for r in job.requests))
+
+    def gone(self) -> str:
+        """Why a request still running was cut: the server shutting down, or its client."""
+        return "shutdown" if self.gw.engine.stopping else "client_disconnect"
 
     # whole answers -----------------------------------------------------------------------------
     async def _collect(self, spec: GenerationSpec, job: Job) -> list[Choice]:
@@ -237,6 +246,7 @@ class GenerationHandler:
         except TimeoutError:
             if not resp.prepared:
                 raise deadline_error(spec) from None
+            timing.cut("deadline")
             err = deadline_error(spec)
             err.param = None
             with contextlib.suppress(ConnectionError):
@@ -244,7 +254,11 @@ class GenerationHandler:
         except ConnectionError:
             # The client went away mid-stream: a normal end, not a server error. aclose() below
             # aborts every choice still running, which frees their KV blocks at the next step.
-            pass
+            # What ran is read first, while the engine still holds the choices.
+            timing.cut(self.gone())
+        except asyncio.CancelledError:
+            timing.cut(self.gone())
+            raise
         finally:
             await events.aclose()
         with contextlib.suppress(ConnectionError):
@@ -299,6 +313,8 @@ class GenerationHandler:
                 continue
             err = final_error(ev)
             if err is not None:
+                finals[i] = ev
+                timing.cut("shutdown" if self.gw.engine.stopping else "error", finals)
                 await resp.write(sse_event(self._error(err, ev)))
                 return
             if spec.score_only:
