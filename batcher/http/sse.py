@@ -15,3 +15,8 @@ SSE_HEADERS: dict[str, str] = {"Content-Type": "text/event-stream", "Cache-Contr
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + SEP
+
+
+def sse_named(event: str, payload: dict[str, Any]) -> bytes:
+    """A named event (`event:` then `data:`), as the Responses and Anthropic streams send."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(payload) + SEP

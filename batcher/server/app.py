@@ -18,11 +18,13 @@ from batcher.http.middleware import answer_unexpected
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
 from batcher.http.text import excerpt
-from batcher.server import embeddings_route, tokenize_route
+from batcher.server import embeddings_route, messages_route, responses_route, tokenize_route
 from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import Gateway
+from batcher.server.messages_protocol import reshape_error
 from batcher.server.openai_routes import GenerationHandler
 from batcher.server.probe import ProbeGuard
+from batcher.server.responses_store import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
     except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
         resp = answer_unexpected(request, exc, rid)
         refused(request, rid, resp.status, None)
+    if resp.status >= 400 and request.path.startswith(messages_route.PREFIX):
+        resp = reshape_error(resp)  # Anthropic's clients read Anthropic's error shape
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
         # DESIGN: the replica's state rides on the fleet's responses, errors included, so a
@@ -164,11 +168,13 @@ async def cancel(request: web.Request) -> web.Response:
 def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int,
                probe_keys: tuple[str | None, ...] = (),
                extend: Callable[[web.Application], None] | None = None,
-               fleet_key: str | None = None) -> web.Application:
+               fleet_key: str | None = None,
+               responses: StoreConfig | None = None) -> web.Application:
     """The public app. `gw_factory` builds the gateway (model, engine) at startup; cleanup
     stops the engine. `/v1/probe` takes any of `probe_keys` (the admin and fleet keys).
     `extend` adds routes and lifetimes of optional tiers (the batch API). With `fleet_key`,
-    `X-Replica-State` goes only to callers that send it in `X-Fleet-Key` (the router)."""
+    `X-Replica-State` goes only to callers that send it in `X-Fleet-Key` (the router).
+    `responses`: where stored responses live (default: in memory)."""
     app = web.Application(middlewares=[gateway_middleware], client_max_size=max_body_bytes)
     app[PROBE] = ProbeGuard(probe_keys)
     app[FLEET_KEY] = fleet_key or ""
@@ -201,6 +207,8 @@ def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int
     app.router.add_post("/v1/completions", generation, **ex)
     app.router.add_post("/v1/chat/completions", generation, **ex)
     app.router.add_post("/v1/embeddings", embeddings_route.handle, **ex)
+    responses_route.install(app, responses or StoreConfig(), **ex)
+    messages_route.install(app, **ex)
     if extend is not None:
         extend(app)  # before the catch-all route, which would shadow later ones
     add_fallback_route(app)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -33,6 +33,27 @@ def engine_refusal(exc: Exception) -> ApiError:
     if isinstance(exc, ValueError):
         return invalid(str(exc), None)
     return ApiError(503, f"the engine cannot serve: {exc}", code="engine_error", retry_after=5)
+
+
+class ChunkSink(Protocol):
+    """The bytes a stream sends for each chat chunk (an error body included) and at its end."""
+
+    def chunk(self, payload: dict[str, Any]) -> bytes: ...
+
+    def end(self) -> bytes: ...
+
+
+class _SseChunks:
+    """Chat and completion chunks as they are: one `data:` event each, then `[DONE]`."""
+
+    def chunk(self, payload: dict[str, Any]) -> bytes:
+        return sse_event(payload)
+
+    def end(self) -> bytes:
+        return DONE
+
+
+SSE_CHUNKS = _SseChunks()
 
 
 class Choice:
@@ -126,8 +147,7 @@ class GenerationHandler:
     async def _handle(self, request: web.Request, timing: RequestTiming) -> web.StreamResponse:
         gw = self.gw
         body = await read_json(request)
-        spec = parse_generation(body, self.chat, {gw.cfg.model_name}, gw.tokenizer.vocab_size,
-                                gw.tool_parser)
+        spec = self.parse(request, body)
         if spec.sampling.grammar is not None and not gw.engine.supports_grammar:
             raise invalid("structured outputs are not supported by this model",
                           "response_format", "unsupported")
@@ -155,6 +175,7 @@ class GenerationHandler:
             headers = {"Server-Timing": t.server_timing()}
             if (state := request["state_header"]()) is not None:
                 headers["X-Replica-State"] = state
+            answer = self.shape(request, answer)
             return web.Response(body=orjson.dumps(answer), content_type="application/json",
                                 headers=headers)
         finally:
@@ -163,6 +184,21 @@ class GenerationHandler:
     def gone(self) -> str:
         """Why a request still running was cut: the server shutting down, or its client."""
         return "shutdown" if self.gw.engine.stopping else "client_disconnect"
+
+    # hooks: the routes that translate another API onto this one override them ------------------
+    def parse(self, request: web.Request, body: Any) -> GenerationSpec:
+        """The request's spec from its JSON body; ApiError(400) naming the field."""
+        gw = self.gw
+        return parse_generation(body, self.chat, {gw.cfg.model_name}, gw.tokenizer.vocab_size,
+                                gw.tool_parser)
+
+    def shape(self, request: web.Request, answer: dict[str, Any]) -> dict[str, Any]:
+        """The whole answer's body from the chat or completion answer."""
+        return answer
+
+    def sink(self, request: web.Request, spec: GenerationSpec, job: Job) -> ChunkSink:
+        """What a stream sends for each chunk and at its end."""
+        return SSE_CHUNKS
 
     # whole answers -----------------------------------------------------------------------------
     async def _collect(self, spec: GenerationSpec, job: Job) -> list[Choice]:
@@ -229,6 +265,7 @@ class GenerationHandler:
         """Status and headers once the first event is in, then one SSE chunk per event; the
         deadline, the engine's failure and the client's disconnect each end it explicitly."""
         rid = request["request_id"]
+        sink = self.sink(request, spec, job)
         resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": rid})
         events = self.gw.events(job)
         try:
@@ -241,7 +278,7 @@ class GenerationHandler:
                 await resp.prepare(request)
                 base = {"id": self.prefix + rid, "object": self.object + ".chunk"
                         if self.chat else self.object, "created": now_s(), "model": spec.model}
-                await self._relay(resp, spec, job, base, first, events, timing)
+                await self._relay(resp, spec, job, base, first, events, timing, sink)
                 deadline.reschedule(None)
         except TimeoutError:
             if not resp.prepared:
@@ -250,7 +287,7 @@ class GenerationHandler:
             err = deadline_error(spec)
             err.param = None
             with contextlib.suppress(ConnectionError):
-                await resp.write(sse_event(err.body()))
+                await resp.write(sink.chunk(err.body()))
         except ConnectionError:
             # The client went away mid-stream: a normal end, not a server error. aclose() below
             # aborts every choice still running, which frees their KV blocks at the next step.
@@ -262,7 +299,7 @@ class GenerationHandler:
         finally:
             await events.aclose()
         with contextlib.suppress(ConnectionError):
-            await resp.write(DONE)
+            await resp.write(sink.end())
             await resp.write_eof()
         return resp
 
@@ -277,16 +314,16 @@ class GenerationHandler:
 
     async def _relay(self, resp: web.StreamResponse, spec: GenerationSpec, job: Job,
                      base: dict[str, Any], first: tuple[int, EngineEvent],
-                     events: AsyncIterator[tuple[int, EngineEvent]], timing: RequestTiming
-                     ) -> None:
+                     events: AsyncIterator[tuple[int, EngineEvent]], timing: RequestTiming,
+                     sink: ChunkSink = SSE_CHUNKS) -> None:
         """Write every choice's events as chunks, then the usage chunk when asked for; an
         engine failure ends the stream with an error event instead."""
         if self.chat:
             for i in range(len(job.requests)):
-                await resp.write(sse_event(self._chunk(base, i, role=True)))
+                await resp.write(sink.chunk(self._chunk(base, i, role=True)))
         elif spec.echo and spec.logprobs is None:
             for i in range(len(job.requests)):
-                await resp.write(sse_event(self._chunk(base, i, text=self._echo(spec, i))))
+                await resp.write(sink.chunk(self._chunk(base, i, text=self._echo(spec, i))))
         # With logprobs, a choice's echo waits for its prompt logprobs (on its first event).
         echo_due = set(range(len(job.requests))) if spec.echo and spec.logprobs is not None \
             else set()
@@ -297,7 +334,7 @@ class GenerationHandler:
                    if self.chat and spec.tools.active else None)
         # NOTE: most chunks carry text alone: with nothing else asked for, they are written from
         # bytes made once per choice around the text's JSON (the same bytes as the chunk's).
-        plain = not (spec.score_only or echo_due or buffers is not None
+        plain = sink is SSE_CHUNKS and not (spec.score_only or echo_due or buffers is not None
                      or spec.logprobs is not None or spec.return_token_ids)
         frames: dict[int, tuple[bytes, bytes]] = {}
         dumps = orjson.dumps
@@ -315,18 +352,18 @@ class GenerationHandler:
             if err is not None:
                 finals[i] = ev
                 timing.cut("shutdown" if self.gw.engine.stopping else "error", finals)
-                await resp.write(sse_event(self._error(err, ev)))
+                await resp.write(sink.chunk(self._error(err, ev)))
                 return
             if spec.score_only:
                 ev = score_only(ev)
             if i in echo_due and ev.prompt_logprobs is not None:
                 echo_due.discard(i)
                 lp = self._echo_logprobs(job.requests[i].prompt_token_ids, ev.prompt_logprobs)
-                await resp.write(sse_event(self._chunk(base, i, text=self._echo(spec, i),
+                await resp.write(sink.chunk(self._chunk(base, i, text=self._echo(spec, i),
                                                        logprobs=lp)))
             chunk = self._event_chunk(base, spec, job, i, ev, prompt_sent, buffers)
             if chunk is not None:
-                await resp.write(sse_event(chunk))
+                await resp.write(sink.chunk(chunk))
             if ev.finished:
                 tally.add(i, ev)
                 finals[i] = ev
@@ -335,7 +372,7 @@ class GenerationHandler:
         # it they end when the last choice's chunk was written.
         t = timing.finish(finals, tally.body())
         if spec.include_usage:
-            await resp.write(sse_event(dict(base, choices=[], usage=tally.body(),
+            await resp.write(sink.chunk(dict(base, choices=[], usage=tally.body(),
                                             timings=t.to_json())))
 
     def _event_chunk(self, base: dict[str, Any], spec: GenerationSpec, job: Job, i: int,

@@ -98,7 +98,12 @@ COMPLETION_ONLY: tuple[Unsupported, ...] = (
 
 def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Raise ApiError(400) naming the first field this server cannot honour."""
-    for rule in (*COMMON, *(CHAT_ONLY if chat else COMPLETION_ONLY)):
+    refuse_fields(body, (*COMMON, *(CHAT_ONLY if chat else COMPLETION_ONLY)))
+
+
+def refuse_fields(body: dict[str, Any], rules: tuple[Unsupported, ...]) -> None:
+    """Raise ApiError(400) naming the first field of `rules` whose value is not harmless."""
+    for rule in rules:
         if rule.field in body and not rule.harmless(body[rule.field]):
             raise invalid(f"'{rule.field}' is not supported: {rule.why}", rule.field,
                           "unsupported")
