@@ -34,6 +34,7 @@ from batcher.bench.report import (
     MetricsScraper,
     markdown_table,
     phase_lines,
+    refusal_lines,
     server_lines,
     summarize,
     table_row,
@@ -60,9 +61,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--priority", default=None, help="priority class to send, e.g. batch")
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds one request may take (default: %(default)s)")
-    s.add_argument("--retries", type=int, default=0, help="send a request refused with 429 or "
-                   "503 again, after its Retry-After, up to this many times, as OpenAI's client "
-                   "does (default: %(default)s: every refusal counts)")
+    s.add_argument("--retries", type=int, default=0, help="honour Retry-After as real "
+                   "clients do: send a request refused with 429 or 503 again, after the wait "
+                   "its Retry-After names, up to this many times (OpenAI's clients: 2); the "
+                   "report says the time spent waiting (default: %(default)s: every refusal "
+                   "counts)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default=None, help="workload file (default: chat64)")
     w.add_argument("--synthetic", action="store_true", help="lognormal synthetic requests")
@@ -226,7 +229,8 @@ def write_run(out: Path, label: str, args: argparse.Namespace, arr: Arrivals,
            "cpu": None if cpu is None else asdict(cpu), "requests": reqs}
     (out / "report.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     text = markdown_table([table_row(label, summary)]) + "\n" + "\n".join(
-        f"- {line}" for line in server_lines(server) + phase_lines(summary)) + "\n"
+        f"- {line}" for line in server_lines(server) + phase_lines(summary)
+        + refusal_lines(summary)) + "\n"
     if cpu is not None:
         text += f"- {cpu.describe()}\n"
     if summary["length_mismatches"]:

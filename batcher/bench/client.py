@@ -100,6 +100,10 @@ class RequestResult:
     timings: dict[str, Any] | None = None  # the server's phase split, from the usage chunk
     reconnected: bool = False  # sent again after its kept-alive connection turned out closed
     attempts: int = 1  # sends, counting those refused with 429/503 and sent again
+    # Each refusal (429/503, the retried ones included) as "STATUS REASON": the server's
+    # `X-Reject-Reason`, else its error body's code, else "unknown".
+    refusals: list[str] = field(default_factory=list)
+    retry_wait_s: float = 0.0  # time spent waiting to send again, as Retry-After asked
 
     @property
     def ok(self) -> bool:
@@ -196,7 +200,9 @@ async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: B
         async with asyncio.timeout(cfg.request_timeout):
             await _exchange(session, cfg, payload, res, sent)
             while res.status in RETRY_STATUSES and res.attempts <= cfg.max_retries:
-                await asyncio.sleep(retry_delay(res.retry_after, res.attempts))
+                wait = retry_delay(res.retry_after, res.attempts)
+                res.retry_wait_s += wait
+                await asyncio.sleep(wait)
                 res.attempts += 1
                 res.status, res.error, res.retry_after, res.e2e = 0, None, None, None
                 await _exchange(session, cfg, payload, res, sent)
@@ -217,7 +223,10 @@ async def _exchange(session: aiohttp.ClientSession, cfg: ClientConfig, payload: 
                 res.status = resp.status
                 if resp.status != 200:
                     res.retry_after = resp.headers.get("Retry-After")
-                    res.error = _error_message(await resp.text())
+                    res.error, code = _error_message(await resp.text())
+                    if resp.status in RETRY_STATUSES:
+                        why = resp.headers.get("X-Reject-Reason") or code or "unknown"
+                        res.refusals.append(f"{resp.status} {why[:64]}")
                     res.e2e = time.perf_counter() - sent
                     return
                 await _read_stream(resp, res, sent)
@@ -250,14 +259,16 @@ def retry_delay(retry_after: str | None, retry: int, rand: float | None = None) 
     return backoff * (1 - 0.25 * (random.random() if rand is None else rand))
 
 
-def _error_message(text: str) -> str:
+def _error_message(text: str) -> tuple[str, str | None]:
+    """An error answer's message and its code (None when it has none)."""
     try:
         err = orjson.loads(text).get("error")
     except (orjson.JSONDecodeError, AttributeError):
-        return text[:200]
+        return text[:200], None
     if isinstance(err, dict):
-        return str(err.get("message", err))[:200]
-    return str(err)[:200]
+        code = err.get("code")
+        return str(err.get("message", err))[:200], str(code)[:64] if code else None
+    return str(err)[:200], None
 
 
 async def first_model(session: aiohttp.ClientSession, base_url: str,

@@ -26,6 +26,10 @@ SCRAPED = ("batcher_kv_blocks_used", "batcher_kv_blocks_total", "batcher_running
 # Per step kind (prefill / decode / mixed): the model time and tokens of the engine's steps, for
 # the prefill and decode rates `batcher plan` sizes a fleet with.
 BY_KIND = ("batcher_step_seconds", "batcher_step_tokens")
+# A router's own series: its replicas' figures (KV, rates) are on their own /metrics.
+ROUTER_SCRAPED = ("batcher_router_client_requests", "batcher_retries", "batcher_failovers",
+                  "batcher_router_retry_budget_exhausted")
+ROUTER_REPLICAS = "batcher_router_replicas"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -38,7 +42,12 @@ def parse_metrics(text: str) -> dict[str, float]:
                     key = f"{s.name}{{kind={s.labels['kind']}}}"
                     out[key] = out.get(key, 0.0) + float(s.value)
             continue
-        if fam.name not in SCRAPED:
+        if fam.name == ROUTER_REPLICAS:
+            for sm in fam.samples:
+                key = f"{sm.name}{{view={sm.labels.get('view', '')}}}"
+                out[key] = float(sm.value)
+            continue
+        if fam.name not in SCRAPED and fam.name not in ROUTER_SCRAPED:
             continue
         for s in fam.samples:
             if s.name.endswith("_created"):
@@ -106,6 +115,15 @@ class MetricsScraper:
         def delta(name: str) -> float:
             return last.get(name, 0.0) - first.get(name, 0.0)
 
+        if not any(k.startswith("batcher_kv_blocks") for k in last) and any(
+                k.startswith(ROUTER_REPLICAS) for k in last):
+            return {"router": True,
+                    "client_requests": delta("batcher_router_client_requests_total"),
+                    "retries": delta("batcher_retries_total"),
+                    "failovers": delta("batcher_failovers_total"),
+                    "budget_exhausted": delta("batcher_router_retry_budget_exhausted_total"),
+                    "replicas_routable": last.get(f"{ROUTER_REPLICAS}{{view=routable}}"),
+                    "replicas_evicted": last.get(f"{ROUTER_REPLICAS}{{view=evicted}}")}
         used = [v.get("batcher_kv_blocks_used", 0.0) for _, v in self.samples]
         prompt = delta("batcher_prompt_tokens_total")
         return {
@@ -214,6 +232,12 @@ def summarize(results: list[RequestResult], slo_ttft_ms: float | None = None,
         "reconnects": sum(r.reconnected for r in results),
         "retried": sum(r.attempts > 1 for r in results),
         "retries": sum(r.attempts - 1 for r in results),
+        # Every refused answer by "STATUS REASON" (retried ones too), the refusals that ended
+        # requests, and the time spent waiting as Retry-After asked.
+        "refusals_by_reason": _count(x for r in results for x in r.refusals),
+        "final_refusals": _count(r.refusals[-1] for r in results
+                                 if r.kind in ("429", "503") and r.refusals),
+        "retry_wait_s": sum(r.retry_wait_s for r in results),
         "request_throughput": len(ok) * per_s, "output_tokens": out_tokens,
         "output_tok_s": out_tokens * per_s,
         "input_tok_s": sum(r.prompt_len for r in ok) * per_s,
@@ -228,6 +252,30 @@ def summarize(results: list[RequestResult], slo_ttft_ms: float | None = None,
         "tokens_from_usage": sum(r.tokens_from == "usage" for r in ok),
         "server_phases": phase_split(ok),
     }
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def refusal_lines(summary: dict[str, Any]) -> list[str]:
+    """Why the server refused, and what honouring its Retry-After cost (nothing when it
+    refused nothing)."""
+    by_reason = summary.get("refusals_by_reason") or {}
+    if not by_reason:
+        return []
+    line = "refusals by reason (every refused answer): " + ", ".join(
+        f"{k} {n}" for k, n in by_reason.items())
+    if summary.get("retries"):
+        line += (f"; {summary['retried']} requests sent again {summary['retries']} times after "
+                 f"waiting {summary.get('retry_wait_s', 0.0):,.1f} s in all as Retry-After "
+                 "asked")
+    else:
+        line += "; none sent again (--retries N honours Retry-After as OpenAI's clients do)"
+    return [line]
 
 
 def phase_split(results: list[RequestResult]) -> dict[str, Any] | None:
@@ -276,7 +324,14 @@ def _f(x: float | None, digits: int = 1) -> str:
 
 
 def table_row(label: str, s: dict[str, Any]) -> list[str]:
-    errs = ", ".join(f"{k}: {v}" for k, v in s["errors_by_kind"].items()) or "0"
+    final = s.get("final_refusals") or {}
+
+    def why(kind: str) -> str:
+        reasons = ", ".join(f"{k.split(' ', 1)[1]} {n}" for k, n in final.items()
+                            if k.split(" ", 1)[0] == kind)
+        return f" ({reasons})" if reasons else ""
+
+    errs = ", ".join(f"{k}: {v}{why(k)}" for k, v in s["errors_by_kind"].items()) or "0"
     if s.get("reconnects"):  # sent again after a kept-alive connection turned out closed
         errs += f" ({s['reconnects']} resent)"
 
@@ -301,6 +356,13 @@ def server_lines(server: dict[str, Any] | None) -> list[str]:
     """The scraped server view as a few readable lines."""
     if server is None:
         return ["server metrics: none (no batcher /metrics at this address)"]
+    if server.get("router"):
+        return [(f"router metrics: {int(server['client_requests'])} client requests, "
+                 f"{int(server['retries'])} retries, {int(server['failovers'])} failovers, "
+                 f"{int(server['budget_exhausted'])} retries refused by the budget; replicas "
+                 f"routable {_f(server['replicas_routable'], 0)}, evicted "
+                 f"{_f(server['replicas_evicted'], 0)} (KV use and rates are on each "
+                 "replica's own /metrics)")]
     qw, sv = server["queue_wait"], server["service"]
     hit = server["prefix_cache_hit_rate"]
     return [(f"queue wait mean {_f(qw['mean'], 3)} s (p50 ~{_f(qw['p50'], 3)}, p99 "
