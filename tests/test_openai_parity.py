@@ -516,6 +516,43 @@ def test_bundled_model_agent_loop(real: Server) -> None:
         msg.content and not msg.content.lstrip().startswith("{"))
 
 
+# A schema as clients write them: extra keys not forbidden, and no bound on the string.
+OPEN_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.slow
+def test_bundled_model_forced_call_cut_short_stays_a_call(real: Server) -> None:
+    """A named tool_choice whose answer is cut by max_tokens is still a tool call (its
+    arguments as far as they got, finish_reason length), never the call's raw JSON as
+    content; with room, the arguments hold only the keys the schema names."""
+    oc = _client(real)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for max_tokens in (3, 12):  # cut in the tool's name, then in its arguments
+        cut = oc.chat.completions.create(model="smollm2-135m", messages=list(CHAT),
+                                         tools=[OPEN_WEATHER], tool_choice=named,
+                                         max_tokens=max_tokens, temperature=0)
+        choice = cut.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, choice
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments.startswith("{"), call
+    full = oc.chat.completions.create(model="smollm2-135m", messages=list(CHAT),
+                                      tools=[OPEN_WEATHER], tool_choice=named, max_tokens=80,
+                                      temperature=0)
+    choice = full.choices[0]
+    assert choice.message.content is None and choice.message.tool_calls, choice
+    args = choice.message.tool_calls[0].function.arguments
+    if choice.finish_reason == "tool_calls":
+        assert set(json.loads(args)) <= {"city", "unit"}, args
+    else:  # a string value that ran to the cut: still no invented key before it
+        assert choice.finish_reason == "length", choice
+        assert args.lstrip().startswith(('{"city"', '{"unit"', '{ "city"', '{ "unit"')), args
+
+
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The current time in a time zone.",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},

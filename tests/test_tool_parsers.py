@@ -227,3 +227,62 @@ def test_the_serve_flag_takes_the_registry_names(capsys) -> None:
     with pytest.raises(SystemExit):
         p.parse_args(["--tool-call-parser", "mistral"])
     assert "choose from 'generic', 'hermes', 'llama3_json'" in capsys.readouterr().err
+
+
+def test_a_forced_call_cut_short_stays_a_call() -> None:
+    """max_tokens ends a forced call mid-arguments: the answer is that call with the arguments
+    as far as they got (as the stream sent them), in every format; an auto answer cut short
+    stays text."""
+    named = parse_tools({"tools": [WEATHER, TIME], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}})
+    for fmt, text in (("generic", '{"name": "get_weather", "arguments": {"city": "Par'),
+                      ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
+                      ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par')):
+        content, calls = get_parser(fmt, "tools").parse(text, named)
+        assert content is None, fmt
+        [call] = calls
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}, fmt
+        assert call["id"].startswith("call_")
+    # Cut before the name is complete: the named tool's call, no arguments yet; under
+    # "required" no tool is named yet, so the text it is.
+    content, calls = get_parser("generic", "tools").parse('{"name": "get_wea', named)
+    assert content is None and [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": ""}]
+    required = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    content, calls = get_parser("generic", "tools").parse('{"name": "get_wea', required)
+    assert content == '{"name": "get_wea' and calls is None
+
+
+def test_call_schemas_close_objects_that_do_not_ask_for_other_keys() -> None:
+    from batcher.server.tool_parsers.spec import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string"},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {}}}},
+        "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+        "properties": {"type": "object", "properties": {"x": {}}},  # a key named so
+        "mix": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+    }, "$defs": {"d": {"type": "object", "properties": {"z": {}}}}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["where"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["properties"]["additionalProperties"] is False
+    assert set(props) == set(schema["properties"])  # no key invented in the names map
+    assert all("additionalProperties" not in b for b in props["mix"]["allOf"])
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy: the client's schema is shown as is
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # names no keys: any
+
+
+def test_a_forced_stream_cut_before_the_name_still_names_the_call() -> None:
+    named = parse_tools({"tools": [WEATHER, TIME], "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}})
+    st = get_parser("generic", "tools").stream(named)
+    assert st.feed('{"name": "get_t') == ("", [])
+    text, deltas = st.end()
+    assert text == "" and [d["function"] for d in deltas] == [
+        {"name": "get_time", "arguments": ""}] and st.called

@@ -7,8 +7,13 @@ import json
 from typing import Any, ClassVar
 
 from batcher.http.errors import invalid
-from batcher.server.tool_parsers.spec import ToolSpec, call_arguments, openai_call
-from batcher.server.tool_parsers.stream import ToolStream
+from batcher.server.tool_parsers.spec import (
+    ToolSpec,
+    call_arguments,
+    closed_objects,
+    openai_call,
+)
+from batcher.server.tool_parsers.stream import ToolStream, collect_calls
 from batcher.structured import lark_grammar
 
 
@@ -56,7 +61,8 @@ class ToolParser:
 
     def call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
         return {"type": "object", "properties": {"name": {"const": tool["name"]},
-                                                 self.arguments_key: tool["parameters"]},
+                                                 self.arguments_key: closed_objects(
+                                                     tool["parameters"])},
                 "required": ["name", self.arguments_key], "additionalProperties": False}
 
     arguments_key: ClassVar[str] = "arguments"
@@ -67,7 +73,22 @@ class ToolParser:
         raise NotImplementedError
 
     def parse(self, text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """A whole answer: (reply text or None, its calls in OpenAI's shape or None)."""
+        """A whole answer: (reply text or None, its calls in OpenAI's shape or None). An answer
+        that had to be a call (`spec.forced`) but was cut short (`max_tokens`, a stop
+        sequence) stays a call: its arguments as far as they got, as the stream sent them,
+        never the format's raw text as a reply."""
+        content, calls = self.parse_calls(text, spec)
+        if calls is None and spec.forced:
+            cut = collect_calls(self.stream(spec).feed(text)[1])
+            if not cut and spec.choice != "required":  # cut before the named tool's name
+                cut = [openai_call(spec.choice, "")]
+            if cut:
+                return None, cut
+        return content, calls
+
+    def parse_calls(self, text: str, spec: ToolSpec
+                    ) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """`parse` for a complete answer in this format."""
         raise NotImplementedError
 
     def split(self, pending: str, spec: ToolSpec, started: bool, final: bool

@@ -84,7 +84,8 @@ class GenericParser(ToolParser):
         except ValueError as exc:
             raise invalid(str(exc), "tools") from None
 
-    def parse(self, text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def parse_calls(self, text: str, spec: ToolSpec
+                    ) -> tuple[str | None, list[dict[str, Any]] | None]:
         head = text.lstrip()[:1]
         if not spec.active or head not in ("{", "["):
             return text, None

@@ -21,7 +21,8 @@ class HermesParser(ToolParser):
         more = f' ("\\n" {block})*' if many else ""
         return f"start: {block}{more}\ncall: {call}\n"
 
-    def parse(self, text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def parse_calls(self, text: str, spec: ToolSpec
+                    ) -> tuple[str | None, list[dict[str, Any]] | None]:
         first = text.find(OPEN)
         if not spec.active or first < 0:
             return text, None

@@ -20,7 +20,8 @@ class Llama3JsonParser(ToolParser):
         more = ' ("; " call)*' if many else ""
         return f"start: call{more}\ncall: {call}\n"
 
-    def parse(self, text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def parse_calls(self, text: str, spec: ToolSpec
+                    ) -> tuple[str | None, list[dict[str, Any]] | None]:
         body = text.lstrip()
         body = body.removeprefix(TAG)
         if not spec.active or not body.lstrip().startswith("{"):

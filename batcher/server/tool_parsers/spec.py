@@ -96,6 +96,43 @@ def parse_tools(body: dict[str, Any]) -> ToolSpec:
     return spec
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "not", "if", "then", "else", "contains",
+               "additionalProperties", "unevaluatedProperties", "propertyNames")
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with `additionalProperties: false` on each object schema that names its
+    properties and says nothing of others, as strict tool schemas are: decoding a call's
+    arguments then ends at the keys the tool names, instead of inventing more until
+    `max_tokens`. A schema that asks for other keys (any `additionalProperties`) keeps them;
+    branches of an `allOf` stay open (each would refuse the other's keys). A copy; the tool
+    as the client gave it is what the model is shown."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(v, in_all_of=True) for v in out["allOf"]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("items"), list):  # the older tuple form
+        out["items"] = [closed_objects(v) for v in out["items"]]
+    names_keys = isinstance(out.get("properties"), dict) and out["properties"]
+    if (names_keys and not in_all_of and "allOf" not in out
+            and "additionalProperties" not in out and "patternProperties" not in out
+            and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def call_id() -> str:
     return "call_" + secrets.token_hex(12)
 

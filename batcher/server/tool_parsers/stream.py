@@ -43,6 +43,19 @@ def delta(index: int, name: str | None = None, arguments: str = "") -> dict[str,
             "function": {"name": name, "arguments": arguments}}
 
 
+def collect_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`tool_calls` deltas joined into whole calls (each call's arguments fragments in order),
+    as a client joins a stream."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if "id" in d:
+            calls[d["index"]] = {"id": d["id"], "type": "function",
+                                 "function": dict(d["function"])}
+        elif d["index"] in calls:
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
 class _Call:
     """One call object being streamed: head (until the name and arguments key), args (the
     arguments value, forwarded as it comes), tail (to the object's closing brace)."""
@@ -191,6 +204,10 @@ class ToolStream:
 
     def end(self) -> tuple[str, list[dict[str, Any]]]:
         if self.region:
+            if not self.calls and self.spec.forced and self.spec.choice != "required":
+                # Cut before the named tool's name was out: still that tool's call.
+                self.calls = 1
+                return "", [delta(0, self.spec.choice)]
             return "", []
         show, _ = self.parser.split(self.pending, self.spec, self.started, final=True)
         self.pending = ""
