@@ -21,7 +21,7 @@ from batcher.config import (
 )
 from batcher.engine import AsyncEngine
 from batcher.heap import freeze_startup_heap
-from batcher.http.listener import LISTEN_BACKLOG, server_log
+from batcher.http.listener import LISTEN_BACKLOG, on_stop_signal, server_log
 from batcher.metrics import Metrics
 from batcher.serve_startup import engine_configs, preflight
 from batcher.server.admin import create_admin_app
@@ -203,8 +203,10 @@ async def run_server(args: argparse.Namespace) -> int:
     print(f"batcher: serving {gw.cfg.model_name} on http://{args.host}:{pre.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    draining = (f"draining (up to {args.shutdown_timeout:g}s for requests in flight), "
+                "then stopping")
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop_signal, sig, stop, log, draining)
     await stop.wait()
     # Drain: readiness 503, new work 503 + Retry-After, in-flight requests finish in time.
     gw.set_draining(True)

@@ -24,6 +24,8 @@ from batcher.fleet.policy import POLICIES, PolicyConfig
 if TYPE_CHECKING:
     from batcher.fleet.launcher import ReplicaSpec
 
+log = logging.getLogger("batcher.fleet")
+
 # `batcher serve` flags the fleet launcher sets itself for each replica.
 _OWN_FLAGS = frozenset({"host", "port", "admin_port", "admin_host", "admin_key", "router",
                         "advertise_url", "replica_id", "version", "log_level", "help"})
@@ -322,6 +324,11 @@ async def run_fleet(args: argparse.Namespace) -> int:
     try:
         await wait_for_signal()
     finally:
+        # Health checks end first: replicas that stop answering now are stopping, not failing.
+        log.info("stopping the fleet: %d replicas drain (up to %gs), then the router closes",
+                 len(specs), args.shutdown_timeout)
+        if ctx.health is not None:
+            await ctx.health.close()
         await sup.stop(args.shutdown_timeout)
         await close()
     return 0

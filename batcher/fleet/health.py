@@ -130,6 +130,9 @@ class HealthChecker:
         self._probing: dict[str, asyncio.Task[None]] = {}
         self._main: asyncio.Task[None] | None = None
         self._unprobed: set[str] = set()
+        # Closed: the router is shutting down, and replicas that stop answering are stopping
+        # with it (an orderly stop, not a failure worth a warning).
+        self.closed = False
 
     def record(self, replica_id: str) -> HealthRecord:
         rec = self.records.get(replica_id)
@@ -141,6 +144,7 @@ class HealthChecker:
         self._main = asyncio.get_running_loop().create_task(self._supervise())
 
     async def close(self) -> None:
+        self.closed = True
         tasks = [t for t in (self._main, *self._tasks.values(), *self._probing.values())
                  if t is not None]
         for t in tasks:
@@ -230,7 +234,10 @@ class HealthChecker:
 
     def _evicted(self, rep: Replica, reason: str) -> None:
         rep.evicted = True
-        log.warning("replica %s evicted: %s", rep.replica_id, reason)
+        if self.closed:
+            log.info("replica %s stopped with the router: %s", rep.replica_id, reason)
+        else:
+            log.warning("replica %s evicted: %s", rep.replica_id, reason)
         self.on_evict(rep, reason)
 
     async def _liveness(self, rep: Replica) -> str | None:

@@ -35,7 +35,7 @@ from batcher.fleet.admin import create_admin_app
 from batcher.fleet.context import RouterContext
 from batcher.fleet.internal import create_internal_app
 from batcher.fleet.proxy import create_router_app
-from batcher.http.listener import LISTEN_BACKLOG, keepalive_timeout, server_log
+from batcher.http.listener import LISTEN_BACKLOG, keepalive_timeout, on_stop_signal, server_log
 
 log = logging.getLogger("batcher.fleet")
 
@@ -84,11 +84,11 @@ async def serve_router(ctx: RouterContext, host: str, port: int, admin_port: int
 
 
 async def wait_for_signal() -> None:
-    """Until SIGTERM or SIGINT."""
+    """Until SIGTERM or SIGINT (Ctrl-C), which is logged."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop_signal, sig, stop, log, "shutting down")
     await stop.wait()
 
 

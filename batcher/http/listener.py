@@ -13,6 +13,7 @@ timeouts, and a server log that never quotes what a client sent.
   `BODY_TIMEOUT_S` (env `BATCHER_BODY_TIMEOUT`) plus its length at `MIN_BODY_RATE` is cut off:
   408 and the connection closed. `add_fallback_route` installs it on every listener.
 - `QuietServerLog`: aiohttp's server logger minus the raw bytes of requests a client broke.
+- `on_stop_signal`: the handler of SIGTERM and SIGINT (Ctrl-C): logs which arrived, then stops.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from typing import Any
 
 import orjson
@@ -197,3 +199,11 @@ class QuietServerLog(logging.LoggerAdapter):
 
 def server_log() -> QuietServerLog:
     return QuietServerLog(logging.getLogger("aiohttp.server"), {})
+
+
+def on_stop_signal(sig: int, stop: asyncio.Event, logger: logging.Logger, then: str) -> None:
+    """A stop signal arrived: say which and what happens next (an operator reads why the
+    process ended), once; then set `stop`."""
+    if not stop.is_set():
+        logger.info("received %s: %s", signal.Signals(sig).name, then)
+    stop.set()
