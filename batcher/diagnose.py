@@ -2,7 +2,9 @@
 goes, and what to do next.
 
 It reads a replica's `/metrics` twice, `--window` seconds apart (0: once, everything since the
-server started), and its `/v1/state`; or a `batcher bench` report file. From the phase
+server started; a window that saw no requests falls back to that, and says so), and its
+`/v1/state`; or a `batcher bench` report file. When admission refused most requests, the report
+names that overload first (the refused share, the reasons, the Retry-After given). From the phase
 histograms it finds the phase with the largest mean share (the bottleneck), judges first-token,
 per-token and total latency against the SLOs the server exports, and names the next action:
 a frozen screen points at the prompt, the queue or prefill; a fast start that drags points at
@@ -31,6 +33,14 @@ LATENCIES = {"first_token": "batcher_ttft_seconds", "per_token": "batcher_tpot_s
 SLO_KINDS = {"first_token": "ttft", "per_token": "tpot", "total": "total"}
 # A p99 this many times the mean, with a fair mean: waits that come and go with load.
 PEAK_RATIO = 4.0
+# Admission refusing this share of requests or more: the server is shedding an overload, and
+# that comes first in the report (the phases are those of the few it admitted).
+SHEDDING_SHARE = 0.5
+REJECTED = "batcher_requests_rejected_total"
+SHED_ACTION = ("the replica is shedding an overload: it refuses most requests at the door, so "
+               "the few it admits keep their latency. Offer less traffic or add replicas (each "
+               "replica's capacity: batcher plan); clients should honour Retry-After rather "
+               "than retry at once.")
 
 
 @dataclass(slots=True)
@@ -44,25 +54,51 @@ class Diagnosis:
     slo_ms: dict[str, float | None]
     evidence: list[str] = field(default_factory=list)
     action: str = ""
+    note: str = ""  # what the figures cover, when not what was asked (the window's fallback)
+    # Admission's refusals over the same span: {"refused", "share", "reasons", "retry_after_s"};
+    # `shedding` when it refused most requests.
+    refusals: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shedding(self) -> bool:
+        return bool(self.refusals) and self.refusals["share"] >= SHEDDING_SHARE
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "requests": self.requests, "bottleneck": self.bottleneck,
                 "slow": self.slow, "phases_ms": self.phases_ms, "latency_ms": self.latency_ms,
-                "slo_ms": self.slo_ms, "evidence": self.evidence, "action": self.action}
+                "slo_ms": self.slo_ms, "evidence": self.evidence, "action": self.action,
+                "note": self.note, "refusals": self.refusals, "shedding": self.shedding}
 
     def lines(self) -> list[str]:
+        out = [self.note] if self.note else []
+        if self.shedding:
+            out.append(f"overload: {self.refusal_text()}")
         if self.bottleneck is None:
-            return [(f"{self.source}: no finished requests to judge; send traffic (or use a "
-                    "longer --window) and run again")]
+            if self.shedding:
+                return [*out, f"next: {SHED_ACTION}"]
+            return [*out, f"{self.source}: no finished requests to judge; send traffic (or "
+                    "use a longer --window) and run again"]
         total = sum(self.phases_ms.values()) or 1.0
         split = ", ".join(f"{p} {ms:,.1f} ms ({ms / total:.0%})"
                           for p, ms in self.phases_ms.items())
         slow = ", ".join(self.slow) or "nothing above its SLO"
-        out = [f"{self.source}: {int(self.requests)} requests; slow: {slow}",
-               f"bottleneck: {self.bottleneck}; mean per request: {split}"]
+        admitted = " admitted" if self.shedding else ""
+        out += [f"{self.source}: {int(self.requests)}{admitted} requests; slow: {slow}",
+                f"bottleneck: {self.bottleneck}; mean per{admitted} request: {split}"]
+        if self.refusals and not self.shedding:
+            out.append(f"refused: {self.refusal_text()}")
         out += self.evidence
         out.append(f"next: {self.action}")
         return out
+
+    def refusal_text(self) -> str:
+        r = self.refusals
+        reasons = ", ".join(f"{k} {int(n):,}" for k, n in r["reasons"].items())
+        text = (f"admission refused {int(r['refused']):,} of {int(r['refused'] + self.requests):,}"
+                f" requests ({r['share']:.0%}): {reasons}")
+        if r.get("retry_after_s") is not None:
+            text += f"; Retry-After given: mean {r['retry_after_s']:,.1f} s"
+        return text
 
 
 # reading ---------------------------------------------------------------------------------------
@@ -76,6 +112,9 @@ def flatten(text: str) -> dict[str, float]:
             key = f"{s.name}{{le={s.labels['le']}}}" if "le" in s.labels else s.name
             if "kind" in s.labels and fam.name == "batcher_slo_seconds":
                 key = f"{s.name}{{kind={s.labels['kind']}}}"
+            if s.name == REJECTED and "reason" in s.labels:  # by reason, and summed below
+                by = f"{s.name}{{reason={s.labels['reason']}}}"
+                out[by] = out.get(by, 0.0) + float(s.value)
             out[key] = out.get(key, 0.0) + float(s.value)
     return out
 
@@ -122,7 +161,28 @@ def from_metrics(source: str, first: dict[str, float], last: dict[str, float],
            "cache_hit": hits / prompt if prompt else None,
            "queue_p99": phases.get("queue", {}).get("p99"),
            "preemptions": _delta(first, last, "batcher_preemptions_total")}
-    return judge(source, requests, means, latency, slo, ctx, state)
+    d = judge(source, requests, means, latency, slo, ctx, state)
+    d.refusals = refusals(first, last, requests)
+    if d.shedding and d.bottleneck is not None:
+        d.action = f"{SHED_ACTION} Of the admitted requests: {d.action}"
+    return d
+
+
+def refusals(first: dict[str, float], last: dict[str, float], admitted: float
+             ) -> dict[str, Any]:
+    """Admission's refusals between two reads, by reason, with their share of all requests and
+    the mean Retry-After given; {} when none."""
+    refused = _delta(first, last, REJECTED)
+    if refused <= 0:
+        return {}
+    head = REJECTED + "{reason="
+    reasons = {k[len(head):-1]: _delta(first, last, k) for k in last if k.startswith(head)}
+    reasons = dict(sorted(((k, v) for k, v in reasons.items() if v > 0),
+                          key=lambda kv: -kv[1]))
+    given = _hist(first, last, "batcher_retry_after_seconds")
+    mean = given["mean"]
+    return {"refused": refused, "share": refused / (refused + admitted), "reasons": reasons,
+            "retry_after_s": None if mean is None else mean / 1000}
 
 
 def from_report(path: Path, slo_override: dict[str, float | None]) -> Diagnosis:
@@ -262,7 +322,15 @@ async def diagnose_url(url: str, window: float, slo: dict[str, float | None],
             state = json.loads(await _get(session, base + "/v1/state", headers))
         except (RuntimeError, ValueError):
             state = None
-    return from_metrics(base, first, last, state, slo)
+    d = from_metrics(base, first, last, state, slo)
+    if window > 0 and not d.requests and not d.refusals:
+        # A quiet window after traffic (the run ended before diagnose started): judge
+        # everything since the server started, and say so.
+        d = from_metrics(base, {}, last, state, slo)
+        if d.requests or d.refusals:
+            d.note = (f"no requests in the last {window:g} s; judging everything since the "
+                      "server started")
+    return d
 
 
 async def review_url(url: str, api_key: str | None, timeout_s: float = TIMEOUT_S) -> Review:
@@ -276,8 +344,8 @@ async def review_url(url: str, api_key: str | None, timeout_s: float = TIMEOUT_S
 def add_diagnose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="a replica's or router's base URL, or a bench report.json")
     p.add_argument("--window", type=float, default=10.0, help="seconds between the two reads "
-                   "of /metrics; 0 reads once, everything since the server started "
-                   "(default: %(default)s)")
+                   "of /metrics; 0 reads once, everything since the server started, as does a "
+                   "window that saw no requests (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds to wait for each "
                    "answer of the target (default: %(default)s)")

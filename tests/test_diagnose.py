@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("frozen_gc")
 
 
 def fake_app(speed: FakeSpeed, max_num_seqs: int = 8, slo_ttft_s: float | None = None,
-             slo_tpot_s: float | None = None) -> web.Application:
+             slo_tpot_s: float | None = None, max_waiting: int = 256) -> web.Application:
     async def build() -> Gateway:
         tok = load_tokenizer()
         metrics = Metrics(slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
@@ -47,7 +47,7 @@ def fake_app(speed: FakeSpeed, max_num_seqs: int = 8, slo_ttft_s: float | None =
             max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=4096),
             metrics=metrics)
         return Gateway(GatewayConfig("fake", 4096), engine, Authenticator(TENANTS),
-                       Admission(TENANTS), metrics)
+                       Admission(TENANTS, max_waiting=max_waiting), metrics)
 
     return create_app(build, 1 << 20)
 
