@@ -51,30 +51,35 @@ def package_version() -> str:
 def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     parser = Parser(prog="batcher", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version",
-                        version=f"batcher {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP")
+    version = f"batcher {package_version()}"
+    parser.add_argument("--version", action="version", version=version)
+    # NOTE: the commands are listed once, in the description above (with an example each);
+    # a `help=` per command would have argparse list them a second time.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of the commands above")
+    serve = sub.add_parser("serve")
     add_serve_args(serve)
     add_config_arg(serve)
     from batcher.bench.cli import add_bench_args
     from batcher.fleet.cli import add_fleet_args, add_router_args
     from batcher.sim.cli import add_plan_args, add_sim_args
 
-    add_bench_args(sub.add_parser("bench", help="load-test an OpenAI-compatible server"))
-    add_fleet_args(sub.add_parser("fleet", help="N local replicas behind a router"))
-    add_router_args(sub.add_parser("router", help="route over replicas anywhere"))
+    add_bench_args(sub.add_parser("bench"))
+    add_fleet_args(sub.add_parser("fleet"))
+    add_router_args(sub.add_parser("router"))
     from batcher.fleet.balancer_cli import add_balancer_args
 
-    add_balancer_args(sub.add_parser("balancer", help="balance over cells (routers) anywhere"))
-    add_plan_args(sub.add_parser("plan", help="capacity arithmetic: how many replicas"))
-    add_sim_args(sub.add_parser("sim", help="simulate a fleet on a simulated clock"))
+    add_balancer_args(sub.add_parser("balancer"))
+    add_plan_args(sub.add_parser("plan"))
+    add_sim_args(sub.add_parser("sim"))
     from batcher.batch.offline import add_batch_args
 
-    add_batch_args(sub.add_parser("batch", help="run a batch input file offline, in-process"))
+    add_batch_args(sub.add_parser("batch"))
     from batcher.diagnose import add_diagnose_args
 
-    add_diagnose_args(sub.add_parser("diagnose", help="which latency is slow, and why"))
+    add_diagnose_args(sub.add_parser("diagnose"))
+    for command in sub.choices.values():  # one meaning everywhere: print the version
+        command.add_argument("--version", action="version", version=version)
     for name in ("serve", "router", "fleet"):
         sub.choices[name].add_argument(
             "--log-format", default="text", type=str.lower, choices=LOG_FORMATS,

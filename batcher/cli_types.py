@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from batcher.config import parse_bytes
 from batcher.engine_config import DEVICES, DTYPES
@@ -101,19 +99,3 @@ def byte_size(text: str) -> str:
 def lower(text: str) -> str:
     """Choices compared case-insensitively (`--log-level INFO`)."""
     return text.lower()
-
-
-class DeprecatedAlias(argparse.Action):
-    """Stores like `store` and warns on stderr when the option is spelled by its old name."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, *, old: str, new: str,
-                 **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, **kwargs)
-        self.old, self.new = old, new
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        if option_string == self.old:
-            print(f"{parser.prog}: warning: {self.old} is deprecated and will be removed; "
-                  f"use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)

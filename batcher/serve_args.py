@@ -10,7 +10,6 @@ from batcher.cli_types import (
     DEVICES,
     DTYPES,
     LOG_LEVELS,
-    DeprecatedAlias,
     byte_size,
     int_at_least,
     lower,
@@ -234,10 +233,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "one model call (default: %(default)s)")
     a("--embedding-max-wait-ms", type=non_negative_float, default=5.0, help="longest an "
       "embedding input waits for its batch to fill, in ms (default: %(default)s)")
-    a("--deployment-version", "--version", dest="version", default="v1", action=DeprecatedAlias,
-      old="--version", new="--deployment-version", help="deployment label reported in "
-      "/v1/state and the metrics, for canaries and rollouts; --version is a deprecated alias "
-      "(default: %(default)s)")
+    a("--deployment-version", dest="version", default="v1", help="deployment label reported "
+      "in /v1/state and the metrics, for canaries and rollouts (`--version` prints the "
+      "package's version) (default: %(default)s)")
     a("--log-level", default="info", type=lower, choices=LOG_LEVELS, help="debug also prints "
       "the traceback of a startup error (default: %(default)s)")
     a("--router", action="append", default=[], help="router URL to heartbeat /v1/state to "

@@ -1,5 +1,5 @@
 """CLI conventions: `batcher --version`, flags from BATCHER_<FLAG> and `--config FILE` (the
-command line wins), the deprecated deployment-label alias, help text on every flag, test-only
+command line wins), `--version` meaning the version everywhere, help text on every flag, test-only
 flags hidden, and `--api-key` on a real server with the bundled model."""
 
 from __future__ import annotations
@@ -26,12 +26,25 @@ def parse(argv: list[str], environ: dict[str, str] | None = None,
     return parser.parse_args(argv)
 
 
-def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("argv", [[], ["serve"], ["fleet"], ["router"], ["bench"],
+                                  ["diagnose"], ["plan"]])
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str],
+                                            argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
-        main(["--version"])
+        main([*argv, "--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"batcher {package_version()}"
     assert package_version() != "unknown"
+
+
+def test_help_lists_each_command_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    _, commands = build_parser()
+    for name in commands:
+        listed = [line for line in text.splitlines() if line.split()[:1] == [name]]
+        assert len(listed) == 1, (name, listed)
 
 
 def test_command_line_over_environment_over_config(tmp_path: Path,
@@ -76,12 +89,11 @@ def test_bad_environment_or_config_is_one_line(
     assert message in err[0]
 
 
-def test_deployment_version_and_its_deprecated_alias(
+def test_deployment_version_has_one_spelling(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     assert parse(["serve", "--deployment-version", "v2"], {}, monkeypatch).version == "v2"
+    assert parse(["serve"], {"BATCHER_DEPLOYMENT_VERSION": "v4"}, monkeypatch).version == "v4"
     assert capsys.readouterr().err == ""
-    assert parse(["serve", "--version", "v3"], {}, monkeypatch).version == "v3"
-    assert "--version is deprecated" in capsys.readouterr().err
 
 
 def test_every_flag_has_help_and_test_flags_are_hidden() -> None:

@@ -132,7 +132,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     g.add_argument("--restart", action="store_true", help="restart replicas that exit")
     g.add_argument("--versions", default=None, help="comma-separated version labels given to "
-                   "the replicas in turn (default: --version for all)")
+                   "the replicas in turn (default: --deployment-version for all)")
     g.add_argument("--slow-replicas", default=None, metavar="K:F", help="with --model fake: "
                    "the first K replicas step F times slower (a mixed fleet)")
     g.add_argument("--cells", type=int, default=1, help="cells, each its own router over "

@@ -51,8 +51,8 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 async def test_canary_promote_rollback_and_drain():
     rt = router(port=free_port())
-    stable = replica("stable", "--version", "v1", router=rt.internal_url, decode_ms=10)
-    canary = replica("canary", "--version", "v2", router=rt.internal_url, decode_ms=10)
+    stable = replica("stable", "--deployment-version", "v1", router=rt.internal_url, decode_ms=10)
+    canary = replica("canary", "--deployment-version", "v2", router=rt.internal_url, decode_ms=10)
     with running(rt, stable, canary):
         wait_http(rt.url + "/health", procs=(rt,))
         async with aiohttp.ClientSession() as s:
