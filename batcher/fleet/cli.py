@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from batcher.cli_types import port
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.discovery import Discovery, HttpProber, Source, parse_source
 from batcher.fleet.health import HealthConfig
 from batcher.fleet.policy import POLICIES, PolicyConfig
+from batcher.fleet.registry import Registry
 
 if TYPE_CHECKING:
     from batcher.fleet.launcher import ReplicaSpec
@@ -131,6 +133,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=2, help="replica processes "
                    "(default: %(default)s)")
     g.add_argument("--restart", action="store_true", help="restart replicas that exit")
+    g.add_argument("--replica-base-port", type=port, default=None, metavar="PORT",
+                   help="replica i listens on PORT + 2i and its admin listener on PORT + 2i + 1 "
+                   "(default: free ports from 20000 up to the kernel's ephemeral range)")
     g.add_argument("--versions", default=None, help="comma-separated version labels given to "
                    "the replicas in turn (default: --deployment-version for all)")
     g.add_argument("--slow-replicas", default=None, metavar="K:F", help="with --model fake: "
@@ -305,7 +310,7 @@ async def run_fleet(args: argparse.Namespace) -> int:
     routers = [f"http://127.0.0.1:{internal_port}", *args.router]
     versions = args.versions.split(",") if args.versions else [args.version]
     specs = replica_specs(args.replicas, [*serve_flags(args), "--log-level", args.log_level],
-                          routers, versions)
+                          routers, versions, base_port=args.replica_base_port)
     _own_batch_dirs(specs)
     slow_k, slow_f = _slow(args)
     for s in specs[:slow_k]:
@@ -319,11 +324,14 @@ async def run_fleet(args: argparse.Namespace) -> int:
                              "BATCHER_FLEET_KEY": fleet_key}, restart=args.restart)
     ctx.processes = sup.status
     await sup.start()
-    print(f"batcher: fleet of {args.replicas} replicas behind http://{args.host}:{args.port}",
-          flush=True)
+    url = f"http://{args.host}:{args.port}"
+    print(f"batcher: starting {args.replicas} replicas ("
+          + ", ".join(s.url for s in specs) + f") behind {url}", flush=True)
+    ready = asyncio.create_task(announce_ready(ctx.registry, args.replicas, url))
     try:
         await wait_for_signal()
     finally:
+        ready.cancel()
         # Health checks end first: replicas that stop answering now are stopping, not failing.
         log.info("stopping the fleet: %d replicas drain (up to %gs), then the router closes",
                  len(specs), args.shutdown_timeout)
@@ -332,6 +340,14 @@ async def run_fleet(args: argparse.Namespace) -> int:
         await sup.stop(args.shutdown_timeout)
         await close()
     return 0
+
+
+async def announce_ready(registry: Registry, n: int, url: str, interval: float = 0.2) -> None:
+    """Say that the fleet serves once all `n` replicas take work (loaded, warmed up, reached
+    by the router), not when their processes start: until then requests get 503s."""
+    while sum(registry.routable(r) for r in registry) < n:
+        await asyncio.sleep(interval)
+    print(f"batcher: fleet of {n} replicas ready behind {url}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -244,11 +244,16 @@ def die_with_parent() -> Callable[[], None] | None:
 
 def replica_specs(n: int, serve_flags: list[str], router_urls: list[str],
                   versions: list[str] | None = None, host: str = "127.0.0.1",
-                  python: str = sys.executable) -> list[ReplicaSpec]:
-    """N `batcher serve` command lines on free loopback ports, each with an admin port."""
+                  python: str = sys.executable, base_port: int | None = None
+                  ) -> list[ReplicaSpec]:
+    """N `batcher serve` command lines, each with an admin port: replica i on `base_port` + 2i
+    and its admin port on the next, or on free loopback ports (see `free_port`) without one."""
     specs = []
     for i in range(n):
-        port, admin = free_port(host), free_port(host)
+        if base_port is not None:
+            port, admin = base_port + 2 * i, base_port + 2 * i + 1
+        else:
+            port, admin = free_port(host), free_port(host)
         rid = f"r{i}"
         argv = [python, "-m", "batcher.cli", "serve", *serve_flags, "--host", host,
                 "--port", str(port), "--admin-port", str(admin), "--replica-id", rid]
