@@ -29,6 +29,7 @@ from batcher.server.app import GATEWAY, create_app
 from batcher.server.auth import Authenticator
 from batcher.server.embeddings_route import MAX_INPUTS
 from batcher.server.gateway import Gateway, GatewayConfig
+from batcher.server.responses_store import StoreConfig, retention_from_args
 from batcher.tenants import TenantConfig, load_tenants
 from batcher.threads import cpu_quota_threads
 
@@ -166,7 +167,9 @@ async def run_server(args: argparse.Namespace) -> int:
                          probe_keys=(pre.admin_key, fleet_key),
                          extend=None if pre.batch_config is None
                          else lambda a: batch.install(a, pre.batch_config),
-                         fleet_key=fleet_key)
+                         fleet_key=fleet_key,
+                         responses=StoreConfig(pre.batch_config and pre.batch_config.data_dir,
+                                               retention_from_args(args)))
         quiet_log = server_log()
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=args.shutdown_timeout,
@@ -200,6 +203,8 @@ async def run_server(args: argparse.Namespace) -> int:
     if pre.batch_config is not None:
         log.info("batch API (/v1/files, /v1/batches) keeps its files and database in %s "
                  "(--data-dir; --no-batch-api turns it off)", pre.batch_config.data_dir)
+    log.info("stored responses (/v1/responses) are kept %s", "in memory (no data directory)"
+             if pre.batch_config is None else f"in {pre.batch_config.data_dir}")
     print(f"batcher: serving {gw.cfg.model_name} on http://{args.host}:{pre.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

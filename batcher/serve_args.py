@@ -246,6 +246,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from batcher.batch.service import add_batch_serve_args
 
     add_batch_serve_args(p)
+    from batcher.server.responses_store import add_responses_serve_args
+
+    add_responses_serve_args(p)
     fake = p.add_argument_group("fake model (--model fake)")
     fake.add_argument("--fake-prefill-rate", type=positive_rate, default=20_000.0,
                       help="simulated prefill tokens/s; inf: prompts cost nothing "

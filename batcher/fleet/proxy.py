@@ -1,6 +1,7 @@
 """The router's public app: the same API as a replica, so clients cannot tell them apart.
 
-Forwards `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings` (see `forward.py`) and
+Forwards `/v1/completions`, `/v1/chat/completions`, `/v1/embeddings`, `/v1/responses` and
+`/v1/messages` (see `forward.py`; stored responses: `responses_proxy.py`) and
 `DELETE /v1/requests/{id}` to the replica running that id for that caller, and the batch API
 (`/v1/files`, `/v1/batches`: `batch_proxy.py`) to the replica holding each object; aggregates
 `/v1/models` (with the caller's key, so a bad key is a 401 as on a replica), `/health` (the
@@ -30,7 +31,9 @@ from batcher.fleet.cell_state import CellCollector, StateHeader, aggregate
 from batcher.fleet.context import RouterContext
 from batcher.fleet.forward import PASS_HEADERS, Relay
 from batcher.fleet.health import HealthChecker
+from batcher.fleet.responses_proxy import lookup_route, pin_previous
 from batcher.fleet.scope import tenant_scope
+from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import AuthError, bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
@@ -48,7 +51,8 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe
 # Idle pooled connections to replicas close after this: below the replicas' 20 s idle cut-off,
 # so a connection is never reused just as its replica closes it.
 KEEPALIVE_S = 10.0
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+                              "/v1/responses", "/v1/messages"})
 
 
 @web.middleware
@@ -79,12 +83,16 @@ async def middleware(request: web.Request, handler: Callable[[web.Request],
         resp = from_http_exception(exc).response(rid)
     except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
         resp = answer_unexpected(request, exc, rid)
+    resp = reshape_error(request, resp)  # Anthropic's clients read Anthropic's shape
     if not resp.prepared and "X-Request-Id" not in resp.headers:
         resp.headers["X-Request-Id"] = rid
     return resp
 
 
-def generation(chat: bool) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def generation(chat: bool, pinned: bool = False
+               ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """`pinned`: a continuation of a stored response goes to the replica holding it."""
+
     async def handle(request: web.Request) -> web.StreamResponse:
         ctx = request.app[ROUTER]
         rid = request["request_id"]
@@ -93,6 +101,11 @@ def generation(chat: bool) -> Callable[[web.Request], Awaitable[web.StreamRespon
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
         relay = Relay(ctx, request, chat, body, raw, rid, request["scope"])
+        if pinned:
+            elsewhere = await pin_previous(ctx, body, _auth(request))
+            if isinstance(elsewhere, web.Response):
+                return elsewhere
+            relay.tried |= elsewhere
         ctx.inflight += 1  # the gauge reads it at scrape time
         ctx.budget.note_request(ctx.clock(), request["scope"])
         outcome = "cancelled"
@@ -271,6 +284,11 @@ def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> we
               ("POST", "/v1/embeddings", generation(chat=False)),
               ("POST", "/tokenize", generation(chat=False)),
               ("POST", "/detokenize", generation(chat=False)),
+              ("POST", "/v1/responses", generation(chat=True, pinned=True)),
+              ("GET", "/v1/responses/{id}", lookup_route(ctx, "GET", _auth)),
+              ("DELETE", "/v1/responses/{id}", lookup_route(ctx, "DELETE", _auth)),
+              ("POST", "/v1/messages", generation(chat=True)),
+              ("POST", "/v1/messages/count_tokens", generation(chat=True)),
               ("GET", "/v1/models", models), ("GET", "/health", health), ("GET", "/ready", ready),
               ("GET", "/v1/state", state), ("GET", "/metrics", metrics),
               ("POST", "/v1/probe", probe), ("DELETE", "/v1/requests/{id}", cancel)]

@@ -15,6 +15,9 @@ from batcher.http.sse import DONE, SEP, sse_event
 
 # An error event the client caused (its own deadline) is its answer, not a replica failure.
 CLIENT_ERROR_CODES = frozenset({"deadline_exceeded"})
+# Named events that end the Responses and Anthropic Messages streams (they send no [DONE]).
+FINAL_EVENTS = frozenset({b"response.completed", b"response.incomplete", b"response.failed",
+                          b"message_stop", b"error"})
 
 
 @dataclass(slots=True)
@@ -69,6 +72,8 @@ class StreamLedger:
             del buf[: end + 2]
             if not ev.startswith(b"data:"):
                 out += ev + SEP  # comments and other fields pass through untouched
+                done = ev.startswith(b"event:") and ev[6:].split(b"\n", 1)[0].strip() in \
+                    FINAL_EVENTS
                 continue
             data = ev[5:].strip()
             if data == b"[DONE]":

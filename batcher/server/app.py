@@ -11,6 +11,7 @@ import orjson
 from aiohttp import web
 
 from batcher.access_log import LOGGED, log_refusal
+from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import FLEET_KEY_HEADER, AuthError, header_matches
 from batcher.http.listener import add_fallback_route, expect_continue
@@ -21,7 +22,6 @@ from batcher.http.text import excerpt
 from batcher.server import embeddings_route, messages_route, responses_route, tokenize_route
 from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import Gateway
-from batcher.server.messages_protocol import reshape_error
 from batcher.server.openai_routes import GenerationHandler
 from batcher.server.probe import ProbeGuard
 from batcher.server.responses_store import StoreConfig
@@ -84,8 +84,7 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
     except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
         resp = answer_unexpected(request, exc, rid)
         refused(request, rid, resp.status, None)
-    if resp.status >= 400 and request.path.startswith(messages_route.PREFIX):
-        resp = reshape_error(resp)  # Anthropic's clients read Anthropic's error shape
+    resp = reshape_error(request, resp)  # Anthropic's clients read Anthropic's shape
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
         # DESIGN: the replica's state rides on the fleet's responses, errors included, so a

@@ -5,7 +5,8 @@ stream events, and errors take Anthropic's shape (`{"type": "error", "error": {.
 Decisions (docs/agent-apis.md): `thinking` other than disabled is a 400 (the served models do
 not reason); image, document and server-tool blocks are a 400 naming the field; `cache_control`
 on blocks is accepted and ignored (the prefix cache needs no marks); `metadata.user_id` is
-accepted and not used. Unknown fields are ignored, as elsewhere.
+accepted and not used. Unknown fields are ignored, as elsewhere. The error shape is
+`batcher.http.anthropic_errors` (replica and router share it).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import orjson
-from aiohttp import web
-
+from batcher.http.anthropic_errors import error_body
 from batcher.http.errors import invalid
 from batcher.http.sse import sse_named
 from batcher.server.bridge import ChunkEvent, json_arguments, new_id, read_chunk
@@ -23,7 +22,7 @@ from batcher.server.unsupported import Unsupported, refuse_fields
 
 # Anthropic's own limit is higher; chat's is 4 stop strings.
 MAX_STOP_SEQUENCES = 4
-NAMES = {"max_tokens": "max_tokens", "stop": "stop_sequences"}
+NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("thinking", "the served model does not reason",
@@ -39,34 +38,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
 # Chat finish_reason -> Anthropic stop_reason ("abort": the owner cancelled it).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                 "abort": "end_turn"}
-# HTTP status -> Anthropic error type.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
-               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-               504: "api_error"}
-
-
-def error_type(status: int) -> str:
-    return ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500
-                           else "api_error")
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(status), "message": message}}
-
-
-def reshape_error(resp: web.Response) -> web.Response:
-    """An error answer in OpenAI's shape (as every layer builds it) in Anthropic's, with the
-    same status and headers (Retry-After, X-Request-Id)."""
-    try:
-        err = orjson.loads(resp.body)["error"]  # type: ignore[arg-type]
-        message = str(err["message"])
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return resp
-    resp.body = orjson.dumps(error_body(resp.status, message))
-    return resp
-
-
 def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
@@ -114,6 +85,9 @@ def chat_body(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
                           "strings", "stop_sequences", "invalid_type")
         if stops:
             chat["stop"] = stops
+    fmt = _output_format(body.get("output_config"))
+    if fmt is not None:
+        chat["response_format"] = fmt
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
         raise invalid("'metadata' must be an object", "metadata", "invalid_type")
@@ -125,6 +99,26 @@ def chat_body(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
         if stream:
             chat["stream_options"] = {"include_usage": True}
     return chat
+
+
+def _output_format(v: Any) -> dict[str, Any] | None:
+    """`output_config.format` (a JSON schema) as chat's `response_format`: the same grammar
+    engine constrains the answer."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid("'output_config' must be an object", "output_config", "invalid_type")
+    if v.get("effort") is not None:
+        raise invalid("'output_config.effort' is not supported: the served model has no effort "
+                      "setting", "output_config.effort", "unsupported")
+    fmt = v.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(
+            fmt.get("schema"), dict):
+        raise invalid("'output_config.format' must be {'type': 'json_schema', 'schema': {...}}",
+                      "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _system(v: Any) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from batcher.http.anthropic_errors import PREFIX
 from batcher.http.errors import ApiError
 from batcher.http.listener import read_json
 from batcher.http.responses import json_response
@@ -20,7 +21,6 @@ from batcher.server.openai_routes import ChunkSink
 from batcher.server.protocol import GenerationSpec
 
 MESSAGES = web.AppKey("messages", "MessagesHandler")
-PREFIX = "/v1/messages"
 
 
 class MessagesHandler(BridgeHandler):
