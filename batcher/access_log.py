@@ -45,6 +45,18 @@ def log_access(*, request_id: str, tenant: str, route: str, status: int,
     ACCESS.info("%s", text, extra={"access": fields})
 
 
+def outcome_of(status: int) -> str:
+    """How a request ended, told from its status alone (a router, which relays the answer): a
+    499 is the client gone, a 504 a deadline, 429/503 and other 4xx refusals, 5xx failures."""
+    if status < 400:
+        return "done"
+    if status == 499:
+        return "client_disconnect"
+    if status == 504:
+        return "deadline"
+    return "refused" if status < 500 or status == 503 else "error"
+
+
 def log_refusal(*, request_id: str, tenant: str, route: str, status: int,
                 error_code: str | None) -> None:
     """The line of a request answered with an error before any handler ran it (a key refused,

@@ -39,7 +39,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from batcher.access_log import log_access
+from batcher.access_log import log_access, outcome_of
 from batcher.fleet.context import Attempt, RouterContext
 from batcher.fleet.policy import (
     affinity_key,
@@ -51,7 +51,7 @@ from batcher.fleet.registry import Replica
 from batcher.fleet.route_timing import RouteClock
 from batcher.fleet.stream_ledger import StreamLedger
 from batcher.http.errors import ApiError
-from batcher.http.keys import FLEET_KEY_HEADER
+from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER
 from batcher.http.sse import DONE, SSE_HEADERS
 from batcher.http.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
 from batcher.tracing import current as current_tracer
@@ -114,6 +114,7 @@ class Relay:
         tracer = current_tracer()
         self.span = None if tracer is None else tracer.open("batcher.router", request.headers)
         self.rkey = (scope, rid)  # request ids are the caller's own, as on a replica
+        self.tenant: str | None = None  # as the replica named it (TENANT_HEADER)
         self.payload = raw
         policy = ctx.cfg.policy
         self.tokens, self.key = policy.default_max_tokens, None
@@ -213,6 +214,7 @@ class Relay:
         left, and counts the request as running: read at once, so that its end counts as since
         it. Any other answer's was taken after the request left the replica's scheduler: read
         once the attempt has ended (`_end`), or its end would count twice."""
+        self.tenant = up.headers.get(TENANT_HEADER) or self.tenant
         raw = up.headers.get("X-Replica-State")
         if not raw:
             return
@@ -273,13 +275,14 @@ class Relay:
 
     def _record(self, status: int) -> None:
         """The trace span ends and the access line is written (no prompt, no key: the caller
-        appears as its credential's digest)."""
+        appears as the tenant its replica named, else as its credential's digest)."""
         if self.span is not None:
             self.span.set_attribute("batcher.request_id", self.rid)
             self.span.set_attribute("batcher.attempts", self.attempts)
             self.span.end()
-        log_access(request_id=self.rid, tenant=self.rkey[0], route=self.request.path,
-                   status=status, timings=self.route.timings)
+        log_access(request_id=self.rid, tenant=self.tenant or self.rkey[0],
+                   route=self.request.path, status=status, timings=self.route.timings,
+                   outcome=outcome_of(status))
 
     async def _whole(self) -> web.StreamResponse:
         while True:

@@ -74,6 +74,9 @@ def bearer_matches(headers: Headers | Mapping[str, str], expected_key: str) -> b
 # The header a router sends its fleet key in to the replicas it forwards to (their
 # `Authorization` carries the tenant's key): a replica tells its router from a tenant by it.
 FLEET_KEY_HEADER = "X-Fleet-Key"
+# The tenant a replica resolved a request's key to, on its answers to the fleet: the router logs
+# the request under the same name (it holds no tenants file, only the key's digest).
+TENANT_HEADER = "X-Batcher-Tenant"
 
 
 def header_matches(headers: Headers | Mapping[str, str], name: str, expected_key: str) -> bool:

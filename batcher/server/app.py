@@ -13,7 +13,7 @@ from aiohttp import web
 from batcher.access_log import LOGGED, log_refusal
 from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
-from batcher.http.keys import FLEET_KEY_HEADER, AuthError, header_matches
+from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER, AuthError, header_matches
 from batcher.http.listener import add_fallback_route, expect_continue
 from batcher.http.middleware import answer_unexpected
 from batcher.http.request_ids import client_request_id, new_request_id
@@ -35,6 +35,7 @@ FLEET_KEY = web.AppKey("fleet_key", str)  # "" when the replica has none
 BODY_LIMIT = web.AppKey("body_limit", Callable[[web.Request], "int | None"])
 # Routes without a tenant key: liveness, readiness, capacity, metrics; the probe checks its own.
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
+TO_FLEET = "batcher.to_fleet"  # the caller is the fleet (or the replica has no fleet key)
 
 
 @web.middleware
@@ -59,6 +60,7 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         rid = client_request_id(request.headers.get("X-Request-Id")) or rid
         request["request_id"] = rid
         request["state_header"] = state_header
+        request[TO_FLEET] = not fleet_key or from_fleet
         length = request.content_length
         # An extension may give some requests their own limit (the batch API's file uploads).
         override = request.app.get(BODY_LIMIT)
@@ -94,6 +96,14 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         elif "X-Replica-State" not in resp.headers and (st := state_header()) is not None:
             resp.headers["X-Replica-State"] = st
     return resp
+
+
+async def tenant_header(request: web.Request, response: web.StreamResponse) -> None:
+    """The tenant the key resolved to, on answers to the fleet (where the replica's state goes):
+    its router logs the request under the same name."""
+    tenant = request.get("tenant")
+    if tenant is not None and request.get(TO_FLEET):
+        response.headers[TENANT_HEADER] = tenant.name
 
 
 def refused(request: web.Request, rid: str, status: int, code: str | None) -> None:
@@ -190,6 +200,7 @@ def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int
         await gw.engine.stop()
 
     app.cleanup_ctx.append(lifetime)
+    app.on_response_prepare.append(tenant_header)
     ex = {"expect_handler": expect_continue}
     app.router.add_get("/health", health, **ex)
     app.router.add_get("/ready", ready, **ex)
