@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from batcher.models.llama import LlamaConfig, LlamaModel
+from batcher.models.variants import build_model
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Small enough that activations stay finite in bf16/fp16 through every layer (each projection's
@@ -37,7 +38,7 @@ def build_random(cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
     filled there in place: normal(0, INIT_STD) matrices, norms at 1, biases at 0. Nothing passes
     through the CPU (an 8B model builds on a GPU in about a second)."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = build_model(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, meta in model.state_dict().items():

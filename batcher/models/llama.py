@@ -7,7 +7,6 @@ logits only for the rows asked for. Q/K/V and gate/up projections are fused into
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batcher.models import rope
 from batcher.runtime.attention import AttentionMetadata, paged_attention
 from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.token_ops import apply_rope, rms_norm
@@ -37,6 +37,42 @@ class LlamaConfig:
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # What differs from Llama, all off by default (`batcher.models.arch` fills them from a
+    # Hugging Face config or a GGUF header; `batcher.models.variants` builds them).
+    architecture: str = "LlamaForCausalLM"
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    qk_norm: bool = False  # RMSNorm over each Q and K head before RoPE (Qwen3, Gemma 3)
+    embed_scale: float | None = None  # embeddings times sqrt(hidden) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and MLP too (Gemma 2 and 3)
+    query_scale: float | None = None  # attention scale when not 1/sqrt(head_dim) (Gemma)
+    attn_softcap: float | None = None  # tanh cap on attention scores (Gemma 2)
+    final_softcap: float | None = None  # tanh cap on the logits (Gemma 2)
+    sliding_window: int | None = None  # keys a windowed layer sees, its own token included
+    sliding_layers: tuple[int, ...] = ()  # the layers that use it
+    local_rope_theta: float | None = None  # the windowed layers' own RoPE base (Gemma 3)
+    num_experts: int = 0  # > 0: mixture-of-experts MLPs (`batcher.models.moe`)
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router weights
+    shared_expert_size: int = 0  # Qwen2-MoE's gated shared expert
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is sparse
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def plain_attention(self) -> bool:
+        """Attention as Llama computes it: what the fused CPU and Triton decode kernels, CUDA
+        graphs and the compiled decode step implement."""
+        return not (self.qk_norm or self.sliding_layers or self.query_scale is not None
+                    or self.attn_softcap is not None or self.local_rope_theta is not None)
+
+    @property
+    def is_llama(self) -> bool:
+        """Nothing but Llama's layers: the model is a plain `LlamaModel`."""
+        return (self.plain_attention and self.hidden_act == "silu" and not self.num_experts
+                and not self.sandwich_norms and self.embed_scale is None
+                and self.final_softcap is None)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
@@ -49,13 +85,21 @@ class LlamaConfig:
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.attention_bias else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h  # + MLP, two norms
+        attn += 2 * d if self.qk_norm else 0
+        norms = (4 if self.sandwich_norms else 2) * h
+        dense = 3 * h * self.intermediate_size
+        sparse = (self.num_experts * (3 * h * self.moe_intermediate_size + h)
+                  + (3 * h * self.shared_expert_size + h if self.shared_expert_size else 0))
+        n_moe = len(self.moe_layers) if self.num_experts else 0
+        layers = self.num_layers * (attn + norms) + n_moe * sparse + (
+            self.num_layers - n_moe) * dense
         heads = 1 if self.tie_word_embeddings else 2  # embedding table, LM head
-        return self.num_layers * layer + heads * self.vocab_size * h + h  # + final norm
+        return layers + heads * self.vocab_size * h + h  # + final norm
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """From a Hugging Face `config.json` dict."""
+        """From a Llama-shaped Hugging Face `config.json` dict (`batcher.models.arch` reads
+        every supported architecture's)."""
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -79,37 +123,22 @@ class LlamaConfig:
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama-3 or linear scaling when configured."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-    raise ValueError(f"unsupported rope scaling type: {kind!r}")
+    """Inverse frequencies [head_dim / 2] of `cfg`'s RoPE (its scaling: `batcher.models.rope`)."""
+    return rope.inv_freq(cfg.rope_scaling, cfg.rope_theta, cfg.head_dim,
+                         cfg.max_position_embeddings)[0]
 
 
 class RotaryTables:
     """cos/sin for every position up to max_len, built once in the layout `apply_rope` reads, so
     a step only indexes them: halves repeated, and sin's first half negated (the sign of the
-    rotate-half convention)."""
+    rotate-half convention). `local`: the windowed layers' own base (Gemma 3), unscaled."""
 
-    def __init__(self, cfg: LlamaConfig, max_len: int, device: torch.device, dtype: torch.dtype):
-        t = torch.arange(max_len, dtype=torch.float64)
-        freqs = torch.outer(t, rope_inv_freq(cfg))  # [max_len, head_dim / 2]
-        cos, sin = freqs.cos(), freqs.sin()
+    def __init__(self, cfg: LlamaConfig, max_len: int, device: torch.device, dtype: torch.dtype,
+                 local: bool = False):
+        params, theta = ((None, cfg.local_rope_theta) if local
+                         else (cfg.rope_scaling, cfg.rope_theta))
+        cos, sin = rope.rope_tables(params, theta, cfg.head_dim, max_len,
+                                    cfg.max_position_embeddings)  # [max_len, head_dim / 2]
         self.cos = torch.cat((cos, cos), -1).to(device=device, dtype=dtype)  # [max_len, head_dim]
         self.sin = torch.cat((-sin, sin), -1).to(device=device, dtype=dtype)
 
@@ -180,12 +209,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = attn if attn is not None else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
 
     def forward(self, x, cos, sin, meta, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
@@ -211,12 +241,15 @@ class LlamaModel(nn.Module):
         # the meta device the loader builds on, costs ~65 MiB of resident memory per process.)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope: RotaryTables | None = None
+
+    def make_layer(self, cfg: LlamaConfig, layer_idx: int) -> nn.Module:
+        return DecoderLayer(cfg, layer_idx)
 
     def rotary(self) -> RotaryTables:
         if self._rope is None:

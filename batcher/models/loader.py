@@ -29,11 +29,12 @@ import torch
 from batcher.bundled import smollm2_gguf_path
 from batcher.cpuinfo import CPUINFO, cpuinfo_field
 from batcher.engine_config import LOAD_FORMATS
-from batcher.models import dummy, gguf_weights
+from batcher.models import arch, dummy, gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_int4 import load_int4_gguf
 from batcher.models.llama import LlamaConfig, LlamaModel, attach_fused
 from batcher.models.memory import check_fits
+from batcher.models.variants import build_model
 from batcher.runtime import fused_decode, int4_unpack
 from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.quant import (
@@ -48,7 +49,7 @@ from batcher.threads import release_openmp_pool
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = set(arch.ARCHITECTURES)
 # Quantized steps with more rows than this use a dense copy of the (quantized) weights: the packed
 # kernels win at a few rows and lose to the dense matmul at a few dozen (BENCHMARKS.md).
 DENSE_ABOVE_ROWS: int | None = 8
@@ -208,7 +209,9 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
     set_mmap_threshold(SERVE_MMAP_THRESHOLD)
     if quantization == "int4" and dense_above is None:
         _attach_int4_unpacker(model)
-    fused = _attach_fused(model) if dev.type == "cpu" and dt == torch.bfloat16 else None
+    # The fused kernels implement Llama's attention only (`LlamaConfig.plain_attention`).
+    fused = (_attach_fused(model) if dev.type == "cpu" and dt == torch.bfloat16
+             and cfg.plain_attention else None)
     release_openmp_pool()  # steps run on another thread, whose pool must be the only one
     took = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
@@ -333,20 +336,44 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def fuse_hf_state(cfg: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> ours: drop the `model.` prefix, fuse q/k/v and gate/up."""
+    """Hugging Face names -> ours: drop the `model.` prefix, fuse q/k/v and gate/up (Phi-3's
+    come fused), and stack each sparse layer's experts (`batcher.models.moe`): Mixtral's
+    `block_sparse_moe.experts.N.w1/w3/w2`, Qwen-MoE's `mlp.experts.N.gate/up/down_proj`, or
+    transformers 5's own stacked `mlp.experts.gate_up_proj/down_proj`."""
     out: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
         if "rotary_emb" in name:
             continue
-        out[name.removeprefix("model.")] = t
+        out[name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")] = t
+    for n in cfg.moe_layers if cfg.num_experts else ():
+        p = f"layers.{n}.mlp."
+        if p + "experts.gate_up_proj" in out:
+            out[p + "experts_gate_up"] = out.pop(p + "experts.gate_up_proj")
+            out[p + "experts_down"] = out.pop(p + "experts.down_proj")
+            continue
+        gate_up, down = [], []
+        for e in range(cfg.num_experts):
+            q = f"{p}experts.{e}."
+            if q + "w1.weight" in out:  # Mixtral: w1 gate, w3 up, w2 down
+                gate_up.append(torch.cat([out.pop(q + "w1.weight"), out.pop(q + "w3.weight")]))
+                down.append(out.pop(q + "w2.weight"))
+            elif q + "gate_proj.weight" in out:
+                gate_up.append(torch.cat([out.pop(q + "gate_proj.weight"),
+                                          out.pop(q + "up_proj.weight")]))
+                down.append(out.pop(q + "down_proj.weight"))
+        if len(down) == cfg.num_experts:
+            out[p + "experts_gate_up"] = torch.stack(gate_up)  # [experts, 2 * inter, hidden]
+            out[p + "experts_down"] = torch.stack(down)  # [experts, hidden, inter]
     for n in range(cfg.num_layers):
         p = f"layers.{n}."
         for kind in ("weight", "bias"):
             parts = [out.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
             if all(x is not None for x in parts):
                 out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts, 0)
-        gate, up = out.pop(f"{p}mlp.gate_proj.weight"), out.pop(f"{p}mlp.up_proj.weight")
-        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up], 0)
+        for mlp in (f"{p}mlp.", f"{p}mlp.shared_expert."):
+            if mlp + "gate_proj.weight" in out:
+                gate, up = out.pop(mlp + "gate_proj.weight"), out.pop(mlp + "up_proj.weight")
+                out[mlp + "gate_up_proj.weight"] = torch.cat([gate, up], 0)
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
@@ -355,7 +382,7 @@ def fuse_hf_state(cfg: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
 def _build(cfg: LlamaConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype,
            device: torch.device) -> LlamaModel:
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = build_model(cfg)
     state = fuse_hf_state(cfg, hf_state)
     missing = set(model.state_dict()) - set(state)
     if cfg.tie_word_embeddings:
@@ -401,11 +428,10 @@ def read_hf_config(cfg_path: Path) -> LlamaConfig:
     except (OSError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"cannot read {cfg_path}: {exc}") from exc
     if not archs & SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture {sorted(archs) or raw.get('model_type')};"
-                             f" supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        raise arch.unsupported(sorted(archs) or raw.get("model_type"))
     try:
-        return LlamaConfig.from_hf(raw)
-    except (KeyError, TypeError) as exc:
+        return arch.config_from_hf(raw)
+    except (KeyError, TypeError, AttributeError) as exc:
         raise ModelLoadError(f"{cfg_path}: missing or bad field {exc}") from exc
 
 
@@ -418,9 +444,19 @@ def _read_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weight files")
     check_fits(folder.name, cfg, dtype, device)  # before reading gigabytes of weights
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint: read the shards its index names
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot read {index}: {exc}") from exc
+        files = [folder / n for n in names]
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
+    if arch.ARCHITECTURES.get(cfg.architecture) in arch.NORM_PLUS_ONE:
+        # Gemma scales by (1 + weight); the model's RMSNorm by its weight.
+        state = {k: v.float() + 1 if k.endswith("norm.weight") else v for k, v in state.items()}
     return cfg, state
 
 
@@ -453,7 +489,8 @@ def _read_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[LlamaConfig, dict
 
 def _config_from_json(text: str) -> LlamaConfig:
     raw = json.loads(text)
-    raw["eos_token_ids"] = tuple(raw.get("eos_token_ids") or ())
+    for key in ("eos_token_ids", "sliding_layers", "moe_layers"):
+        raw[key] = tuple(raw.get(key) or ())
     return LlamaConfig(**raw)
 
 

@@ -67,6 +67,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.backend = resolve_backend(attention_backend, loaded.device)
+        # Windows, soft-capped scores, Q/K norms: the fused kernels implement Llama's attention
+        # only, so such a model runs the torch path (`attention.variant_attention`).
+        self.plain_attention = getattr(loaded.config, "plain_attention", True)
+        if not self.plain_attention and self.backend != "torch":
+            log.info("this model's attention runs on the torch path (the %s kernel implements "
+                     "plain attention only)", self.backend)
+            self.backend = "torch"
         # CPU, bf16: decode rows attend through a C kernel (`fused_decode`): a decode-only step
         # runs one call per layer from the QKV projection on.
         self.fused = loaded.fused if self.backend == "torch" else None
@@ -82,7 +89,7 @@ class ModelRunner:
         kv = self.kv_caches[0][0]
         token_bytes = 2 * len(self.kv_caches) * kv[0, 0].numel() * kv.element_size()
         self.staging = (PrefillStaging(num_blocks * block_size * token_bytes // 8, token_bytes)
-                        if loaded.device.type == "cpu" else None)
+                        if loaded.device.type == "cpu" and self.plain_attention else None)
         # NOTE: one-token SDPA with enable_gqa is several times slower on CPU in reduced
         # precision; in fp32 it is the faster choice.
         self.fold_gqa = loaded.dtype != torch.float32 or loaded.device.type != "cpu"
@@ -101,7 +108,9 @@ class ModelRunner:
         self.tuner = ThreadTuner(self.max_threads) if self.tune_threads else None
         # CPU, `--compile-decode`: one-row decode steps through torch.compile, compiled now.
         self.compiled = None
-        if compile_decode and (loaded.device.type != "cpu" or self.backend != "torch"):
+        if compile_decode and not self.plain_attention:
+            log.warning("--compile-decode takes plain attention only; ignored for this model")
+        elif compile_decode and (loaded.device.type != "cpu" or self.backend != "torch"):
             log.warning("--compile-decode is for the CPU's torch attention; ignored on %s (%s)",
                         loaded.device.type, self.backend)
         elif compile_decode:
