@@ -25,9 +25,9 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 Doc = dict[str, Any]
 
 
-def load_all() -> list[Doc]:
+def load_all(paths: list[Path] = MANIFESTS) -> list[Doc]:
     docs = []
-    for path in MANIFESTS:
+    for path in paths:
         for doc in yaml.safe_load_all(path.read_text()):
             if doc is not None:
                 doc["__file__"] = path.name
@@ -269,7 +269,7 @@ RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral"
 
 
 def test_pods_meet_pod_security_restricted():
-    for d in kind("Deployment"):
+    for d in [*kind("Deployment"), *gpu_kind("Deployment")]:
         pod = d["spec"]["template"]["spec"]
         name = d["metadata"]["name"]
         for host in ("hostNetwork", "hostPID", "hostIPC"):
@@ -314,7 +314,8 @@ def test_replica_threads_and_keepalive_come_from_the_manifest():
 def test_dockerfile_runtime_stage_can_add_a_compiler_for_triton():
     final = DOCKERFILE.rsplit("\nFROM ", 1)[1]
     assert 'ARG RUNTIME_APT=""' in final and "apt-get install" in final
-    assert "RUNTIME_APT=gcc" in DOCKERFILE  # the CUDA build line says how
+    # The CUDA image always gets one: Triton compiles a C launcher per kernel at first use.
+    assert '"${VARIANT}" = cuda ]; then apt="gcc' in final
 
 
 # Autoscaling, monitoring and the inference gateway --------------------------------------------
@@ -430,3 +431,131 @@ def test_inference_pool_selects_the_replicas_on_their_port():
     assert flags["total-queued-requests-metric"] == "batcher_waiting"
     assert flags["kv-cache-usage-percentage-metric"] == "batcher_kv_cache_usage_ratio"
     assert int(flags["grpc-port"]) == pool["spec"]["endpointPickerRef"]["port"]["number"]
+
+
+# Every manifest against the Kubernetes API schemas; the GPU variant with your own model -------
+# Offline: kubernetes-validate ships the schemas of each Kubernetes release.
+K8S_VERSIONS = ("1.29", "1.33")  # the oldest release still commonly run, and a recent one
+# Kinds of the operators the manifests integrate with (KEDA, the Prometheus operator, the
+# Gateway API and its Inference Extension): their schemas are their CRDs', not Kubernetes'.
+CRD_GROUPS = ("keda.sh/", "monitoring.coreos.com/", "inference.networking.",
+              "gateway.networking.k8s.io/")
+GPU = sorted((ROOT / "deploy" / "kubernetes" / "gpu").glob("*.yaml"))
+GPU_DOCS = load_all(GPU)
+MODEL_MOUNT = "/models"
+
+
+def gpu_kind(k: str) -> list[Doc]:
+    return [d for d in GPU_DOCS if d["kind"] == k]
+
+
+def every_manifest() -> list[Doc]:
+    paths = sorted((ROOT / "deploy" / "kubernetes").rglob("*.yaml"))
+    assert set(MANIFESTS) | set(GATEWAY) | set(GPU) == set(paths)
+    return load_all(paths)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_manifest_is_valid_against_the_kubernetes_schemas(version: str) -> None:
+    import kubernetes_validate
+
+    checked = 0
+    for doc in every_manifest():
+        where = (doc.pop("__file__"), doc["kind"], doc["metadata"]["name"])
+        if doc["apiVersion"].startswith(CRD_GROUPS):
+            continue
+        try:  # strict: a misspelt or misplaced field fails, as `kubectl apply` would refuse it
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{where}: {exc.message} at {'.'.join(map(str, exc.path))}")
+        checked += 1
+    assert checked >= 12
+
+
+def test_the_schema_check_refuses_a_misspelt_field() -> None:
+    import kubernetes_validate
+
+    dep = json.loads(json.dumps(gpu_kind("Deployment")[0], default=str))
+    dep.pop("__file__")
+    dep["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # not `resources`
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSIONS[0], strict=True)
+
+
+def test_gpu_replicas_serve_your_model_from_a_volume_on_one_gpu_each() -> None:
+    (dep,) = gpu_kind("Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    args = parsed(c)
+    # A drop-in for replicas.yaml: the router, autoscalers and monitoring find it by name.
+    cpu_dep, _ = by_role()["serve"]
+    assert dep["metadata"]["name"] == cpu_dep["metadata"]["name"]
+    assert dep["spec"]["template"]["metadata"]["labels"] == cpu_dep["spec"]["template"][
+        "metadata"]["labels"]
+    assert {s["metadata"]["name"] for s in gpu_kind("Service")} == {"batcher-replicas"}
+    assert args.device == "cuda" and args.model.startswith(MODEL_MOUNT + "/")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (models,) = [m for m in mounts.values() if m["mountPath"] == MODEL_MOUNT]
+    claim = volumes[models["name"]]["persistentVolumeClaim"]["claimName"]
+    assert claim in {p["metadata"]["name"] for p in gpu_kind("PersistentVolumeClaim")}
+    # The init container fills that volume with the folder --model names, unless it is there.
+    (init,) = pod["initContainers"]
+    env = {e["name"]: e.get("value") for e in init["env"]}
+    assert f"{MODEL_MOUNT}/{env['MODEL_NAME']}" == args.model and env["MODEL_REPO"]
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {MODEL_MOUNT}
+    script = init["args"][0]
+    compile(script, "fetch-model", "exec")
+    assert 'os.path.join("/models", os.environ["MODEL_NAME"])' in script
+    assert "config.json" in script and "os.rename" in script  # skip when present; no partials
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    # The same image, the CUDA variant of this Dockerfile, under the registry placeholder.
+    assert {x["image"] for x in [c, init]} == {"registry.example.com/batcher:cuda"}
+    assert "VARIANT=cpu" in DOCKERFILE and "FROM torch-${VARIANT} AS build" in DOCKERFILE
+    assert re.search(r"^FROM base AS torch-cuda$", DOCKERFILE, re.MULTILINE)
+
+
+def test_gpu_probes_wait_for_load_and_warm_up() -> None:
+    (dep,) = gpu_kind("Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    args, app_routes = parsed(c), routes("serve")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = c[probe]["httpGet"]
+        assert port_number(c, get["port"]) == args.port and ("GET", get["path"]) in app_routes
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"  # warmed up and stepping
+    start = c["startupProbe"]
+    # The port opens after the load and the warm start (every step shape, then calibration):
+    # minutes for a 7-8B model from a network volume, so allow far more than the CPU image's 5.
+    assert start["periodSeconds"] * start["failureThreshold"] >= 15 * 60
+    cmd = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    pause = float(re.search(r"sleep\((\d+(?:\.\d+)?)\)", cmd).group(1))
+    assert f"127.0.0.1:{args.admin_port}/admin/drain" in cmd
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > (
+        pause + args.shutdown_timeout)
+
+
+def test_images_name_a_registry_the_docs_explain() -> None:
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    images = {c["image"] for doc in [*DOCS, *GPU_DOCS] if doc["kind"] == "Deployment"
+              for c in [*doc["spec"]["template"]["spec"]["containers"],
+                        *doc["spec"]["template"]["spec"].get("initContainers", [])]
+              if "batcher" in c["image"].split("/")[-1]}
+    assert images == {"registry.example.com/batcher:cpu", "registry.example.com/batcher:cuda"}
+    for image in images:
+        assert f"docker push {image.replace('registry.example.com', '$REGISTRY')}" in docs
+
+
+def test_the_docs_walk_from_git_clone_to_a_gpu_deployment() -> None:
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    walk = docs[docs.index("## Your own model on a GPU cluster"):]
+    walk = walk[:walk.index("\n## ", 4)]
+    steps = ["git clone", "docker build --build-arg VARIANT=cuda",
+             "docker push $REGISTRY/batcher:cuda",
+             "kubectl create secret generic batcher-keys", "batcher-tenants",
+             "deploy/kubernetes/gpu/replicas.yaml",
+             "kubectl apply -f deploy/kubernetes/router.yaml", "kubectl rollout status",
+             "/v1/models", "--model /models/"]
+    at = [walk.find(step) for step in steps]
+    assert all(i >= 0 for i in at), [s for s, i in zip(steps, at) if i < 0]
+    assert at[:-1] == sorted(at[:-1]), "the steps are in the order an operator runs them"
