@@ -245,10 +245,11 @@ async def test_through_the_router(router_url: str) -> None:
     replica, and each stream ends where its last event says."""
     async with oai(router_url) as client:
         await responses_tool_loop(client)
-        async with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=3
-                                           ) as stream:
+        async with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=3,
+                                           temperature=0) as stream:
             kinds = [e.type async for e in stream]
         assert kinds[-1] == "response.incomplete"
     async with ant(router_url) as client, client.messages.stream(
-            model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Hi"}]) as s:
+            model=MODEL, max_tokens=3, extra_body=GREEDY,
+            messages=[{"role": "user", "content": "Hi"}]) as s:
         assert (await s.get_final_message()).usage.output_tokens == 3

@@ -208,7 +208,8 @@ def test_responses_text_stream_events() -> None:
         "response.content_part.done", "response.output_item.done", "response.completed"]
     assert all(name == data["type"] for name, data in out)
     assert [data["sequence_number"] for _, data in out] == list(range(len(out)))
-    item_ids = {data["item"]["id"] for name, data in out if name.startswith("response.output_item")}
+    item_ids = {data["item"]["id"] for name, data in out
+                if name.startswith("response.output_item")}
     assert len(item_ids) == 1
     assert out[6][1]["text"] == "Hello"
     final = out[-1][1]["response"]
@@ -249,7 +250,7 @@ def test_responses_stream_that_fails_ends_failed() -> None:
     assert out[-2][0] == "response.output_item.done"  # what it produced is closed first
 
 
-# Messages ------------------------------------------------------------------------------------------
+# Messages -----------------------------------------------------------------------------------------
 def test_messages_request_becomes_a_chat_body() -> None:
     body = chat_body({
         "model": "m", "max_tokens": 20, "system": [{"type": "text", "text": "Be brief."}],

@@ -4,8 +4,9 @@ DELETE of `/v1/responses/{id}`.
 A stored response lives on the replica that made it. The router keeps nothing (it stays soft
 state: a restarted router, or several side by side, find the same responses): it asks the
 routable replicas, in parallel and with the caller's own key, and the one that answers 200
-holds it. A continuation (`previous_response_id`) is then routed to that replica only; a
-replica answers only for the caller's tenant, so another tenant's id is a 404 as on a replica.
+holds it (draining or not). A continuation (`previous_response_id`) is then routed to that
+replica only (a 503 + Retry-After while it drains); a replica answers only for the caller's
+tenant, so another tenant's id is a 404 as on a replica.
 The cost is one small request per replica for each continued turn or lookup.
 """
 
@@ -33,10 +34,11 @@ def not_found(rid: str, param: str) -> ApiError:
 
 async def ask(ctx: RouterContext, method: str, rid: str, headers: Mapping[str, str]
               ) -> tuple[str | None, web.Response | None]:
-    """(the id of the replica holding response `rid`, its answer to `method` on it); (None,
-    the first answer that was neither 200 nor 404) when none holds it, (None, None) when every
-    replica said 404."""
-    reps = [r for r in ctx.registry if ctx.registry.routable(r)]
+    """(the id of the replica holding response `rid`, its answer to `method` there); when none
+    holds it, (None, the first answer that was neither 200 nor 404, or a 503 when a replica did
+    not answer), or (None, None) when every replica said 404."""
+    # Trusted, draining or not: a draining replica still holds its responses.
+    reps = [r for r in ctx.registry if ctx.registry.trusted(r)]
     path = "/v1/responses/" + urllib.parse.quote(rid, safe="", errors="surrogateescape")
 
     async def one(url: str) -> tuple[int, bytes, str]:

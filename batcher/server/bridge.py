@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 
@@ -100,7 +100,7 @@ class BridgeHandler(GenerationHandler):
     `names` (chat field -> the API's field, for error messages) and override the hooks
     (`parse`, `shape`, `sink`)."""
 
-    names: dict[str, str] = {}
+    names: ClassVar[dict[str, str]] = {}
 
     def __init__(self, gw: Any) -> None:
         super().__init__(gw, chat=True)

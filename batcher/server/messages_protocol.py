@@ -17,7 +17,7 @@ from typing import Any
 from batcher.http.anthropic_errors import error_body
 from batcher.http.errors import invalid
 from batcher.http.sse import sse_named
-from batcher.server.bridge import ChunkEvent, json_arguments, new_id, read_chunk
+from batcher.server.bridge import ChunkEvent, json_arguments, read_chunk
 from batcher.server.unsupported import Unsupported, refuse_fields
 
 # Anthropic's own limit is higher; chat's is 4 stop strings.
