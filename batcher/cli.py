@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 import traceback
 from typing import NoReturn
@@ -162,7 +163,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         return _run(run_server(args))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal (still starting)
+        logging.getLogger("batcher.serve").info("received SIGINT while starting: exiting")
         return 130
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):

@@ -48,3 +48,19 @@ async def test_router_and_replica_name_the_tenant_alike(aiohttp_client, caplog) 
     lines = await both_lines(caplog, "t-bad")
     assert sorted(line["outcome"] for line in lines) == ["refused", "refused"], lines
     assert "alice" not in {line["tenant"] for line in lines}
+
+
+async def test_the_routers_own_refusals_have_a_line(aiohttp_client, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="batcher.access")
+    router = await aiohttp_client(create_router_app(RouterContext(RouterConfig())))
+    for rid, method, path, status, code in (
+            ("r-404", "GET", "/v1/nowhere", 404, "not_found"),
+            ("r-400", "POST", "/v1/completions", 400, "invalid_json")):
+        r = await router.request(method, path, data=b"{",
+                                 headers=key(ALICE) | {"X-Request-Id": rid})
+        assert r.status == status
+        (line,) = [rec.access for rec in caplog.records
+                   if getattr(rec, "access", {}).get("request_id") == rid]
+        assert (line["status"], line["error_code"], line["outcome"]) == (status, code,
+                                                                        "refused"), line
+        assert line["route"] == path

@@ -39,7 +39,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from batcher.access_log import log_access, outcome_of
+from batcher.access_log import LOGGED, log_access, outcome_of
 from batcher.fleet.context import Attempt, RouterContext
 from batcher.fleet.policy import (
     affinity_key,
@@ -271,6 +271,7 @@ class Relay:
             self._done(resp)
 
     def _done(self, resp: web.StreamResponse | None) -> None:
+        self.request[LOGGED] = True  # the line is this relay's, with its phases
         self.ctx.later(self._record, 499 if resp is None else resp.status)
 
     def _record(self, status: int) -> None:

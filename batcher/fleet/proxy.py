@@ -37,7 +37,7 @@ from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import AuthError, bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
-from batcher.http.middleware import answer_unexpected
+from batcher.http.middleware import answer_unexpected, log_error_answer
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
 from batcher.http.upstream import UpstreamPool
@@ -77,12 +77,16 @@ async def middleware(request: web.Request, handler: Callable[[web.Request],
         resp = await handler(request)
     except ApiError as err:
         resp = err.response(rid)
+        log_error_answer(request, rid, err.status, err.code, request.get("scope", "-"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        resp = from_http_exception(exc).response(rid)
+        err = from_http_exception(exc)
+        resp = err.response(rid)
+        log_error_answer(request, rid, err.status, err.code, request.get("scope", "-"))
     except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
         resp = answer_unexpected(request, exc, rid)
+        log_error_answer(request, rid, resp.status, None, request.get("scope", "-"))
     resp = reshape_error(request, resp)  # Anthropic's clients read Anthropic's shape
     if not resp.prepared and "X-Request-Id" not in resp.headers:
         resp.headers["X-Request-Id"] = rid

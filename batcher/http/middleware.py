@@ -12,9 +12,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from batcher.access_log import LOGGED, log_refusal
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import bearer_matches
 from batcher.http.request_ids import new_request_id
+from batcher.http.text import excerpt
 
 log = logging.getLogger("batcher.http")
 
@@ -41,6 +43,16 @@ def answer_unexpected(request: web.Request, exc: Exception, rid: str) -> web.Res
     # The same request would fail the same way again: tell clients and routers not to retry.
     return ApiError(500, "internal error; the request id identifies it in the server's log",
                     code="internal_error", headers={"x-should-retry": "false"}).response(rid)
+
+
+def log_error_answer(request: web.Request, rid: str, status: int, code: str | None,
+                     tenant: str) -> None:
+    """The access line of an error answer no handler logged itself (a key refused, an unknown
+    route, a body too large or malformed): why, where an operator looks. Replica and router."""
+    if request.get(LOGGED):
+        return
+    log_refusal(request_id=rid, tenant=tenant, route=excerpt(request.rel_url.raw_path, 200),
+                status=status, error_code=code)
 
 
 @web.middleware

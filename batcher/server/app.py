@@ -10,15 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from batcher.access_log import LOGGED, log_refusal
 from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER, AuthError, header_matches
 from batcher.http.listener import add_fallback_route, expect_continue
-from batcher.http.middleware import answer_unexpected
+from batcher.http.middleware import answer_unexpected, log_error_answer
 from batcher.http.request_ids import client_request_id, new_request_id
 from batcher.http.responses import json_response
-from batcher.http.text import excerpt
 from batcher.server import embeddings_route, messages_route, responses_route, tokenize_route
 from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import Gateway
@@ -107,13 +105,8 @@ async def tenant_header(request: web.Request, response: web.StreamResponse) -> N
 
 
 def refused(request: web.Request, rid: str, status: int, code: str | None) -> None:
-    """The access line of an error answer no generation handler logged itself (a key refused,
-    an unknown route, a bad body for another route)."""
-    if request.get(LOGGED):
-        return
-    tenant = getattr(request.get("tenant"), "name", "-")
-    log_refusal(request_id=rid, tenant=tenant, route=excerpt(request.rel_url.raw_path, 200),
-                status=status, error_code=code)
+    """The access line of an error answer no generation handler logged itself."""
+    log_error_answer(request, rid, status, code, getattr(request.get("tenant"), "name", "-"))
 
 
 async def health(request: web.Request) -> web.Response:
