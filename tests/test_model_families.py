@@ -1,7 +1,7 @@
 """Every supported architecture against transformers: a tiny random model built with its own
-classes, saved as a Hugging Face folder, loaded by us; the paged mixed-batch forward gives the
-reference's logits, and the engine's greedy decoding (chunked prefill, preemption, a prefix-cache
-hit) gives its tokens."""
+classes, saved as a Hugging Face folder and written as a GGUF file, loaded by us; the paged
+mixed-batch forward gives the reference's logits, and greedy decoding its tokens (through the
+engine, with chunked prefill, preemption and a prefix-cache hit, for the folders)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from batcher.request import Request
 from batcher.runtime.model_runner import ModelRunner
 from batcher.sampling import SamplingParams
 from batcher.tokenizer import load_tokenizer
-from tests.model_families import VOCAB, build_hf, hf_greedy, save_folder
+from tests.greedy_loop import greedy_generate
+from tests.model_families import GGUF_ARCH, VOCAB, build_hf, hf_greedy, save_folder, write_gguf
 
-FAMILIES = ["qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
+            "qwen3_moe"]
 BLOCK = 16
 NEW_TOKENS = 8
 
@@ -50,10 +52,41 @@ def _all_logits(runner: ModelRunner, sched: SchedulerOutput) -> torch.Tensor:
     return runner.model(ids, positions, meta, runner.kv_caches, torch.arange(len(ids)))
 
 
+@pytest.fixture(scope="module", params=list(GGUF_ARCH))
+def gguf_family(request, tmp_path_factory):
+    name = request.param
+    # A GGUF header has no attention scale: Gemma's is taken as 1/sqrt(head_dim).
+    hf = build_hf(name, seed=1, **({"query_pre_attn_scalar": 32} if name == "gemma2" else {}))
+    tmp = tmp_path_factory.mktemp(f"{name}-gguf")
+    path = write_gguf(name, hf, tmp / f"{name}.gguf")
+    env = pytest.MonkeyPatch()
+    env.setenv("BATCHER_CACHE", str(tmp / "cache"))  # the dense weight cache
+    try:
+        loaded = load_model(str(path), dtype="float32", device="cpu")
+    finally:
+        env.undo()
+    return name, hf, loaded
+
+
 def test_paged_mixed_batch_logits_equal_transformers(family):
     """Whole prompts, a prompt read in two chunks and decode rows in one flattened batch, on
     shuffled blocks: every row's logits are the dense reference's within 1e-4."""
     _, hf, loaded = family
+    _check_mixed_batch(hf, loaded)
+
+
+def test_gguf_logits_and_greedy_equal_transformers(gguf_family):
+    name, hf, loaded = gguf_family
+    assert loaded.config.architecture == type(hf).__name__
+    _check_mixed_batch(hf, loaded)
+    prompts = [[(5 * i + 11 * j) % (VOCAB - 3) + 3 for j in range(n)]
+               for i, n in enumerate((7, 30, 19))]
+    runner = ModelRunner(loaded, num_blocks=12, block_size=BLOCK)
+    got = greedy_generate(runner, prompts, NEW_TOKENS)
+    assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+def _check_mixed_batch(hf, loaded) -> None:
     runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
     rng = random.Random(1)
     free = list(range(16))

@@ -1,5 +1,5 @@
-"""Read a Llama-architecture GGUF file into a config and tensors in Hugging Face names: dense
-(dequantized), or Q4_1 matrices kept in their blocks for the int4 kernels."""
+"""Read a GGUF file of a supported architecture (`gguf_arch`) into a config and tensors in Hugging
+Face names: dense (dequantized), or Q4_1 matrices kept in their blocks for the int4 kernels."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batcher.models import gguf_arch
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_file import GGUFFile
 from batcher.models.llama import LlamaConfig
@@ -18,8 +19,16 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    # Sparse layers: the router, the stacked experts (joined below), Qwen2-MoE's shared expert.
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_exps",
+    "ffn_up_exps": "mlp.experts.up_exps", "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Mixtral's older files: one tensor per expert, `blk.N.ffn_gate.E.weight`.
+_EXPERT_NAMES = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}
 Q4_1_GROUP = 32  # weights per Q4_1 block
 _ROWS_PER_SLICE = 4096  # rows dequantized at a time
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
@@ -154,19 +163,26 @@ def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read GGUF file {path.name}: {exc}") from exc
     cfg = _config(reader)
+    arch = reader.fields.get("general.architecture")
+    names = _LAYER_NAMES | gguf_arch.layer_names(arch)
+    permuted = arch in gguf_arch.ROTARY_PERMUTED
     dense: dict[str, torch.Tensor] = {}
     q4: dict[str, Q4_1Blocks] = {}
     for t in reader.tensors:
         base, _, kind = t.name.rpartition(".")
         parts = base.split(".")
-        if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _EXPERT_NAMES:
+            hf = (f"model.layers.{parts[1]}.block_sparse_moe.experts.{parts[3]}."
+                  f"{_EXPERT_NAMES[parts[2]]}.{kind}")
+        elif parts[0] == "blk" and parts[2] in names:
+            hf = f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
         elif base in _TOP_NAMES:
             hf = f"{_TOP_NAMES[base]}.{kind}"
         else:
             continue
-        heads = (cfg.num_heads if base.endswith("attn_q") else
-                 cfg.num_kv_heads if base.endswith("attn_k") else None)
+        heads = None
+        if permuted and parts[-1] in ("attn_q", "attn_k"):
+            heads = cfg.num_heads if parts[-1] == "attn_q" else cfg.num_kv_heads
         if hf in lazy and heads is None and len(t.data.shape) == 2:
             dense[hf] = GGUFRows(t.data, t.tensor_type)
             continue
@@ -176,6 +192,12 @@ def read_gguf_q4(path: Path, keep_q4_1: bool = True, dtype: torch.dtype = torch.
             continue
         w = _dequantize(t.data, t.tensor_type, dtype)
         dense[hf] = w if heads is None else unpermute_rotary(w, heads)
+    for n in cfg.moe_layers:  # each expert's gate rows, then its up rows
+        p = f"model.layers.{n}.mlp.experts."
+        if p + "gate_exps.weight" in dense:
+            dense[p + "gate_up_proj"] = torch.cat(
+                [dense.pop(p + "gate_exps.weight"), dense.pop(p + "up_exps.weight")], dim=1)
+            dense[p + "down_proj"] = dense.pop(p + "down_proj.weight")
     return cfg, dense, q4
 
 
@@ -196,27 +218,4 @@ def _dequantize(data: np.ndarray, kind, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _config(reader: GGUFFile) -> LlamaConfig:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    kv_heads = int(_field(reader, "llama.attention.head_count_kv", heads))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return LlamaConfig(
-        vocab_size=int(_field(reader, "llama.vocab_size", 0)) or
-        len(_field(reader, "tokenizer.ggml.tokens")),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
+    return gguf_arch.config(reader)
