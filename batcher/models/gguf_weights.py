@@ -145,7 +145,7 @@ def read_gguf_config(path: Path) -> LlamaConfig:
     try:
         reader = GGUFFile(path)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path.name}: {exc}") from exc
+        raise ModelLoadError(f"cannot read GGUF file {path.name}: {exc}") from exc
     return _config(reader)
 
 
