@@ -77,16 +77,23 @@ class PrefillPacer:
     def paced(self, req: Request, num_computed: int, limit: int,
               allowance: PrefillAllowance) -> int:
         """The chunk the time target allows, raised to what the request's first-token deadline
-        needs (an interactive prompt not yet answered, under a TTFT SLO; see step_budget)."""
+        needs (an interactive prompt not yet answered, under a TTFT SLO, short enough to be read
+        within it; see step_budget)."""
         num_new = allowance.chunk(num_computed, limit)
-        slo = self.config.slo_ttft_s
+        cfg = self.config
+        slo = cfg.slo_ttft_s
         if slo is None or req.first_token_time is not None or req.priority > 0:
             return num_new
+        # NOTE: judged on the prompt alone, not on how long it waited: a prompt late only
+        # because it queued is a backlog, read at the whole budget (see step_budget).
+        whole = cfg.max_num_batched_tokens - allowance.shape.decode_rows
+        if cfg.long_prefill_token_threshold > 0:
+            whole = min(whole, cfg.long_prefill_token_threshold)
+        if allowance.seconds_to_read(req.num_prompt_tokens, max(1, whole)) > slo:
+            return num_new  # too long for the SLO at any pace: the streams keep their target
         since = self.clock() - req.arrival_time
         remaining = req.num_prompt_tokens - num_computed
-        if allowance.seconds_alone_at(num_computed, remaining, limit) > slo - since:
-            return num_new  # late even at the whole budget: the streams keep their target
-        left = self.config.ttft_pace * slo - since
+        left = cfg.ttft_pace * slo - since
         need = deadline_chunk(remaining, left, allowance.target_s, limit)
         # Steps that carry the needed chunk are longer than the target: size it again on them.
         need = deadline_chunk(remaining, left, allowance.step_with(num_computed, need), limit)

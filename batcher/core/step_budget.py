@@ -36,9 +36,13 @@ the scheduler asks for the largest chunk whose predicted step time stays within 
   answered gets at least its remainder spread over the steps left before its pace point (a
   share of the SLO after its arrival). Short prompts then need a few tokens a step on top of
   what the streams' target allows, instead of waiting at two tokens a step for seconds. A
-  prompt that cannot be done within the SLO even at the whole token budget is late anyway: it
-  gets only the streams' target, so the streams are not stalled for a first token that misses
-  regardless.
+  prompt too long to be read within the SLO even at the whole token budget from its first token
+  (`seconds_to_read`) misses whatever it is given: it gets only the streams' target, so the
+  streams are not stalled for it. A prompt past its pace point only because it waited (behind
+  other prompts) gets the whole budget: that is a backlog, and a backlog read at the streams'
+  target drains at a third of the rate (each small chunk pays a step's fixed cost and rereads
+  its context), so the queue behind it grows and every later prompt is late too
+  (docs/capacity.md, long prompts).
 """
 
 from __future__ import annotations
@@ -89,12 +93,19 @@ class PrefillAllowance:
         self.shape = self.shape.plus(num_tokens, start_pos, self.block_size)
         self.booked += 1
 
-    def seconds_alone_at(self, start_pos: int, remaining: int, limit: int) -> float:
-        """Predicted seconds to compute `remaining` prompt tokens from `start_pos` in chunks of
-        `limit` beside this step's decodes: the soonest the prompt can be done."""
-        if remaining <= 0 or limit <= 0:
+    def seconds_to_read(self, prompt_tokens: int, chunk: int) -> float:
+        """Predicted seconds to read a whole prompt of `prompt_tokens`, from its first token, in
+        chunks of `chunk` beside this step's decodes (each chunk priced at its own context):
+        the soonest its first token can come, queueing aside."""
+        if prompt_tokens <= 0 or chunk <= 0:
             return 0.0
-        return -(-remaining // limit) * self.step_with(start_pos, min(limit, remaining))
+        decodes = self.shape.decode_only
+        seconds, pos = 0.0, 0
+        while pos < prompt_tokens:
+            n = min(chunk, prompt_tokens - pos)
+            seconds += self.model.predict(decodes.plus(n, pos, self.block_size))
+            pos += n
+        return seconds
 
     def step_with(self, start_pos: int, num_tokens: int) -> float:
         """Predicted seconds of this step with one more chunk of `num_tokens` from `start_pos`."""
