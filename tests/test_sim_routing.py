@@ -54,7 +54,12 @@ def test_where_replicas_differ_it_beats_round_robin(flags: str) -> None:
     # NOTE: two small pools of eight make the gap to the oracle about a point and a half on
     # average but up to three on one seed, so that row is judged on three
     rr, fleet, oracle = compare(flags, seeds=3 if "small-kv" in flags else 1)
-    better = (fleet["goodput"] >= rr["goodput"] + 0.05
+    # NOTE: 5 points better where round-robin leaves that much to gain; where it already
+    # meets the SLO for more than 90% (two small pools, now that replicas pace first tokens
+    # to the SLO: 98.6%), at least half of what it leaves and a lower p99
+    gain = min(0.05, (1 - rr["goodput"]) / 2)
+    better = ((fleet["goodput"] >= rr["goodput"] + gain
+               and (gain == 0.05 or fleet["ttft_p99"] < rr["ttft_p99"]))
               or fleet["ttft_p99"] <= 0.7 * rr["ttft_p99"])
     assert better, (rr["goodput"], fleet["goodput"], rr["ttft_p99"], fleet["ttft_p99"])
     assert fleet["goodput"] >= rr["goodput"] - 0.005

@@ -41,7 +41,6 @@ import time
 from collections.abc import Callable
 
 from batcher.admission import Rejected
-from batcher.config import SchedulerConfig
 from batcher.fleet.policy import RetryBudget
 from batcher.request import Request
 from batcher.sampling import SamplingParams
@@ -99,10 +98,7 @@ class FleetSim:
         return self.clock.now
 
     def _build_replicas(self, cfg: FleetConfig, model: StepModel) -> list[SimReplica]:
-        sc = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
-        if cfg.admission:
-            # As `batcher serve` does: the scheduler paces first tokens to the same TTFT SLO.
-            sc.slo_ttft_s = cfg.slo_ttft
+        sc = cfg.scheduler_config()
         reps = []
         for i in range(cfg.replicas):
             factor = cfg.speed_factor(i)

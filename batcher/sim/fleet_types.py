@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from batcher.config import SchedulerConfig
 from batcher.fleet.load import ReplicaLoad
 from batcher.sim.engine_sim import SimReplica
 
@@ -92,6 +93,15 @@ class FleetConfig:
             raise ValueError("small-KV replicas: K + slow replicas <= replicas, blocks >= 1")
         if any(s.replica >= self.replicas for s in self.stalls):
             raise ValueError("a stall names a replica beyond --replicas")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """Every replica's scheduler, and the one its capacity is measured on: `batcher serve`'s
+        at its defaults with this fleet's slots, step budget and model length, pacing first
+        tokens to the TTFT SLO that goodput counts, as `batcher serve` paces to its
+        --slo-ttft-ms (also its goodput threshold). The TPOT SLO only counts goodput: serve's
+        scheduler has none unless --slo-tpot-ms is given."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                               slo_ttft_s=self.slo_ttft if self.slo_ttft > 0 else None)
 
     def speed_factor(self, index: int) -> float:
         return self.slow_factor if index < self.slow_replicas else 1.0

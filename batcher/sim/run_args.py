@@ -128,7 +128,7 @@ def fleet_from_args(args: argparse.Namespace):
     from batcher.bench.common import load_workload
     from batcher.sim.fleet_sim import FleetConfig
     from batcher.sim.stepmodel import load_step_model
-    from batcher.sim.studies import replica_capacity
+    from batcher.sim.capacity import replica_capacity
     from batcher.sim.workload import ArrivalSpec, ShapeSpec
 
     model = load_step_model(args.step_model)

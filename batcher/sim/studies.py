@@ -21,43 +21,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from batcher.config import SchedulerConfig
-from batcher.sim.engine_sim import SimReplica, run_alone
+from batcher.sim.capacity import replica_capacity
 from batcher.sim.fleet_sim import Failure, FleetConfig, FleetSim
 from batcher.sim.metrics import FleetResult, format_summary
 from batcher.sim.stepmodel import StepModel, load_step_model
-from batcher.sim.workload import ArrivalSpec, RequestGen, ShapeSpec
+from batcher.sim.workload import ArrivalSpec, ShapeSpec
 
 SHAPE = ShapeSpec()  # chat-like for a CPU replica: 256 in / 64 out (medians), sigma 0.6
-_CAPACITY: dict[tuple, float] = {}
-
-
-def replica_capacity(cfg: FleetConfig, model: StepModel, shape: ShapeSpec, n: int = 400,
-                     seed: int = 0) -> float:
-    """Requests/s one replica completes with a deep queue: `n` requests at t = 0, rate taken
-    between the 20th and 80th percentile of completions (no ramp-up, no lone tail)."""
-    key = (id(model), shape, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.num_blocks)
-    if key in _CAPACITY:
-        return _CAPACITY[key]
-    from batcher.request import Request
-    from batcher.sampling import SamplingParams
-
-    # NOTE: the requests are all at t = 0 only to keep the queue deep; what is measured is a
-    # replica's steady rate under steady arrivals, so the scheduler's burst fill is off
-    sc = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
-                         burst_window_s=0.0)
-    rep = SimReplica(0, sc, cfg.num_blocks, cfg.block_size, model)
-    gen = RequestGen(shape, seed)
-    reqs = []
-    for i in range(n):
-        p, o, g = gen.lengths()
-        sp = SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
-        reqs.append((0.0, Request(str(i), gen.prompt(i, p, g), sp, arrival_time=0.0)))
-    ends = sorted(t.finished or 0.0 for t in run_alone(rep, reqs))
-    a, b = ends[n // 5], ends[4 * n // 5]
-    _CAPACITY[key] = (4 * n // 5 - n // 5) / (b - a)
-    return _CAPACITY[key]
-
 
 def run_fleet(cfg: FleetConfig, model: StepModel, load: float, shape: ShapeSpec = SHAPE,
               label: str = "") -> FleetResult:
