@@ -140,7 +140,8 @@ def gateway_factory(args: argparse.Namespace,
                             max_model_len=engine.scheduler.config.max_model_len,
                             default_max_tokens=args.default_max_tokens,
                             max_body_bytes=args.max_body_bytes,
-                            tool_call_parser=args.tool_call_parser)
+                            tool_call_parser=args.tool_call_parser,
+                            reasoning_parser=getattr(args, "reasoning_parser", None))
         return Gateway(cfg, engine, Authenticator(auth), admission, metrics, embedder,
                        EMBEDDING_MODEL_NAME, counter)
 

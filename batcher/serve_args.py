@@ -36,6 +36,7 @@ from batcher.engine_config import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from batcher.server.reasoning import reasoning_parser_names
 from batcher.server.tool_parsers import DEFAULT as TOOL_PARSER_DEFAULT
 from batcher.server.tool_parsers import parser_names as tool_parser_names
 
@@ -190,6 +191,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "a tool format, the bundled model's); 'hermes' (Qwen2.5/Qwen3, Hermes) and 'llama3_json' "
       "(Llama 3.1-3.3) use the template's own format, which must render 'tools' "
       "(default: %(default)s)")
+    a("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+      help="thinking models: chat answers carry the <think> block as 'reasoning_content' "
+      "(qwen3: when the answer opens one; deepseek_r1: the prompt opened it) (default: none)")
     a("--tenants", default=None, help="tenants TOML file (keys, token budgets) (default: none, "
       "auth off)")
     a("--max-waiting", type=positive_int, default=None, help="requests queued before new ones "

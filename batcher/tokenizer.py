@@ -92,8 +92,11 @@ class Tokenizer:
         )
 
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt token ids for a chat, ending with the assistant's turn header.
+
+        `template_kwargs`: more variables for the template (`enable_thinking`, ...).
 
         `tools`: for a template with a tool format of its own, the tools it lists; then
         assistant messages may carry `tool_calls` (arguments as objects), which it renders.
@@ -105,7 +108,9 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use the completions endpoint")
         try:
-            extra = {"tools": tools} if tools is not None else {}
+            extra = dict(template_kwargs or {})
+            if tools is not None:
+                extra["tools"] = tools
             text = self.hf.apply_chat_template(chat, add_generation_prompt=add_generation_prompt,
                                                tokenize=False, **extra)
         except Exception as exc:  # jinja2 TemplateError from the template's raise_exception()

@@ -102,15 +102,17 @@ class JsonTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = False, tokenize: bool = False,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat rendered as text (tokenize=True is not offered: the caller encodes)."""
+                            tools: list[dict[str, Any]] | None = None,
+                            **template_kwargs: Any) -> str:
+        """The chat rendered as text (tokenize=True is not offered: the caller encodes).
+        `template_kwargs`: more template variables (`enable_thinking`, ...)."""
         if tokenize:
             raise ValueError("tokenize=True is not supported; encode the rendered text")
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         return _compiled(self.chat_template).render(
-            messages=messages, tools=tools, documents=None,
-            add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            **(self.special_tokens | template_kwargs), messages=messages, tools=tools,
+            documents=None, add_generation_prompt=add_generation_prompt)
 
     def save_pretrained(self, folder: str) -> None:
         """Copy the tokenizer's files into `folder` (readable by transformers too)."""

@@ -22,6 +22,7 @@ from batcher.metrics import Metrics
 from batcher.request import Priority, Request
 from batcher.server.auth import Authenticator
 from batcher.server.protocol import GenerationSpec
+from batcher.server.reasoning import get_reasoning_parser
 from batcher.server.tool_parsers import get_parser
 from batcher.tenants import TenantConfig
 from batcher.tokenizer import message_chars
@@ -48,6 +49,7 @@ class GatewayConfig:
     default_max_tokens: int = 1024
     max_body_bytes: int = 4 * 2**20
     tool_call_parser: str = "generic"  # see batcher.server.tool_parsers
+    reasoning_parser: str | None = None  # see batcher.server.reasoning
 
 
 @dataclass(slots=True)
@@ -69,6 +71,7 @@ class Gateway:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.tool_parser = get_parser(cfg.tool_call_parser, self.tokenizer.chat_template)
+        self.reasoning = get_reasoning_parser(cfg.reasoning_parser)
         self.auth = auth
         self.admission = admission
         self.metrics = metrics
@@ -107,8 +110,8 @@ class Gateway:
 
         def work() -> list[list[int]]:
             if spec.chat:
-                return [self.tokenizer.apply_chat_template(spec.messages,
-                                                           tools=spec.chat_tools)]
+                return [self.tokenizer.apply_chat_template(
+                    spec.messages, tools=spec.chat_tools, template_kwargs=spec.template_kwargs)]
             return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in spec.prompts]
 
         size = sum(len(p) for p in spec.prompts if isinstance(p, str)) + len(

@@ -19,6 +19,7 @@ from batcher.http.listener import read_json
 from batcher.http.sse import DONE, SEP, SSE_HEADERS, sse_event
 from batcher.server.gateway import Gateway, Job
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
+from batcher.server.reasoning import ReasoningStream
 from batcher.server.timing import RequestTiming
 from batcher.server.tool_parsers import ToolStream
 from batcher.structured import GRAMMAR_TOO_COSTLY
@@ -240,6 +241,9 @@ class GenerationHandler:
                                          lp)
             item: dict[str, Any] = {"index": i, "logprobs": lp,
                                     "finish_reason": fin.finish_reason}
+            thinking = self.gw.reasoning if self.chat else None
+            if thinking is not None:
+                reasoning, text = thinking.parse(text)
             content, calls = self.gw.tool_parser.parse(text, spec.tools) if (
                 self.chat and spec.tools.active) else (text, None)
             if calls:
@@ -250,6 +254,8 @@ class GenerationHandler:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = self._echo(spec, i) + text
+            if thinking is not None:
+                item["message"]["reasoning_content"] = reasoning
             if fin.stop_reason is not None:
                 item["stop_reason"] = fin.stop_reason
             if spec.return_token_ids:
@@ -332,10 +338,13 @@ class GenerationHandler:
         prompt_sent: set[int] = set()
         buffers = ({i: self.gw.tool_parser.stream(spec.tools) for i in range(len(job.requests))}
                    if self.chat and spec.tools.active else None)
+        thinking = ({i: self.gw.reasoning.stream() for i in range(len(job.requests))}
+                    if self.chat and self.gw.reasoning is not None else None)
         # NOTE: most chunks carry text alone: with nothing else asked for, they are written from
         # bytes made once per choice around the text's JSON (the same bytes as the chunk's).
         plain = sink is SSE_CHUNKS and not (spec.score_only or echo_due or buffers is not None
-                     or spec.logprobs is not None or spec.return_token_ids)
+                     or spec.logprobs is not None or spec.return_token_ids
+                     or thinking is not None)
         frames: dict[int, tuple[bytes, bytes]] = {}
         dumps = orjson.dumps
         item: tuple[int, EngineEvent] | None = first
@@ -361,7 +370,7 @@ class GenerationHandler:
                 lp = self._echo_logprobs(job.requests[i].prompt_token_ids, ev.prompt_logprobs)
                 await resp.write(sink.chunk(self._chunk(base, i, text=self._echo(spec, i),
                                                        logprobs=lp)))
-            chunk = self._event_chunk(base, spec, job, i, ev, prompt_sent, buffers)
+            chunk = self._event_chunk(base, spec, job, i, ev, prompt_sent, buffers, thinking)
             if chunk is not None:
                 await resp.write(sink.chunk(chunk))
             if ev.finished:
@@ -377,20 +386,27 @@ class GenerationHandler:
 
     def _event_chunk(self, base: dict[str, Any], spec: GenerationSpec, job: Job, i: int,
                      ev: EngineEvent, prompt_sent: set[int],
-                     buffers: dict[int, ToolStream] | None = None) -> dict[str, Any] | None:
+                     buffers: dict[int, ToolStream] | None = None,
+                     thinking: dict[int, ReasoningStream] | None = None
+                     ) -> dict[str, Any] | None:
         """The chunk for one event, or None when it carries nothing a client would see. With
         tools, text that may open a call is held back, and calls go out as `tool_calls`
         deltas while they are generated: a call's first names it, later ones carry its
         arguments' text."""
         lp = self._logprobs(spec, ev.token_ids, ev.logprobs, ev.text)
         ids = ev.token_ids if spec.return_token_ids else None
-        text, deltas = ev.text, []
+        text, deltas, reasoning = ev.text, [], ""
+        if thinking is not None:  # the think block, split off before tool calls are read
+            reasoning, text = thinking[i].feed(text)
+            if ev.finished:
+                more_reasoning, rest = thinking[i].end()
+                reasoning, text = reasoning + more_reasoning, text + rest
         if buffers is not None:
             text, deltas = buffers[i].feed(text)
             if ev.finished:
                 rest, more = buffers[i].end()
                 text, deltas = text + rest, deltas + more
-        if not (text or deltas or ev.finished or lp or ids):
+        if not (text or deltas or reasoning or ev.finished or lp or ids):
             return None
         called = buffers is not None and buffers[i].called
         finish = "tool_calls" if called and ev.finish_reason == "stop" else ev.finish_reason
@@ -398,6 +414,8 @@ class GenerationHandler:
                             stop_reason=ev.stop_reason, token_ids=ids)
         if deltas:
             chunk["choices"][0]["delta"]["tool_calls"] = deltas
+        if reasoning:
+            chunk["choices"][0]["delta"]["reasoning_content"] = reasoning
         if ids is not None and i not in prompt_sent:
             prompt_sent.add(i)  # once per choice: what a resume re-sends
             chunk["prompt_token_ids"] = job.requests[i].prompt_token_ids

@@ -42,10 +42,31 @@ class GenerationSpec:
     score_only: bool = False
     tools: ToolSpec = field(default_factory=ToolSpec)  # chat: tools the answer may call
     chat_tools: list[dict[str, Any]] | None = None  # what the chat template receives as `tools`
+    template_kwargs: dict[str, Any] | None = None  # chat: `chat_template_kwargs`
     timeout: float | None = None
     # Extension: each choice carries its token ids (and the first stream chunk the prompt's),
     # so a router can resume a broken stream elsewhere token-exactly.
     return_token_ids: bool = False
+
+
+# What the chat template's caller sets itself: a request may not override them.
+_TEMPLATE_OWN = frozenset({"messages", "conversation", "tools", "documents",
+                           "add_generation_prompt", "tokenize", "chat_template"})
+
+
+def _template_kwargs(body: dict) -> dict[str, Any] | None:
+    """`chat_template_kwargs`: variables for the chat template (`{"enable_thinking": false}`),
+    as vLLM and SGLang take them."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid("'chat_template_kwargs' must be an object", "chat_template_kwargs",
+                      "invalid_type")
+    own = sorted(k for k in v if k in _TEMPLATE_OWN)
+    if own:
+        raise invalid(f"'chat_template_kwargs' may not set {own[0]!r}", "chat_template_kwargs")
+    return v or None
 
 
 def _num(body: dict, key: str, default: float | None, lo: float, hi: float) -> float | None:
@@ -201,6 +222,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         spec.tools = parse_tools(body)
         spec.messages = tool_parser.render(msgs, spec.tools)
         spec.chat_tools = tool_parser.template_tools(spec.tools)
+        spec.template_kwargs = _template_kwargs(body)
         lp = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
         if top is not None and not lp:

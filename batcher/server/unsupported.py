@@ -83,7 +83,6 @@ COMMON: tuple[Unsupported, ...] = (
 CHAT_ONLY: tuple[Unsupported, ...] = (
     Unsupported("echo", "chat echo is not supported", _falsy),
     Unsupported("chat_template", "a request-supplied chat template is not supported"),
-    Unsupported("chat_template_kwargs", "chat template arguments are not supported", _empty),
     Unsupported("continue_final_message", "continuing the final message is not supported",
                 _falsy),
     Unsupported("documents", "documents for the chat template are not supported", _empty),
