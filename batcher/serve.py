@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -141,11 +142,23 @@ def gateway_factory(args: argparse.Namespace,
                             default_max_tokens=args.default_max_tokens,
                             max_body_bytes=args.max_body_bytes,
                             tool_call_parser=args.tool_call_parser,
-                            reasoning_parser=getattr(args, "reasoning_parser", None))
+                            reasoning_parser=getattr(args, "reasoning_parser", None),
+                            model_info=model_info(engine))
         return Gateway(cfg, engine, Authenticator(auth), admission, metrics, embedder,
                        EMBEDDING_MODEL_NAME, counter)
 
     return build
+
+
+def model_info(engine: AsyncEngine) -> dict[str, Any]:
+    """What `/v1/models` reports of the loaded model (nothing for the fake engine)."""
+    loaded = getattr(engine.runner, "loaded", None)
+    if loaded is None:
+        return {}
+    return {"architecture": loaded.config.architecture,
+            "context_length": loaded.config.max_position_embeddings,
+            "quantization": loaded.quantization,
+            "dtype": str(loaded.dtype).removeprefix("torch.")}
 
 
 def engine_model_name(source: str) -> str:

@@ -151,3 +151,30 @@ def test_unsupported_architecture_fails_in_one_line(tmp_path):
     msg = str(err.value)
     assert "\n" not in msg and "FalconForCausalLM" in msg
     assert "Qwen3ForCausalLM" in msg and "Gemma2ForCausalLM" in msg
+
+
+async def test_models_endpoint_reports_architecture_context_and_quantization(
+        aiohttp_client, tokenizer, tmp_path):
+    from batcher.admission import Admission
+    from batcher.metrics import Metrics
+    from batcher.serve import model_info
+    from batcher.server.app import create_app
+    from batcher.server.auth import Authenticator
+    from batcher.server.gateway import Gateway, GatewayConfig
+
+    loaded = load_model(str(save_folder(build_hf("qwen3_moe"), tmp_path / "m")),
+                        dtype="float32", device="cpu")
+
+    async def build() -> Gateway:
+        metrics = Metrics()
+        engine = AsyncEngine(ModelRunner(loaded, num_blocks=8, block_size=BLOCK), tokenizer,
+                             SchedulerConfig(max_model_len=128), metrics=metrics)
+        cfg = GatewayConfig(model_name="m", max_model_len=128, model_info=model_info(engine))
+        return Gateway(cfg, engine, Authenticator(None), Admission(None), metrics)
+
+    client = await aiohttp_client(create_app(build, 1 << 20))
+    body = await (await client.get("/v1/models")).json()
+    entry = body["data"][0]
+    assert (entry["id"], entry["architecture"], entry["context_length"], entry["quantization"],
+            entry["dtype"], entry["max_model_len"]) == (
+        "m", "Qwen3MoeForCausalLM", 256, "none", "float32", 128)

@@ -50,6 +50,8 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 2**20
     tool_call_parser: str = "generic"  # see batcher.server.tool_parsers
     reasoning_parser: str | None = None  # see batcher.server.reasoning
+    # What /v1/models says of the model: architecture, context_length, quantization, dtype.
+    model_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -132,7 +132,7 @@ async def models(request: web.Request) -> web.Response:
     created = int(gw.started_at)
     data = [{"id": gw.cfg.model_name, "object": "model", "created": created,
              "owned_by": "batcher", "max_model_len": gw.cfg.max_model_len,
-             "task": "generate", "endpoints": GENERATION_ROUTES}]
+             "task": "generate", "endpoints": GENERATION_ROUTES, **gw.cfg.model_info}]
     if gw.embedder is not None and gw.embedder_name:
         data.append({"id": gw.embedder_name, "object": "model", "created": created,
                      "owned_by": "batcher", "task": "embed", "endpoints": EMBEDDING_ROUTES})
