@@ -223,11 +223,13 @@ async def test_messages_tool_loop_and_errors(server: str) -> None:
                      {"role": "user", "content": [{"type": "tool_result",
                                                    "tool_use_id": use.id,
                                                    "content": "Sunny, 21 C"}]}]
+        # tool_choice none: the answer is text (and no second grammar is compiled).
         second = await client.messages.create(model=MODEL, max_tokens=12, extra_body=GREEDY,
-                                              tools=[tool], messages=messages)
+                                              tools=[tool], tool_choice={"type": "none"},
+                                              messages=messages)
         assert second.content and second.content[0].type == "text"
         counted = await client.messages.count_tokens(model=MODEL, messages=messages,
-                                                     tools=[tool])
+                                                     tools=[tool], tool_choice={"type": "none"})
         assert counted.input_tokens == second.usage.input_tokens
         with pytest.raises(anthropic.BadRequestError) as err:
             await client.messages.create(model=MODEL, max_tokens=4,
