@@ -44,18 +44,23 @@ def tokenizer():
     return load_tokenizer()
 
 
-@pytest.fixture
-async def client(aiohttp_client, tiny_fp32, tokenizer):
+def make_app(loaded: Any, tokenizer: Any, reasoning_parser: str | None = None
+             ) -> web.Application:
     async def build() -> Gateway:
         metrics = Metrics()
-        engine = AsyncEngine(ModelRunner(tiny_fp32, num_blocks=128, block_size=16), tokenizer,
+        engine = AsyncEngine(ModelRunner(loaded, num_blocks=128, block_size=16), tokenizer,
                              SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
                                              max_model_len=1024), metrics=metrics)
-        return Gateway(GatewayConfig(model_name="tiny", max_model_len=1024), engine,
-                       Authenticator(TENANTS), Admission(TENANTS), metrics)
+        cfg = GatewayConfig(model_name="tiny", max_model_len=1024,
+                            reasoning_parser=reasoning_parser)
+        return Gateway(cfg, engine, Authenticator(TENANTS), Admission(TENANTS), metrics)
 
-    app: web.Application = create_app(build, 1 << 20)
-    return await aiohttp_client(app)
+    return create_app(build, 1 << 20)
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_fp32, tokenizer):
+    return await aiohttp_client(make_app(tiny_fp32, tokenizer))
 
 
 def key(k: str = ALICE) -> dict[str, str]:
@@ -211,3 +216,25 @@ async def test_messages_errors_take_anthropics_shape(client) -> None:
     chat = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": []},
                              headers=key())
     assert chat.status == 400 and "error" in await chat.json()
+
+
+async def test_reasoning_parser_output_as_reasoning_items_and_thinking_blocks(
+        aiohttp_client, tiny_fp32, tokenizer) -> None:
+    """deepseek_r1: an answer reasons from its first token until `</think>`, so the tiny
+    model's answer is all reasoning."""
+    client = await aiohttp_client(make_app(tiny_fp32, tokenizer, "deepseek_r1"))
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 4, "temperature": 0,
+            "reasoning": {"effort": "low"}}
+    r = await post(client, "/v1/responses", body)
+    assert r["output"][0]["type"] == "reasoning" and r["reasoning"]["effort"] == "low"
+    thought = r["output"][0]["content"][0]["text"]
+    resp = await client.post("/v1/responses", json=dict(body, stream=True), headers=key())
+    out = sse(await resp.read())
+    assert "".join(d["delta"] for n, d in out if n == "response.reasoning_text.delta") == thought
+    assert out[-1][1]["response"]["output"] == [
+        dict(r["output"][0], id=out[-1][1]["response"]["output"][0]["id"])]
+    m = await post(client, "/v1/messages", {
+        "model": "tiny", "max_tokens": 4, "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "Hi"}]})
+    assert m["content"] == [{"type": "thinking", "thinking": thought, "signature": ""}]

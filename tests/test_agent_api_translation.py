@@ -103,7 +103,7 @@ def test_input_items_become_chat_messages() -> None:
 
 
 @pytest.mark.parametrize("item", [
-    {"type": "reasoning", "summary": []},
+    {"type": "item_reference", "id": "msg_1"},
     {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
     {"role": "tool", "content": "x"},
     {"type": "function_call", "name": "f"},
@@ -155,6 +155,17 @@ def test_responses_fields_it_cannot_honour_are_named(body: dict[str, Any], param
 def test_reasoning_without_effort_is_accepted() -> None:
     parse_request({"input": "Hi", "reasoning": {"effort": None, "summary": None}})
     parse_request({"input": "Hi", "reasoning": None, "truncation": "disabled", "include": []})
+
+
+def test_reasoning_is_served_with_a_reasoning_parser() -> None:
+    req = parse_request({"input": "Hi", "reasoning": {"effort": "high"}}, reasoning=True)
+    assert req.echo["reasoning"] == {"effort": "high", "summary": None}
+    assert refused(parse_request, {"input": "Hi", "reasoning": "high"},
+                   reasoning=True).param == "reasoning"
+    # Reasoning sent back (an agent replaying its output) is dropped from the prompt.
+    assert input_messages([{"type": "reasoning", "id": "rs_1", "summary": []},
+                           {"role": "user", "content": "Hi"}]) == [
+        {"role": "user", "content": "Hi"}]
 
 
 def test_chat_errors_name_the_clients_fields() -> None:
@@ -240,6 +251,27 @@ def test_responses_tool_call_stream_events() -> None:
     assert final["output"][1]["id"] == added["item"]["id"]
 
 
+def test_responses_reasoning_item_before_the_reply() -> None:
+    answer = chat_answer({"role": "assistant", "content": "4.", "reasoning_content": "2+2"})
+    r = response_from_chat(answer, "resp_1", parse_request({"input": "Hi"}).echo)
+    assert [i["type"] for i in r["output"]] == ["reasoning", "message"]
+    assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": "2+2"}]
+    assert output_messages(r["output"]) == [{"role": "assistant", "content": "4."}]
+    ev = ResponsesEvents("resp_1", "m", parse_request({"input": "Hi"}).echo)
+    out = events(b"".join(ev.chunk(c) for c in (
+        ROLE, chunk({"reasoning_content": "2+"}), chunk({"reasoning_content": "2"}),
+        chunk({"content": "4."}), chunk(finish="stop"), USAGE)))
+    assert [name for name, _ in out][2:9] == [
+        "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done", "response.output_item.added",
+        "response.content_part.added"]
+    assert out[5][1]["text"] == "2+2" and out[6][1]["item"]["type"] == "reasoning"
+    assert out[7][1]["output_index"] == 1 and out[7][1]["item"]["type"] == "message"
+    final = out[-1][1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+
+
 def test_responses_stream_that_fails_ends_failed() -> None:
     ev = ResponsesEvents("resp_1", "m", parse_request({"input": "Hi"}).echo)
     raw = ev.chunk(ROLE) + ev.chunk(chunk({"content": "Hi"})) + ev.chunk(
@@ -303,6 +335,32 @@ def test_messages_request_becomes_a_chat_body() -> None:
 def test_messages_fields_it_cannot_honour_are_named(body: dict[str, Any], param: str) -> None:
     full = {"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], **body}
     assert refused(chat_body, full).param == param
+
+
+def test_thinking_with_a_reasoning_parser() -> None:
+    body = {"max_tokens": 9, "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": [
+                             {"type": "thinking", "thinking": "hm", "signature": "s"},
+                             {"type": "text", "text": "Hello."}]},
+                         {"role": "user", "content": "Again"}]}
+    assert refused(chat_body, body).param == "thinking"
+    chat = chat_body(body, reasoning=True)
+    assert chat["messages"][1] == {"role": "assistant", "content": "Hello."}
+    m = message_from_chat(chat_answer({"role": "assistant", "content": "4.",
+                                       "reasoning_content": "2+2"}), "msg_1")
+    assert m["content"] == [{"type": "thinking", "thinking": "2+2", "signature": ""},
+                            {"type": "text", "text": "4."}]
+    ev = MessagesEvents("msg_1", "m", prompt_tokens=7)
+    out = events(b"".join(ev.chunk(c) for c in (
+        ROLE, chunk({"reasoning_content": "2+2"}), chunk({"content": "4."}),
+        chunk(finish="stop"), USAGE)))
+    assert [name for name, _ in out][2:8] == [
+        "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop"]
+    assert out[2][1]["content_block"]["type"] == "thinking"
+    assert out[3][1]["delta"] == {"type": "thinking_delta", "thinking": "2+2"}
+    assert out[5][1]["index"] == 1 and out[5][1]["content_block"]["type"] == "text"
 
 
 def test_chat_answer_becomes_a_message() -> None:

@@ -33,8 +33,8 @@ def new_id(prefix: str) -> str:
 
 @dataclass(slots=True)
 class ChunkEvent:
-    """One thing a chat chunk says. `kind`: start | text | call | args | finish | usage | error.
-    `index` is the tool call's index among the answer's calls."""
+    """One thing a chat chunk says. `kind`: start | reasoning | text | call | args | finish |
+    usage | error. `index` is the tool call's index among the answer's calls."""
 
     kind: str
     text: str = ""
@@ -57,6 +57,9 @@ def read_chunk(chunk: dict[str, Any]) -> list[ChunkEvent]:
         delta = choice.get("delta") or {}
         if delta.get("role"):
             out.append(ChunkEvent("start"))
+        # A reasoning parser's think block comes before the reply (`reasoning.py`).
+        if delta.get("reasoning_content"):
+            out.append(ChunkEvent("reasoning", text=delta["reasoning_content"]))
         if delta.get("content"):
             out.append(ChunkEvent("text", text=delta["content"]))
         for call in delta.get("tool_calls") or ():

@@ -2,8 +2,11 @@
 messages, the chat answer becomes a message with content blocks, chat chunks become Anthropic's
 stream events, and errors take Anthropic's shape (`{"type": "error", "error": {...}}`).
 
-Decisions (docs/agent-apis.md): `thinking` other than disabled is a 400 (the served models do
-not reason); image, document and server-tool blocks are a 400 naming the field; `cache_control`
+Decisions (docs/agent-apis.md): with a reasoning parser (`--reasoning-parser`) the think block
+is a `thinking` content block before the reply, whatever `thinking` asks (the model thinks as its
+chat template has it; `budget_tokens` is not enforced); without one, `thinking` other than
+disabled is a 400. `thinking` blocks sent back in assistant messages are dropped, as chat
+templates drop earlier reasoning. Image, document and server-tool blocks are a 400 naming the field; `cache_control`
 on blocks is accepted and ignored (the prefix cache needs no marks); `metadata.user_id` is
 accepted and not used. Unknown fields are ignored, as elsewhere. The error shape is
 `batcher.http.anthropic_errors` (replica and router share it).
@@ -43,10 +46,16 @@ def tool_use_id(call_id: str) -> str:
 
 
 # request -> chat body ---------------------------------------------------------------------------
-def chat_body(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
+def chat_body(body: dict[str, Any], count_only: bool = False,
+              reasoning: bool = False) -> dict[str, Any]:
     """The chat completions body of a Messages request. Raises ApiError(400) naming the field.
-    `count_only`: for count_tokens, where `max_tokens` is not sent."""
-    refuse_fields(body, UNSUPPORTED)
+    `count_only`: for count_tokens, where `max_tokens` is not sent; `reasoning`: the server has
+    a reasoning parser."""
+    refuse_fields(body, tuple(r for r in UNSUPPORTED if not (reasoning
+                                                           and r.field == "thinking")))
+    thinking = body.get("thinking")
+    if thinking is not None and not isinstance(thinking, dict):
+        raise invalid("'thinking' must be an object", "thinking", "invalid_type")
     chat: dict[str, Any] = {}
     if body.get("model") is not None:
         chat["model"] = body["model"]
@@ -172,6 +181,8 @@ def _message(msg: Any, i: int) -> list[dict[str, Any]]:
             if b.get("is_error"):
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier reasoning, sent back: chat templates drop it from the prompt
         else:
             raise invalid(f"{where}: {str(kind)[:64]!r} blocks are not supported in "
                           f"{role} messages", "messages", "unsupported")
@@ -236,6 +247,9 @@ def from_chat(answer: dict[str, Any], msg_id: str) -> dict[str, Any]:
     choice = answer["choices"][0]
     message = choice["message"]
     content: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": message["reasoning_content"],
+                        "signature": ""})
     if message.get("content"):
         content.append({"type": "text", "text": message["content"]})
     for i, call in enumerate(message.get("tool_calls") or ()):
@@ -254,7 +268,8 @@ def from_chat(answer: dict[str, Any], msg_id: str) -> dict[str, Any]:
 # chat chunks -> stream events ------------------------------------------------------------------
 class MessagesEvents:
     """Anthropic's stream of one request, from its chat chunks: `message_start`, `ping`, per
-    content block `content_block_start`, its `text_delta` or `input_json_delta` deltas and
+    content block `content_block_start`, its `thinking_delta`, `text_delta` or `input_json_delta`
+    deltas and
     `content_block_stop`, then `message_delta` (stop_reason, usage) and `message_stop`. An
     engine failure or deadline mid-stream is an `error` event."""
 
@@ -279,6 +294,10 @@ class MessagesEvents:
                        "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
             return (sse_named("message_start", {"type": "message_start", "message": message})
                     + sse_named("ping", {"type": "ping"}))
+        if e.kind == "reasoning":
+            out = b"" if self.open == "thinking" else self._start(
+                {"type": "thinking", "thinking": "", "signature": ""})
+            return out + self._delta({"type": "thinking_delta", "thinking": e.text})
         if e.kind == "text":
             out = b"" if self.open == "text" else self._start({"type": "text", "text": ""})
             return out + self._delta({"type": "text_delta", "text": e.text})

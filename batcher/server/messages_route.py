@@ -27,7 +27,8 @@ class MessagesHandler(BridgeHandler):
     names = NAMES
 
     def parse(self, request: web.Request, body: Any) -> GenerationSpec:
-        spec = super().parse(request, chat_body(require_object(body)))
+        spec = super().parse(request, chat_body(require_object(body),
+                                                reasoning=self.gw.reasoning is not None))
         request[TURN] = new_id("msg_")
         return spec
 
@@ -40,7 +41,8 @@ class MessagesHandler(BridgeHandler):
     async def count_tokens(self, request: web.Request) -> web.Response:
         """The prompt's tokens as the model sees it (system, messages, tools), nothing run."""
         try:
-            body = chat_body(require_object(await read_json(request)), count_only=True)
+            body = chat_body(require_object(await read_json(request)), count_only=True,
+                             reasoning=self.gw.reasoning is not None)
             body["max_tokens"] = 1
             spec = super().parse(request, body)
             prompts = await self.gw.tokenize(spec, request["tenant"])

@@ -3,9 +3,12 @@ become chat messages, the chat answer becomes a response object, and chat chunks
 Responses stream's events.
 
 Decisions (docs/agent-apis.md):
-- `reasoning`: the served models do not reason and no reasoning parser is configured, so a
-  `reasoning` with an effort or summary is a 400 naming it, as OpenAI answers for a model
-  without reasoning; `null` or `{}` is accepted.
+- `reasoning`: served only with a reasoning parser (`--reasoning-parser`): the think block is a
+  `reasoning` output item, before the reply; `effort` and `summary` are accepted and echoed, not
+  applied (the model thinks as its chat template has it). Without a parser, a `reasoning` with an
+  effort or summary is a 400 naming it, as OpenAI answers for a model that does not reason.
+  `reasoning` input items (earlier output sent back) are dropped, as chat templates drop
+  earlier turns' reasoning.
 - `instructions` apply to this turn only; `previous_response_id` brings the earlier turns (their
   input and output items), not their instructions, as OpenAI documents.
 - Fields of the API this server cannot honour are a 400 naming them; unknown fields are ignored.
@@ -80,9 +83,14 @@ class ResponsesRequest:
         return dict(self.chat, messages=lead + history + self.messages)
 
 
-def parse_request(body: dict[str, Any]) -> ResponsesRequest:
-    """Validate a Responses body. Raises ApiError(400) naming the field."""
-    refuse_fields(body, UNSUPPORTED)
+def parse_request(body: dict[str, Any], reasoning: bool = False) -> ResponsesRequest:
+    """Validate a Responses body. Raises ApiError(400) naming the field. `reasoning`: the
+    server has a reasoning parser."""
+    refuse_fields(body, tuple(r for r in UNSUPPORTED if not (reasoning
+                                                           and r.field == "reasoning")))
+    effort = body.get("reasoning")
+    if effort is not None and not isinstance(effort, dict):
+        raise invalid("'reasoning' must be an object", "reasoning", "invalid_type")
     model = body.get("model")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -121,6 +129,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": choice if choice is not None else "auto",
+            "reasoning": {"effort": None, "summary": None, **(effort or {})},
             "tools": body.get("tools") or [], "user": body.get("user")}
     return ResponsesRequest(model if isinstance(model, str) else None, messages, instructions,
                             prev, store, stream, chat, echo)
@@ -239,10 +248,12 @@ def input_messages(v: Any) -> list[dict[str, Any]]:
             if not isinstance(cid, str):
                 raise invalid(f"input[{i}]: a function_call_output needs 'call_id'", "input")
             out.append({"role": "tool", "tool_call_id": cid, "content": _text(output, i)})
+        elif kind == "reasoning":
+            continue  # earlier reasoning, sent back: chat templates drop it from the prompt
         else:
             raise invalid(f"input[{i}]: items of type {str(kind)[:64]!r} are not supported "
-                          "(messages, function_call and function_call_output are)", "input",
-                          "unsupported")
+                          "(messages, function_call, function_call_output and reasoning are)",
+                          "input", "unsupported")
     return out
 
 
@@ -282,6 +293,12 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed"
+            else []}
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
               status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
@@ -299,14 +316,15 @@ def response_object(rid: str, created: float, model: str, echo: dict[str, Any],
             "background": False, "error": None,
             "incomplete_details": ({"reason": "max_output_tokens"}
                                    if status == "incomplete" else None),
-            "model": model, "output": output, "reasoning": {"effort": None, "summary": None},
-            "truncation": "disabled", **echo,
+            "model": model, "output": output, "truncation": "disabled", **echo,
             "usage": usage_body(usage) if usage is not None else None}
 
 
 def output_from_chat(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat answer's message as output items: its text, then its calls."""
+    """A chat answer's message as output items: its reasoning, its text, then its calls."""
     out = []
+    if message.get("reasoning_content"):
+        out.append(reasoning_item(new_id("rs_"), message["reasoning_content"]))
     if message.get("content"):
         out.append(message_item(new_id("msg_"), message["content"]))
     for call in message.get("tool_calls") or ():
@@ -346,8 +364,8 @@ def from_chat(answer: dict[str, Any], rid: str, echo: dict[str, Any]) -> dict[st
 # chat chunks -> stream events ------------------------------------------------------------------
 class ResponsesEvents:
     """The Responses stream of one request, from its chat chunks: `response.created` and
-    `response.in_progress`, then per output item `output_item.added`, its content part or
-    arguments deltas and their `.done` events, `output_item.done`, and at the end
+    `response.in_progress`, then per output item `output_item.added`, its reasoning text,
+    content part or arguments deltas and their `.done` events, `output_item.done`, and at the end
     `response.completed` (or `.incomplete`, `.failed`). Every event carries `sequence_number`.
     `done` holds the final response object once the stream completed."""
 
@@ -360,10 +378,12 @@ class ResponsesEvents:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.text: list[str] | None = None  # the open message item's text
+        self.thought: list[str] | None = None  # the open reasoning item's text
         self.calls: dict[int, dict[str, Any]] = {}  # chat call index -> its open item
         self.finish: str | None = None
         self.done: dict[str, Any] | None = None
         self._message: dict[str, Any] = {}  # the open message item
+        self._thinking: dict[str, Any] = {}  # the open reasoning item
 
     def _ev(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -385,14 +405,21 @@ class ResponsesEvents:
         if e.kind == "start":
             return (self._ev("response.created", response=self._response("in_progress"))
                     + self._ev("response.in_progress", response=self._response("in_progress")))
+        if e.kind == "reasoning":
+            out = b"" if self.thought is not None else self._open_reasoning()
+            self.thought.append(e.text)  # type: ignore[union-attr]
+            return out + self._ev("response.reasoning_text.delta",
+                                  item_id=self._thinking["id"], output_index=len(self.output),
+                                  content_index=0, delta=e.text)
         if e.kind == "text":
-            out = b"" if self.text is not None else self._open_message()
+            out = self._close_reasoning()
+            out += b"" if self.text is not None else self._open_message()
             self.text.append(e.text)  # type: ignore[union-attr]
             return out + self._ev("response.output_text.delta", item_id=self._item()["id"],
                                   output_index=len(self.output), content_index=0,
                                   delta=e.text, logprobs=[])
         if e.kind == "call":
-            out = self._close_message()
+            out = self._close_reasoning() + self._close_message()
             item = call_item(new_id("fc_"), e.call_id, e.name, "", "in_progress")
             self.calls[e.index] = item
             return out + self._ev("response.output_item.added",
@@ -405,7 +432,7 @@ class ResponsesEvents:
                             output_index=self._call_index(e.index), delta=e.text)
         if e.kind == "finish":
             self.finish = e.reason
-            return self._close_message() + self._close_calls()
+            return self._close_reasoning() + self._close_message() + self._close_calls()
         if e.kind == "usage":
             status = "incomplete" if self.finish == "length" else "completed"
             self.done = self._response(status, e.usage)
@@ -413,10 +440,27 @@ class ResponsesEvents:
                 self.on_done(self.done)
             return self._ev(f"response.{status}", response=self.done)
         # An error ends the stream: the response failed, with what it had produced.
-        failed = self._close_message() + self._close_calls()
+        failed = self._close_reasoning() + self._close_message() + self._close_calls()
         resp = self._response("failed")
         resp["error"] = {"code": "server_error", "message": e.text}
         return failed + self._ev("response.failed", response=resp)
+
+    def _open_reasoning(self) -> bytes:
+        self.thought = []
+        self._thinking = reasoning_item(new_id("rs_"), "", "in_progress")
+        return self._ev("response.output_item.added", output_index=len(self.output),
+                        item=self._thinking)
+
+    def _close_reasoning(self) -> bytes:
+        if self.thought is None:
+            return b""
+        text, self.thought = "".join(self.thought), None
+        item_id, idx = self._thinking["id"], len(self.output)
+        item = reasoning_item(item_id, text)
+        self.output.append(item)
+        return (self._ev("response.reasoning_text.done", item_id=item_id, output_index=idx,
+                         content_index=0, text=text)
+                + self._ev("response.output_item.done", output_index=idx, item=item))
 
     def _item(self) -> dict[str, Any]:
         return self._message

@@ -52,7 +52,7 @@ class ResponsesHandler(BridgeHandler):
         self.store = store
 
     def parse(self, request: web.Request, body: Any) -> GenerationSpec:
-        req = parse_request(require_object(body))
+        req = parse_request(require_object(body), self.gw.reasoning is not None)
         tenant = request["tenant"].name
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
