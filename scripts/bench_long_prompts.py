@@ -13,7 +13,13 @@ exponential gaps), which is what a replica of the simulator's 32-replica fleet s
 answered with a first token within the server's default TTFT SLO (2 s, also its goodput
 threshold), as a share of the requests sent; refusals (503) count as misses.
 
-    python scripts/bench_long_prompts.py [--base DIR] [--duration 45] [--append]
+`--fake` serves the fake model (the real server, scheduler, admission and HTTP path; only the
+model step is a timed sleep) at this CPU's calibrated step costs with the CPU's slots and step
+budget: a decode step of 24 ms plus 0.5 ms a stream, prefill at 1,380 tokens/s, so a 1,024-token
+prompt alone takes ~0.84 s as on the bundled model (`workloads/step_time_cpu.json`). Its steps
+do not slow down when other work shares the cores, which the bundled model's do.
+
+    python scripts/bench_long_prompts.py [--base DIR] [--fake] [--duration 45] [--append]
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ SHAPE = ShapeSpec(input_median=2000, output_median=40)
 SLO_S = 2.0  # batcher serve's default --slo-ttft-ms
 LOAD = 0.8
 FLEET = 32  # round-robin's share: one replica of this many
+FAKE_CPU = ["--model", "fake", "--fake-prefill-rate", "1380", "--fake-decode-step-ms", "24",
+            "--fake-per-seq-ms", "0.5", "--max-num-seqs", "64", "--max-num-batched-tokens", "320"]
 
 
 def requests(n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -134,17 +142,19 @@ async def open_loop(url: str, rate: float, duration: float, process: str) -> dic
             "ttft_p99": pct(ttft, 99), "tpot_p99": pct(tpot, 99)}
 
 
-def serve(checkout: Path, port: int) -> subprocess.Popen:
+def serve(checkout: Path, port: int, fake: bool) -> subprocess.Popen:
     """`batcher serve` at its defaults (what ./scripts/serve starts), on `port`."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    return subprocess.Popen([sys.executable, "-m", "batcher.cli", "serve", "--port", str(port)],
+    extra = FAKE_CPU if fake else []
+    return subprocess.Popen([sys.executable, "-m", "batcher.cli", "serve", "--port", str(port),
+                             *extra],
                             cwd=checkout, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def run(label: str, checkout: Path, args: argparse.Namespace, rate: float | None
         ) -> tuple[float, list[list[str]]]:
-    proc = serve(checkout, args.port)
+    proc = serve(checkout, args.port, args.fake)
     url = f"http://127.0.0.1:{args.port}"
     MODEL.pop(url, None)
     rows = []
@@ -176,6 +186,7 @@ def main() -> None:
     ap.add_argument("--capacity-s", type=float, default=40.0)
     ap.add_argument("--depth", type=int, default=8, help="closed-loop clients (capacity)")
     ap.add_argument("--port", type=int, default=8743)
+    ap.add_argument("--fake", action="store_true", help="the fake model at this CPU's step costs")
     ap.add_argument("--append", action="store_true", help="append the table to BENCHMARKS.md")
     args = ap.parse_args()
     rate, rows = run("this code", ROOT, args, None)
@@ -188,9 +199,11 @@ def main() -> None:
         print("| " + " | ".join(r) + " |")
     if args.append:
         cmd = "python scripts/bench_long_prompts.py" + (" --base DIR" if args.base else "")
+        cmd += " --fake" if args.fake else ""
         cmd += f" --duration {args.duration:g} --append"
+        model = "fake model at the CPU's step costs" if args.fake else "bundled model"
         append_rows("Long prompts (median 2,000 in, cut at 1,024; 40 out) at 0.8 x one replica's "
-                    "capacity, default flags", header, rows, command=cmd,
+                    f"capacity, default flags, {model}", header, rows, command=cmd,
                     notes=f"Capacity measured on this code's server: {rate / LOAD:.3f} req/s "
                     f"(closed loop of {args.depth}, {args.capacity_s:g} s); both servers get "
                     "the same arrivals at 0.8 x it. DIR: a `git worktree` of the commit before "
