@@ -129,7 +129,8 @@ def parse_request(body: dict[str, Any], reasoning: bool = False) -> ResponsesReq
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": choice if choice is not None else "auto",
-            "reasoning": {"effort": None, "summary": None, **(effort or {})},
+            "reasoning": {"effort": (effort or {}).get("effort"),
+                          "summary": (effort or {}).get("summary")},
             "tools": body.get("tools") or [], "user": body.get("user")}
     return ResponsesRequest(model if isinstance(model, str) else None, messages, instructions,
                             prev, store, stream, chat, echo)
