@@ -98,7 +98,7 @@ class AsyncEngine:
         # Prompt logprobs need a runner that scores prompt rows (the fake one does not).
         self.scores_prompts = bool(getattr(runner, "scores_prompts", False))
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching,
-                                 prefix_cache_scope)
+                                 prefix_cache_scope, getattr(runner, "kv_window", None))
         # Fed every step's measured model time; read by the scheduler's step budget and admission.
         self.step_time_model = step_time_model or OnlineStepTimeModel()
         self.scheduler = Scheduler(sched_config or SchedulerConfig(), self.kv, clock=clock,

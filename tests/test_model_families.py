@@ -22,7 +22,15 @@ from batcher.runtime.model_runner import ModelRunner
 from batcher.sampling import SamplingParams
 from batcher.tokenizer import load_tokenizer
 from tests.greedy_loop import greedy_generate
-from tests.model_families import GGUF_ARCH, VOCAB, build_hf, hf_greedy, save_folder, write_gguf
+from tests.model_families import (
+    GGUF_ARCH,
+    VOCAB,
+    WINDOW,
+    build_hf,
+    hf_greedy,
+    save_folder,
+    write_gguf,
+)
 
 FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
             "qwen3_moe"]
@@ -118,25 +126,34 @@ async def _generate(engine: AsyncEngine, rid: str, prompt: list[int]) -> list[in
 
 
 async def test_engine_greedy_equals_transformers(family, tokenizer):
-    """Four prompts at once in 5 blocks (they need 10: preemption), 24-token steps (chunked
-    prefill), then a prompt sharing two full blocks with an earlier one (a prefix-cache hit)."""
-    _, hf, loaded = family
+    """A prompt sharing two full blocks with an earlier one (a prefix-cache hit), then four
+    prompts at once in 4 blocks (they need 9: preemption), in 24-token steps (chunked
+    prefill)."""
+    name, hf, loaded = family
     prompts = [[(7 * i + 13 * j) % (VOCAB - 3) + 3 for j in range(n)]
-               for i, n in enumerate((9, 23, 40, 33))]
-    prompts.append(prompts[2][:32] + [5, 6, 7])
+               for i, n in enumerate((15, 30, 14, 40))]
+    prompts.append(prompts[3][:32] + [5, 6, 7])
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    runner = ModelRunner(loaded, num_blocks=5, block_size=BLOCK)
+    runner = ModelRunner(loaded, num_blocks=4, block_size=BLOCK)
     engine = AsyncEngine(runner, tokenizer, SchedulerConfig(max_num_seqs=8,
-                                                            max_num_batched_tokens=24),
+                                                            max_num_batched_tokens=24,
+                                                            prefill_budget="fixed"),
                          debug_checks=True)
+    # Mistral's window is on every layer: blocks behind it are freed. Gemma's global layers
+    # keep them all.
+    assert engine.kv.sliding_window == (WINDOW if name == "mistral" else None)
     await engine.start()
     try:
+        # One prompt alone, then one that shares its first two blocks: a prefix-cache hit
+        # (blocks freed behind a sliding window included), then all four at once.
+        first = await _generate(engine, "first", prompts[3])
+        again = await _generate(engine, "again", prompts[4])
+        assert engine.scheduler.stats.prefix_hit_tokens >= 32
         got = await asyncio.gather(*(_generate(engine, f"r{i}", p)
                                      for i, p in enumerate(prompts[:4])))
-        got.append(await _generate(engine, "again", prompts[4]))
-        stats = engine.scheduler.stats
-        assert stats.preemptions > 0
-        assert stats.prefix_hit_tokens >= 32
+        assert first == got[3]
+        got.append(again)
+        assert engine.scheduler.stats.preemptions > 0
         assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     finally:
         await engine.stop()

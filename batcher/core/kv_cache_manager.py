@@ -3,6 +3,15 @@
 The runner addresses KV by block id: token position `p` of a request lives in block
 `request.block_ids[p // block_size]` at offset `p % block_size`. Every id below `num_blocks` is a
 real block (no reserved null block), so a runner that pads block tables must mask the padding.
+
+Sliding windows: when every layer of the model attends only to the last `sliding_window`
+positions (Mistral-style), a block wholly behind the window of the request's next query is never
+read again, so it is freed as the request moves on (`release_behind_window`). Its entry in
+`block_ids` stays, pointing at a block the request still holds, so positions keep their index;
+the attention masks those positions out, as it must for the window anyway. A freed block keeps
+its prefix-cache hash like any freed block (it was registered before it was freed): its K/V is
+intact until the pool reuses it, which drops the hash and ends every chain through it. Models
+with some global layers (Gemma's interleaved ones) keep every block.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ class _ReqState:
 
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks
     num_cached_blocks: int = 0  # leading blocks already registered in (or hit from) the cache
+    num_released: int = 0  # leading blocks freed behind the sliding window (placeholders now)
 
 
 class KVCacheManager:
@@ -48,7 +58,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 prefix_cache_scope: str = "tenant"):
+                 prefix_cache_scope: str = "tenant", sliding_window: int | None = None):
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
@@ -57,6 +67,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_scope = prefix_cache_scope
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # Every layer's window, in tokens (None: some layer sees the whole context).
+        self.sliding_window = sliding_window
         self._state: dict[str, _ReqState] = {}
         self._holders: dict[str, Request] = {}  # requests holding blocks, for integrity checks
 
@@ -177,6 +189,26 @@ class KVCacheManager:
             )
         state.num_cached_blocks = num_full
 
+    def release_behind_window(self, request: Request) -> None:
+        """Free the leading blocks that no query from `num_computed_tokens` on can see: a query
+        at position q sees (q - sliding_window, q]. Registered blocks only (with prefix caching),
+        so a placeholder entry is never registered in the cache."""
+        window = self.sliding_window
+        state = self._state.get(request.request_id)
+        if window is None or state is None:
+            return
+        ids = request.block_ids
+        behind = min(max(0, request.num_computed_tokens - window + 1) // self.block_size,
+                     len(ids) - 1)
+        if self.enable_prefix_caching:
+            behind = min(behind, state.num_cached_blocks)
+        if behind <= state.num_released:
+            return
+        self.pool.free(reversed(ids[state.num_released:behind]))
+        # NOTE: a new list: the last step's ScheduledSeq may still refer to the old one.
+        request.block_ids = [ids[behind]] * behind + ids[behind:]
+        state.num_released = behind
+
     def trim(self, request: Request) -> None:
         """Release the blocks past those that `request.num_tokens` positions need: the tail a
         speculative step reserved for drafts that were not accepted. Such a block holds no
@@ -186,6 +218,7 @@ class KVCacheManager:
             return
         state = self._state.get(request.request_id)
         assert state is None or state.num_cached_blocks <= keep, request.request_id
+        assert state is None or state.num_released < keep, request.request_id
         tail = request.block_ids[keep:]
         # NOTE: a new list: the last step's ScheduledSeq may still refer to the old one.
         request.block_ids = request.block_ids[:keep]
@@ -194,7 +227,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so tails are evicted first) and
         forget its bookkeeping. Registered blocks keep their hashes until reused."""
-        self.pool.free(reversed(request.block_ids))
+        self.pool.free(reversed(request.block_ids[self._released(request):]))
         # NOTE: a new list, not clear(): the last step's ScheduledSeq may still refer to the old.
         request.block_ids = []
         self._state.pop(request.request_id, None)
@@ -205,8 +238,9 @@ class KVCacheManager:
         holding that block."""
         refs: dict[int, int] = {}
         for req in self._holders.values():
-            assert len(set(req.block_ids)) == len(req.block_ids), req.request_id
-            for bid in req.block_ids:
+            held = req.block_ids[self._released(req):]
+            assert len(set(held)) == len(held), req.request_id
+            for bid in held:
                 assert 0 <= bid < self.pool.num_blocks, bid
                 refs[bid] = refs.get(bid, 0) + 1
         self.pool.check_integrity(refs)
@@ -214,6 +248,12 @@ class KVCacheManager:
     def holders(self) -> set[str]:
         """IDs of the requests that hold blocks."""
         return set(self._holders)
+
+    def _released(self, request: Request) -> int:
+        """How many leading `block_ids` entries are placeholders for blocks freed behind the
+        window."""
+        state = self._state.get(request.request_id)
+        return 0 if state is None else state.num_released
 
     def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The chained hashes of the request's first `num_blocks` full blocks, computed once."""

@@ -271,6 +271,7 @@ class Scheduler:
         now: float | None = None
         requests, aborts, stats = self._requests, self._pending_aborts, self.stats
         caching, slots_per_block = self.kv.enable_prefix_caching, self.kv.block_size
+        window = self.kv.sliding_window is not None
         running_status, max_model_len = RequestStatus.RUNNING, self.config.max_model_len
         for seq in sched_out.seqs:
             rid = seq.request_id
@@ -288,9 +289,13 @@ class Scheduler:
             num_prompt = len(req.prompt_token_ids)
             if start < num_prompt:
                 stats.prompt_tokens_computed += min(computed, num_prompt) - start
-            # NOTE: one more token fills a block only at a block's end.
-            if caching and (num_new > 1 or computed % slots_per_block == 0):
-                self.kv.cache_full_blocks(req)
+            # NOTE: one more token fills a block only at a block's end. Blocks behind a sliding
+            # window are released there too: at most one block's worth late.
+            if (caching or window) and (num_new > 1 or computed % slots_per_block == 0):
+                if caching:
+                    self.kv.cache_full_blocks(req)
+                if window:
+                    self.kv.release_behind_window(req)
             if seq.score_targets:
                 scores = runner_out.prompt_logprobs[rid]
                 assert len(scores) == len(seq.score_targets), rid
@@ -390,6 +395,7 @@ class Scheduler:
             self._free(req, status)
         else:
             self.kv.trim(req)
+            self.kv.release_behind_window(req)
         return RequestUpdate(req.request_id, new_tokens, new_lps, req.status)
 
     def _decode_seq(self, req: Request) -> ScheduledSeq:

@@ -61,6 +61,12 @@ class LlamaConfig:
         return self.sliding_window if layer in self.sliding_layers else None
 
     @property
+    def kv_window(self) -> int | None:
+        """The window when every layer has it: blocks behind it are never read again. With
+        some global layers (Gemma's interleaved ones) every block stays."""
+        return self.sliding_window if len(self.sliding_layers) == self.num_layers else None
+
+    @property
     def plain_attention(self) -> bool:
         """Attention as Llama computes it: what the fused CPU and Triton decode kernels, CUDA
         graphs and the compiled decode step implement."""

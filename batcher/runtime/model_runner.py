@@ -70,6 +70,8 @@ class ModelRunner:
         # Windows, soft-capped scores, Q/K norms: the fused kernels implement Llama's attention
         # only, so such a model runs the torch path (`attention.variant_attention`).
         self.plain_attention = getattr(loaded.config, "plain_attention", True)
+        # Every layer windowed: the scheduler frees blocks behind the window (`kv_cache_manager`).
+        self.kv_window: int | None = getattr(loaded.config, "kv_window", None)
         if not self.plain_attention and self.backend != "torch":
             log.info("this model's attention runs on the torch path (the %s kernel implements "
                      "plain attention only)", self.backend)
