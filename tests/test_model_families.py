@@ -76,11 +76,13 @@ def gguf_family(request, tmp_path_factory):
     return name, hf, loaded
 
 
-def test_paged_mixed_batch_logits_equal_transformers(family):
+@pytest.mark.parametrize("fold_gqa", [False, True])
+def test_paged_mixed_batch_logits_equal_transformers(family, fold_gqa):
     """Whole prompts, a prompt read in two chunks and decode rows in one flattened batch, on
-    shuffled blocks: every row's logits are the dense reference's within 1e-4."""
+    shuffled blocks: every row's logits are the dense reference's within 1e-4, with decode
+    rows' query heads folded per KV head (bf16 and GPU steps) or not (fp32 on a CPU)."""
     _, hf, loaded = family
-    _check_mixed_batch(hf, loaded)
+    _check_mixed_batch(hf, loaded, fold_gqa)
 
 
 def test_gguf_logits_and_greedy_equal_transformers(gguf_family):
@@ -94,8 +96,9 @@ def test_gguf_logits_and_greedy_equal_transformers(gguf_family):
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-def _check_mixed_batch(hf, loaded) -> None:
+def _check_mixed_batch(hf, loaded, fold_gqa: bool = False) -> None:
     runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
+    runner.fold_gqa = fold_gqa
     rng = random.Random(1)
     free = list(range(16))
     rng.shuffle(free)

@@ -311,7 +311,12 @@ def variant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask = mask & (torch.arange(ctx, device=q.device) >= lens - spec.window)
         kb = k_cache.index_select(0, g.table).view(rows, ctx, kvh, hd).transpose(1, 2)
         vb = v_cache.index_select(0, g.table).view(rows, ctx, kvh, hd).transpose(1, 2)
-        qh = q[row:row + rows].unsqueeze(2)  # [rows, heads, 1, head_dim]
+        if meta.fold_gqa and spec.softcap is None:
+            # One query token per row: each KV head's query heads as its query length (the
+            # CPU's fast path in reduced precision, as `_attend_blocks` does).
+            qh = q[row:row + rows].view(rows, kvh, heads // kvh, hd)
+        else:
+            qh = q[row:row + rows].unsqueeze(2)  # [rows, heads, 1, head_dim]
         out[row:row + rows] = _attend(qh, kb, vb, mask, spec).reshape(rows, heads * hd)
         row += rows
     for chunk in meta.prefills:
