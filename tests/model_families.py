@@ -22,6 +22,10 @@ def family_configs() -> dict[str, object]:
     dense layers among sparse ones)."""
     import transformers as tf
 
+    gemma3 = tf.Gemma3TextConfig(
+        **(COMMON | dict(num_hidden_layers=3)), head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=WINDOW, sliding_window_pattern=2, rope_local_base_freq=100.0,
+        rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
     return {
         "qwen2": tf.Qwen2Config(**COMMON),
         "qwen3": tf.Qwen3Config(**COMMON, head_dim=16),
@@ -29,10 +33,13 @@ def family_configs() -> dict[str, object]:
         "gemma2": tf.Gemma2Config(**(COMMON | dict(num_hidden_layers=3)), head_dim=32,
                                   query_pre_attn_scalar=24, sliding_window=WINDOW,
                                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
-        "gemma3": tf.Gemma3TextConfig(
-            **(COMMON | dict(num_hidden_layers=3)), head_dim=32, query_pre_attn_scalar=32,
-            sliding_window=WINDOW, sliding_window_pattern=2, rope_local_base_freq=100.0,
-            rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        "gemma3": gemma3,
+        # The image-text checkpoint (Gemma 3 4B and up), served for its text.
+        "gemma3_mm": tf.Gemma3Config(
+            text_config=gemma3.to_dict(), mm_tokens_per_image=4, boi_token_index=500,
+            eoi_token_index=501, image_token_index=502, tie_word_embeddings=True,
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=32, patch_size=16)),
         "phi3": tf.Phi3Config(**COMMON, original_max_position_embeddings=64, rope_scaling={
             "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
             "long_factor": [2.0 + 0.5 * i for i in range(8)]}),

@@ -32,8 +32,8 @@ from tests.model_families import (
     write_gguf,
 )
 
-FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
-            "qwen3_moe"]
+FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "phi3", "mixtral",
+            "qwen2_moe", "qwen3_moe"]
 BLOCK = 16
 NEW_TOKENS = 8
 

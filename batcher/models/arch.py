@@ -19,7 +19,11 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Image-text checkpoints served for text: their language model alone.
+    "Gemma3ForConditionalGeneration": "gemma3_text",
 }
+# Image-text architecture -> the text-only one its `text_config` describes.
+TEXT_PART = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text"}
 GEMMA = {"gemma2", "gemma3_text"}
 # Gemma stores its norms' weights as w for a scale of (1 + w); the model keeps 1 + w.
@@ -40,10 +44,24 @@ def architecture_of(raw: dict[str, Any]) -> str:
     raise unsupported(sorted(archs) or raw.get("model_type"))
 
 
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """An image-text checkpoint's `text_config` as a text model's config (its top level decides
+    whether the LM head is the embedding table); any other config as it is."""
+    arch = architecture_of(raw)
+    if arch not in TEXT_PART:
+        return raw
+    text = dict(raw.get("text_config") or {})
+    text["architectures"] = [TEXT_PART[arch]]
+    if "tie_word_embeddings" in raw:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return text
+
+
 def hf_config_object(raw: dict[str, Any]) -> Any:
     """transformers' config class of the architecture, read from `raw`."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    raw = text_config(raw)
     model_type = ARCHITECTURES[architecture_of(raw)]
     return CONFIG_MAPPING[model_type].from_dict(dict(raw, model_type=model_type))
 

@@ -336,6 +336,11 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The image side of an image-text checkpoint, which a text server leaves out.
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+             "model.multi_modal_projector.")
+
+
 def fuse_hf_state(cfg: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face names -> ours: drop the `model.` prefix, fuse q/k/v and gate/up (Phi-3's
     come fused), and stack each sparse layer's experts (`batcher.models.moe`): Mixtral's
@@ -343,8 +348,12 @@ def fuse_hf_state(cfg: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
     transformers 5's own stacked `mlp.experts.gate_up_proj/down_proj`."""
     out: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or name.startswith(_NOT_TEXT):
             continue
+        if name.startswith(("language_model.", "model.language_model.")):
+            # An image-text checkpoint's language model: `language_model.model.*` on the Hub,
+            # `model.language_model.*` as transformers 5 names it.
+            name = name.replace("language_model.", "", 1)
         out[name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")] = t
     for n in cfg.moe_layers if cfg.num_experts else ():
         p = f"layers.{n}.mlp."
