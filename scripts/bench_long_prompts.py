@@ -19,7 +19,8 @@ budget: a decode step of 24 ms plus 0.5 ms a stream, prefill at 1,380 tokens/s, 
 prompt alone takes ~0.84 s as on the bundled model (`workloads/step_time_cpu.json`). Its steps
 do not slow down when other work shares the cores, which the bundled model's do.
 
-    python scripts/bench_long_prompts.py [--base DIR] [--fake] [--duration 45] [--append]
+    python scripts/bench_long_prompts.py [--base DIR] [--fake] [--rounds N] [--duration 45]
+        [--append]
 """
 
 from __future__ import annotations
@@ -185,13 +186,21 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals")
     ap.add_argument("--capacity-s", type=float, default=40.0)
     ap.add_argument("--depth", type=int, default=8, help="closed-loop clients (capacity)")
+    ap.add_argument("--rounds", type=int, default=1, help="servers taken in turn, this many "
+                    "times (the capacity is measured once, in the first)")
     ap.add_argument("--port", type=int, default=8743)
     ap.add_argument("--fake", action="store_true", help="the fake model at this CPU's step costs")
     ap.add_argument("--append", action="store_true", help="append the table to BENCHMARKS.md")
     args = ap.parse_args()
-    rate, rows = run("this code", ROOT, args, None)
-    if args.base is not None:
-        rows += run("before", args.base.resolve(), args, rate)[1]
+    rate: float | None = None
+    rows: list[list[str]] = []
+    for k in range(1, args.rounds + 1):
+        tag = f" (round {k})" if args.rounds > 1 else ""
+        rate, got = run("this code" + tag, ROOT, args, rate)
+        rows += got
+        if args.base is not None:
+            rows += run("before" + tag, args.base.resolve(), args, rate)[1]
+    assert rate is not None
     header = ["server", "arrivals", "req/s (0.8 x capacity)", "answered", "refused",
               f"goodput (TTFT <= {SLO_S:g} s)", "TTFT p50 / p99 s", "TPOT p99 ms"]
     print("| " + " | ".join(header) + " |")
@@ -200,6 +209,7 @@ def main() -> None:
     if args.append:
         cmd = "python scripts/bench_long_prompts.py" + (" --base DIR" if args.base else "")
         cmd += " --fake" if args.fake else ""
+        cmd += f" --rounds {args.rounds}" if args.rounds > 1 else ""
         cmd += f" --duration {args.duration:g} --append"
         model = "fake model at the CPU's step costs" if args.fake else "bundled model"
         append_rows("Long prompts (median 2,000 in, cut at 1,024; 40 out) at 0.8 x one replica's "
