@@ -198,3 +198,14 @@ async def test_models_endpoint_reports_architecture_context_and_quantization(
     assert (entry["id"], entry["architecture"], entry["context_length"], entry["quantization"],
             entry["dtype"], entry["max_model_len"]) == (
         "m", "Qwen3MoeForCausalLM", 256, "none", "float32", 128)
+
+
+def test_a_rope_scaling_we_cannot_compute_fails_at_load_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+         "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 32,
+         "rope_scaling": {"rope_type": "no-such-scaling"}}))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(tmp_path), dtype="float32", device="cpu")
+    assert "\n" not in str(err.value)
+    assert "unsupported rope type 'no-such-scaling'" in str(err.value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batcher.models import rope
 from batcher.models.errors import ModelLoadError
 from batcher.models.llama import LlamaConfig
 
@@ -98,6 +99,10 @@ def config_from_hf(raw: dict[str, Any]) -> LlamaConfig:
         sliding = tuple(range(layers))  # Mistral, Phi-3, Mixtral: every layer
     if not sliding:
         window = None
+    try:  # a scaling the model cannot compute fails now, not at its first step
+        rope.inv_freq(params, float(theta), get("head_dim") or hf.hidden_size // heads, max_pos)
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{arch}: {exc}") from exc
     cfg = LlamaConfig(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=get("intermediate_size") or 0, num_layers=layers, num_heads=heads,

@@ -441,8 +441,12 @@ def read_hf_config(cfg_path: Path) -> LlamaConfig:
         raise arch.unsupported(sorted(archs) or raw.get("model_type"))
     try:
         return arch.config_from_hf(raw)
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ModelLoadError(f"{cfg_path}: missing or bad field {exc}") from exc
+    except ModelLoadError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        # transformers' config class refuses fields it cannot take with a ValueError.
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{cfg_path}: missing or bad field {first}") from exc
 
 
 def _read_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device
