@@ -48,7 +48,6 @@ class VariantAttention(Attention):
         self.q_norm = HeadNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = HeadNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.spec = AttentionVariant(cfg.window_of(layer_idx), cfg.query_scale, cfg.attn_softcap)
-        self.plain = self.spec == AttentionVariant()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
@@ -95,6 +94,10 @@ class VariantModel(LlamaModel):
     """A `LlamaModel` whose layers are built from the config's variant fields, with Gemma's
     embedding scale, per-layer RoPE tables and final soft-capping."""
 
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__(cfg)
+        self._local_rope: RotaryTables | None = None
+
     def make_layer(self, cfg: LlamaConfig, layer_idx: int) -> nn.Module:
         attn = Attention(cfg, layer_idx) if cfg.plain_attention else VariantAttention(
             cfg, layer_idx)
@@ -114,11 +117,12 @@ class VariantModel(LlamaModel):
         return layer
 
     def rotaries(self) -> tuple[RotaryTables, RotaryTables | None]:
-        if getattr(self, "_local_rope", None) is None and self.config.local_rope_theta:
+        """The global table, and the windowed layers' own one (Gemma 3) or None."""
+        if self._local_rope is None and self.config.local_rope_theta is not None:
             w = self.norm.weight
             self._local_rope = RotaryTables(self.config, self.config.max_position_embeddings,
                                             w.device, w.dtype, local=True)
-        return self.rotary(), getattr(self, "_local_rope", None)
+        return self.rotary(), self._local_rope
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

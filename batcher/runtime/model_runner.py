@@ -79,7 +79,10 @@ class ModelRunner:
         # CPU, bf16: decode rows attend through a C kernel (`fused_decode`): a decode-only step
         # runs one call per layer from the QKV projection on.
         self.fused = loaded.fused if self.backend == "torch" else None
-        use_graphs = cuda_graphs and self.backend == "triton"
+        # NOTE: a sparse MoE layer reads its per-expert token counts on the host, which a CUDA
+        # graph cannot capture.
+        use_graphs = (cuda_graphs and self.backend == "triton"
+                      and not getattr(loaded.config, "num_experts", 0))
         # One scratch block past the pool takes the writes of padded graph rows.
         self.kv_caches = allocate_kv_cache(loaded.config, num_blocks + int(use_graphs),
                                            block_size, loaded.dtype, loaded.device)
