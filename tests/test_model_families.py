@@ -209,3 +209,18 @@ def test_a_rope_scaling_we_cannot_compute_fails_at_load_in_one_line(tmp_path):
         load_model(str(tmp_path), dtype="float32", device="cpu")
     assert "\n" not in str(err.value)
     assert "unsupported rope type 'no-such-scaling'" in str(err.value)
+
+
+def test_int4_of_a_non_llama_gguf_quantizes_its_dense_weights(tmp_path, monkeypatch):
+    """int4 straight from Q4_1 blocks builds Llama's layers; any other architecture's file is
+    dequantized and its linears quantized, and then it decodes close to the dense model."""
+    monkeypatch.setenv("BATCHER_CACHE", str(tmp_path / "cache"))
+    path = write_gguf("qwen3", build_hf("qwen3"), tmp_path / "q.gguf")
+    dense = load_model(str(path), dtype="bfloat16", device="cpu")
+    packed = load_model(str(path), dtype="bfloat16", device="cpu", quantization="int4")
+    assert packed.quantization == "int4" and type(packed.model) is type(dense.model)
+    assert type(packed.model.layers[0].self_attn.qkv_proj).__name__ == "PackedLinear"
+    prompt = [[(3 * j) % (VOCAB - 3) + 3 for j in range(20)]]
+    a = greedy_generate(ModelRunner(dense, num_blocks=4, block_size=BLOCK), prompt, 3)
+    b = greedy_generate(ModelRunner(packed, num_blocks=4, block_size=BLOCK), prompt, 3)
+    assert a[0][0] == b[0][0]

@@ -188,8 +188,10 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
             name = path.name
         elif path.suffix == ".gguf":
             name = DEFAULT_MODEL if source == DEFAULT_MODEL else path.stem
+            # Q4_1 blocks as stored go into Llama's layers only (the bundled model is one).
             if (quantization == "int4" and not int4_via_dense
-                    and gguf_weights.read_gguf_config(path).is_llama):
+                    and (source == DEFAULT_MODEL
+                         or gguf_weights.read_gguf_config(path).is_llama)):
                 # Straight from the file's Q4_1 blocks: no dense model, no weight cache.
                 cfg, model = _load_int4_gguf(path, dt, dense_above, name)
                 quantization_done = True
