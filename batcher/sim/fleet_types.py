@@ -98,8 +98,9 @@ class FleetConfig:
         """Every replica's scheduler, and the one its capacity is measured on: `batcher serve`'s
         at its defaults with this fleet's slots, step budget and model length, pacing first
         tokens to the TTFT SLO that goodput counts, as `batcher serve` paces to its
-        --slo-ttft-ms (also its goodput threshold). The TPOT SLO only counts goodput: serve's
-        scheduler has none unless --slo-tpot-ms is given."""
+        --slo-ttft-ms (also its goodput threshold). The TPOT SLO counts goodput (and bounds
+        admission, when on) but is no step target: serve's scheduler has none unless
+        --slo-tpot-ms is given."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                slo_ttft_s=self.slo_ttft if self.slo_ttft > 0 else None)
 

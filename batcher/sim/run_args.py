@@ -41,7 +41,8 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
       help="arrival process; 'all' sends --count requests at t=0 (default: %(default)s)")
     a("--rate", type=float, default=None, help="requests/s (default: from --load)")
     a("--load", type=float, default=0.85, help="offered load as a share of the fleet's "
-      "measured capacity, when --rate is not given (default: %(default)s)")
+      "capacity, measured on one replica with the replicas' own scheduler settings and a deep "
+      "queue, when --rate is not given (default: %(default)s)")
     a("--count", type=int, default=None, help="requests for --arrivals all (default: the "
       "workload file's size, else 64)")
     a("--burst-size", type=int, default=32, help="requests per burst for --arrivals burst "
@@ -100,10 +101,12 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
       help="the next K replicas have BLOCKS KV blocks")
     a("--stall", type=_arg(parse_stall), action="append", default=[], metavar="I@T:D",
       help="replica I takes no step from T for D seconds (repeatable)")
-    a("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT bound "
+    a("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT bound, and the SLO "
+      "the replicas' schedulers pace first tokens to, as `batcher serve --slo-ttft-ms` is both "
       "(default: %(default)s)")
-    a("--slo-tpot-ms", type=float, default=200.0, help="goodput TPOT bound "
-      "(default: %(default)s)")
+    a("--slo-tpot-ms", type=float, default=200.0, help="goodput TPOT bound (and "
+      "admission's, with --admission); the replicas' schedulers have no TPOT target, as "
+      "`batcher serve` at its defaults (default: %(default)s)")
     a("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     a("--json-out", default=None, help="write the summary as JSON here")
     a("--plot", default=None, help="write a PNG of the run here")
