@@ -224,3 +224,19 @@ def test_int4_of_a_non_llama_gguf_quantizes_its_dense_weights(tmp_path, monkeypa
     a = greedy_generate(ModelRunner(dense, num_blocks=4, block_size=BLOCK), prompt, 3)
     b = greedy_generate(ModelRunner(packed, num_blocks=4, block_size=BLOCK), prompt, 3)
     assert a[0][0] == b[0][0]
+
+
+def test_an_unsupported_gguf_architecture_fails_in_one_line(tmp_path):
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "f.gguf"), "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(tmp_path / "f.gguf"), dtype="float32", device="cpu")
+    msg = str(err.value)
+    assert "\n" not in msg and "'falcon'" in msg and "qwen3moe" in msg and "gemma3" in msg
