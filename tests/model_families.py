@@ -27,6 +27,9 @@ def family_configs() -> dict[str, object]:
         sliding_window=WINDOW, sliding_window_pattern=2, rope_local_base_freq=100.0,
         rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
     return {
+        "llama3": tf.LlamaConfig(**COMMON, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
         "qwen2": tf.Qwen2Config(**COMMON),
         "qwen3": tf.Qwen3Config(**COMMON, head_dim=16),
         "mistral": tf.MistralConfig(**COMMON, sliding_window=WINDOW),
@@ -95,7 +98,7 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 # Our family name -> the GGUF architecture llama.cpp writes it as (Mixtral: `llama` with experts).
-GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
+GGUF_ARCH = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
              "phi3": "phi3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
              "qwen3_moe": "qwen3moe"}
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
@@ -141,6 +144,12 @@ def write_gguf(name: str, model, path: Path) -> Path:
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "llama3":  # as llama.cpp writes it: per-frequency divisors
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        base = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        w.add_tensor("rope_freqs.weight", (base / scaled).float().numpy())
     if rope.get("rope_type") == "longrope":
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
         factor = cfg.max_position_embeddings / cfg.original_max_position_embeddings

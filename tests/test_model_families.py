@@ -32,7 +32,7 @@ from tests.model_families import (
     write_gguf,
 )
 
-FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "phi3", "mixtral",
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "phi3", "mixtral",
             "qwen2_moe", "qwen3_moe"]
 BLOCK = 16
 NEW_TOKENS = 8

@@ -119,7 +119,9 @@ def config(reader: GGUFFile) -> LlamaConfig:
 def _rope_scaling(reader: GGUFFile, arch: str, get, max_pos: int) -> dict | None:
     kind = get("rope.scaling.type")
     orig = get("rope.scaling.original_context_length")
-    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_f")}
+    if "rope_freqs.weight" in factors:  # Llama 3.1's scaling, as per-frequency divisors
+        return {"rope_type": "freq_factors", "factors": _floats(factors["rope_freqs.weight"])}
     if "rope_factors_short.weight" in factors:  # Phi-3's LongRoPE
         params = {"rope_type": "longrope",
                   "short_factor": _floats(factors["rope_factors_short.weight"]),

@@ -17,6 +17,8 @@ table of every position up to the context length, which is all the model reads p
   `attention_factor` (sqrt(1 + ln(factor) / ln(original length)) when not given).
   NOTE: transformers switches a whole sequence to the long factors once it grows past the
   original length; a paged cache keeps the K it wrote, so here the factor follows each position.
+- freq_factors: every frequency divided by its own factor, as a GGUF file's `rope_freqs` tensor
+  gives them (llama.cpp writes Llama 3.1's scaling so).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
 
 
 def rope_type(params: dict[str, Any] | None) -> str:
@@ -63,6 +65,11 @@ def inv_freq(params: dict[str, Any] | None, theta: float, dim: int, max_position
         return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled), 1.0
     if kind == "yarn":
         return _yarn(params, theta, dim, max_positions)
+    if kind == "freq_factors":
+        factors = torch.tensor(params["factors"], dtype=torch.float64)
+        if factors.shape != base.shape:
+            raise ValueError(f"rope_freqs: {factors.shape[0]} factors, {base.shape[0]} needed")
+        return base / factors, 1.0
     if kind == "longrope":
         old_len = params.get("original_max_position_embeddings") or max_positions
         factor = params.get("factor") or max_positions / old_len
