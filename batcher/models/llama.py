@@ -1,8 +1,10 @@
-"""The Llama family (Llama, SmolLM, TinyLlama, Qwen2, Mistral shapes) in one readable file.
+"""The Llama family (Llama, SmolLM, TinyLlama, Qwen2 shapes) in one readable file.
 
 The model runs one flattened varlen batch: `input_ids[T]` and `positions[T]` drawn from many
 sequences at once, reading and writing a paged KV cache through `AttentionMetadata`, and returns
 logits only for the rows asked for. Q/K/V and gate/up projections are fused into one matmul each.
+Architectures that differ in a few declared ways (Qwen3, Gemma 2/3, Phi-3, Mistral's window,
+the MoE models) set `LlamaConfig`'s variant fields and are built by `batcher.models.variants`.
 """
 
 from __future__ import annotations

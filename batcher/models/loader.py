@@ -1,10 +1,12 @@
-"""Load a Llama-family model from one of three sources behind one function.
+"""Load a model of a supported architecture (`batcher.models.arch`, `docs/models.md`) from one of
+three sources behind one function.
 
 - `smollm2-135m` (default): the bundled GGUF, dequantized to dense tensors (cached as safetensors
   in the user's cache folder after the first load, keyed by the file's hash and the dtype), or any
-  other Llama-architecture `.gguf` path; with int4, its Q4_1 matrices are packed as stored
-  (`gguf_int4`), no dense model is made;
-- a local Hugging Face folder (`config.json` + `*.safetensors` + tokenizer files);
+  other `.gguf` path of a supported architecture (`gguf_arch`); with int4, a Llama file's Q4_1
+  matrices are packed as stored (`gguf_int4`), no dense model is made;
+- a local Hugging Face folder (`config.json` + `*.safetensors`, sharded or not, + tokenizer
+  files);
 - `tiny`: a seeded random-weight model (2 layers, hidden 64, GQA) using the bundled tokenizer.
 
 `load_format="dummy"` reads only a config (a shipped name such as `llama-3.1-8b`, the bundled
