@@ -240,3 +240,11 @@ def test_an_unsupported_gguf_architecture_fails_in_one_line(tmp_path):
         load_model(str(tmp_path / "f.gguf"), dtype="float32", device="cpu")
     msg = str(err.value)
     assert "\n" not in msg and "'falcon'" in msg and "qwen3moe" in msg and "gemma3" in msg
+
+
+def test_a_sharded_checkpoint_loads_through_its_index(tmp_path):
+    hf = build_hf("qwen3_moe")
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    _check_mixed_batch(hf, load_model(str(tmp_path), dtype="float32", device="cpu"))
