@@ -3,8 +3,9 @@ simulator's `--input-median 2000 --output-median 40` (lognormal, sigma 0.6, prom
 tokens), at 80% of the replica's measured capacity for this shape.
 
 The capacity is measured first, on this checkout's `batcher serve` at its defaults: a closed loop
-of `--depth` clients, each sending its next request as soon as its last one ends (after 50 ms
-when refused), for `--capacity-s` seconds; completions per second after the first fifth. Then
+of `--depth` clients, each sending its next request as soon as its last one ends (when
+refused, after the Retry-After it was given), for `--capacity-s` seconds; completions
+per second after the first fifth. Then
 each server (this checkout, and `--base DIR`, another checkout such as a `git worktree` of an
 earlier commit, in the same run) gets the same open-loop arrivals at 0.8 x that rate for
 `--duration` seconds, twice: Poisson, as one replica alone sees a Poisson stream, and spaced as
@@ -62,7 +63,8 @@ MODEL: dict[str, str] = {}  # url -> the model name the server lists
 
 async def one(s: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
               ) -> tuple[int, float | None, float | None, int]:
-    """(status, TTFT s, TPOT s, tokens) of one streamed completion."""
+    """(status, TTFT s, TPOT s, tokens) of one streamed completion; for a refusal, TTFT is
+    the Retry-After it carried."""
     if url not in MODEL:
         async with s.get(f"{url}/v1/models") as resp:
             MODEL[url] = (await resp.json())["data"][0]["id"]
@@ -72,7 +74,7 @@ async def one(s: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens:
     async with s.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             await resp.read()
-            return resp.status, None, None, 0
+            return resp.status, float(resp.headers.get("Retry-After", 1)), None, 0
         first = last = None
         n = 0
         async for line in resp.content:
@@ -99,11 +101,11 @@ async def capacity(url: str, depth: int, seconds: float) -> float:
     async def client(s: aiohttp.ClientSession) -> None:
         while time.perf_counter() - t0 < seconds:
             prompt, out = next(nxt)
-            status, *_ = await one(s, url, prompt, out)
+            status, retry_after, *_ = await one(s, url, prompt, out)
             if status == 200:
                 ends.append(time.perf_counter() - t0)
-            else:
-                await asyncio.sleep(0.05)
+            else:  # refused: back off as told (a retry storm would take the model's cores)
+                await asyncio.sleep(retry_after)
 
     async with session() as s:
         await asyncio.gather(*(client(s) for _ in range(depth)))
@@ -143,6 +145,20 @@ async def open_loop(url: str, rate: float, duration: float, process: str) -> dic
             "ttft_p99": pct(ttft, 99), "tpot_p99": pct(tpot, 99)}
 
 
+def idle(url: str, timeout: float = 120.0) -> None:
+    """Wait until the server runs and queues nothing (the capacity loop's last requests)."""
+    import json
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/v1/state") as resp:
+            state = json.load(resp)
+        if state["running"] == 0 and state["waiting"] == 0:
+            return
+        time.sleep(0.5)
+
+
 def serve(checkout: Path, port: int, fake: bool) -> subprocess.Popen:
     """`batcher serve` at its defaults (what ./scripts/serve starts), on `port`."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
@@ -166,6 +182,7 @@ def run(label: str, checkout: Path, args: argparse.Namespace, rate: float | None
             cap = asyncio.run(capacity(url, args.depth, args.capacity_s))
             print(f"capacity ({label}): {cap:.3f} req/s", flush=True)
             rate = LOAD * cap
+            idle(url)
         for process in ("poisson", "round-robin share"):
             r = asyncio.run(open_loop(url, rate, args.duration, process))
             print(label, process, r, flush=True)
