@@ -66,7 +66,11 @@ def verdict(r: dict, differ: bool) -> str:
         fails.append("below round-robin")
     if fl["goodput"] < orc["goodput"] - 0.02:
         fails.append("> 2 points below the oracle")
-    if differ and not (fl["goodput"] >= rr["goodput"] + 0.05
+    # NOTE: 5 points better where round-robin leaves that much to gain; where it already
+    # meets the SLO for more than 90%, at least half of what it leaves and a lower p99
+    gain = min(0.05, (1 - rr["goodput"]) / 2)
+    if differ and not ((fl["goodput"] >= rr["goodput"] + gain
+                        and (gain == 0.05 or fl["ttft_p99"] < rr["ttft_p99"]))
                        or fl["ttft_p99"] <= 0.7 * rr["ttft_p99"]):
         fails.append("not clearly better than round-robin")
     return "pass" if not fails else "FAIL: " + ", ".join(fails)
