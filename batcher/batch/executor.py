@@ -167,7 +167,10 @@ class BatchExecutor:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def wake(self, *_: object) -> None:
-        self._wake.set()
+        """An engine step ended: capacity may have freed. Nothing to do without a batch (a new
+        one wakes the loop itself), so an idle tier costs the engine's steps nothing."""
+        if self.batches:
+            self._wake.set()
 
     # commands from the routes --------------------------------------------------------------
     def add(self, rec: BatchRecord) -> None:
