@@ -15,8 +15,11 @@
 # llama-server is built from the llama.cpp tree vendored in the llama-cpp-python sdist (about
 # 4 minutes on 2 cores) and cached under .cache/peers/. Environment: PYTHON (default .venv/bin/python),
 # PEER_PORT (18290), BATCHER_PORT (18291), BATCHER_ARGS (extra `batcher serve` flags; default
-# --slo-ttft-ms 0: llama-server admits everything, so batcher's SLO admission, which refuses most of
-# 64 requests arriving at once, is off for a like-for-like throughput comparison), QUIET
+# for the batch runs `--slo-ttft-ms 0 --embedding-model none --log-level warning`: llama-server
+# admits everything, so batcher's SLO admission, which refuses most of 64 requests arriving at
+# once, is off for a like-for-like throughput comparison; default for --single none at all: one
+# stream is what a user gets from `batcher serve` as it starts, embedding model and logs
+# included, and the row says so), QUIET
 # (seconds each run may wait for an idle machine first, default 300), PEER_ARGS (extra
 # llama-server flags: `--no-repack` where its AMX matmul crashes at load, as seen on a
 # 2-core Xeon with AMX in a VM; its rows then run llama.cpp's AVX-512 kernels). Each row records the CPU
@@ -31,7 +34,6 @@ BIN="$CACHE/llama-server"
 PEER_PORT="${PEER_PORT:-18290}"
 BATCHER_PORT="${BATCHER_PORT:-18291}"
 QUIET="${QUIET:-300}"
-BATCHER_ARGS="${BATCHER_ARGS---slo-ttft-ms 0}"
 ARGS="$*"
 ROUNDS=1
 BUILD_ONLY=0
@@ -92,6 +94,10 @@ else
   LOAD=(--workload "$WORKLOAD")
   NP=16
 fi
+if [ -z "${BATCHER_ARGS+set}" ]; then
+  if [ "$SINGLE" -gt 0 ]; then BATCHER_ARGS=""
+  else BATCHER_ARGS="--slo-ttft-ms 0 --embedding-model none --log-level warning"; fi
+fi
 mkdir -p "$OUT"
 PIDS=()
 stop_all() {
@@ -130,12 +136,12 @@ run_llama() {  # round
 
 run_batcher() {  # round
   # shellcheck disable=SC2086
-  "$PY" -m batcher.cli serve --host 127.0.0.1 --port "$BATCHER_PORT" --embedding-model none \
-    --log-level warning ${BATCHER_ARGS:-} >"$OUT/batcher.log" 2>&1 &
+  "$PY" -m batcher.cli serve --host 127.0.0.1 --port "$BATCHER_PORT" \
+    ${BATCHER_ARGS:-} >"$OUT/batcher.log" 2>&1 &
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$BATCHER_PORT/ready" "${PIDS[-1]}" 300
   "$PY" -m batcher.bench.cli --base-url "http://127.0.0.1:$BATCHER_PORT" \
-    "${LOAD[@]}" --warmup 1 --label "batcher serve${BATCHER_ARGS:+ $BATCHER_ARGS} (round $1)" \
+    "${LOAD[@]}" --warmup 1 --label "batcher serve ${BATCHER_ARGS:-(defaults)} (round $1)" \
     --server-pid "${PIDS[-1]}" --wait-quiet "$QUIET" --out "$OUT/batcher-$1"
   stop_all
 }
@@ -152,4 +158,4 @@ MODE=()
 [ "$BATCH" -gt 0 ] && MODE=(--title "Peers: $BATCH requests at t=0 (256-token prompts, 64 greedy \
 tokens each), batcher serve vs llama.cpp llama-server (same GGUF)")
 "$PY" -m batcher.bench.peers "$OUT" --rounds "$ROUNDS" "${MODE[@]}" \
-  --command "${PEER_ARGS:+PEER_ARGS=\"$PEER_ARGS\" }${BATCHER_ARGS:+BATCHER_ARGS=\"$BATCHER_ARGS\" }scripts/bench_peers.sh $ARGS"
+  --command "${PEER_ARGS:+PEER_ARGS=\"$PEER_ARGS\" }BATCHER_ARGS=\"$BATCHER_ARGS\" scripts/bench_peers.sh $ARGS"
