@@ -228,7 +228,8 @@ def input_messages(v: Any) -> list[dict[str, Any]]:
             raise invalid(f"input[{i}] must be an object", "input", "invalid_type")
         kind = item.get("type", "message")
         if kind == "message":
-            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            role = item.get("role")
+            role = ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise invalid(f"input[{i}].role must be one of {list(ROLES)}", "input")
             out.append({"role": role, "content": _text(item.get("content"), i)})
