@@ -17,6 +17,9 @@ from batcher.request import Request
 # Fewer requests arriving together are not a burst: a pair's second prompt read at the whole
 # budget would stall the first stream for as long, for nothing a batch gains.
 BURST_MIN = 4
+# Prompts a late one looks at for one that can still be on time (the queue's head is enough:
+# a step has room for the first few).
+ON_TIME_SCAN = 8
 
 
 class PrefillPacer:
@@ -26,6 +29,7 @@ class PrefillPacer:
                  clock: Callable[[], float], block_size: int) -> None:
         self.config, self.step_time, self.clock = config, step_time, clock
         self.block_size = block_size
+        self._queues: tuple[Sequence[Request], Sequence[Request]] = ((), ())
 
     def allowance(self, running: Sequence[Request],
                   waiting: Sequence[Request]) -> PrefillAllowance | None:
@@ -51,6 +55,7 @@ class PrefillPacer:
                              batch)
         if target is None:
             return None
+        self._queues = (running, waiting)  # for `paced`, within this step
         return PrefillAllowance(self.step_time, target, decode, cfg.min_prefill_chunk, bs)
 
     def one_burst(self, running: Sequence[Request], waiting: Sequence[Request],
@@ -74,24 +79,49 @@ class PrefillPacer:
                     return False
         return True
 
+    def on_time_other(self, req: Request, allowance: PrefillAllowance, chunk: int,
+                      now: float) -> bool:
+        """Another interactive prompt of this step's queues, not yet answered, can still have
+        its first token within the SLO if read at `chunk` tokens a step from now (the first
+        ON_TIME_SCAN such prompts are looked at)."""
+        slo = self.config.slo_ttft_s
+        assert slo is not None
+        seen = 0
+        for queue in self._queues:
+            for r in queue:
+                if (r is req or r.first_token_time is not None or r.priority > 0
+                        or len(r.token_ids) - r.num_computed_tokens <= 1):
+                    continue
+                left = slo - (now - r.arrival_time)
+                if allowance.seconds_to_read(r.num_computed_tokens, r.num_prompt_tokens,
+                                             chunk) <= left:
+                    return True
+                seen += 1
+                if seen >= ON_TIME_SCAN:
+                    return False
+        return False
+
     def paced(self, req: Request, num_computed: int, limit: int,
               allowance: PrefillAllowance) -> int:
         """The chunk the time target allows, raised to what the request's first-token deadline
         needs (an interactive prompt not yet answered, under a TTFT SLO, short enough to be read
-        within it; see step_budget)."""
+        within it, and not late while another can still be on time; see step_budget)."""
         num_new = allowance.chunk(num_computed, limit)
         cfg = self.config
         slo = cfg.slo_ttft_s
         if slo is None or req.first_token_time is not None or req.priority > 0:
             return num_new
-        # NOTE: judged on the prompt alone, not on how long it waited: a prompt late only
-        # because it queued is a backlog, read at the whole budget (see step_budget).
         whole = cfg.max_num_batched_tokens - allowance.shape.decode_rows
         if cfg.long_prefill_token_threshold > 0:
             whole = min(whole, cfg.long_prefill_token_threshold)
-        if allowance.seconds_to_read(req.num_prompt_tokens, max(1, whole)) > slo:
+        whole = max(1, whole)
+        if allowance.seconds_to_read(0, req.num_prompt_tokens, whole) > slo:
             return num_new  # too long for the SLO at any pace: the streams keep their target
-        since = self.clock() - req.arrival_time
+        now = self.clock()
+        since = now - req.arrival_time
+        if (allowance.seconds_to_read(num_computed, req.num_prompt_tokens, whole) > slo - since
+                and self.on_time_other(req, allowance, whole, now)):
+            return num_new  # late because it waited: it yields to a first token still on time
         remaining = req.num_prompt_tokens - num_computed
         left = cfg.ttft_pace * slo - since
         need = deadline_chunk(remaining, left, allowance.target_s, limit)

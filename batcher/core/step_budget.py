@@ -38,11 +38,12 @@ the scheduler asks for the largest chunk whose predicted step time stays within 
   what the streams' target allows, instead of waiting at two tokens a step for seconds. A
   prompt too long to be read within the SLO even at the whole token budget from its first token
   (`seconds_to_read`) misses whatever it is given: it gets only the streams' target, so the
-  streams are not stalled for it. A prompt past its pace point only because it waited (behind
-  other prompts) gets the whole budget: that is a backlog, and a backlog read at the streams'
-  target drains at a third of the rate (each small chunk pays a step's fixed cost and rereads
-  its context), so the queue behind it grows and every later prompt is late too
-  (docs/capacity.md, long prompts).
+  streams are not stalled for it. A prompt late only because it waited (behind other prompts,
+  or sharing steps with them) yields the same way only to another prompt whose first token can
+  still be on time; with none, it gets the whole budget: that is a backlog, and a backlog read
+  at the streams' target drains at a third of the rate (each small chunk pays a step's fixed
+  cost and rereads its context), so the queue behind it grows and every later prompt is late
+  too (docs/capacity.md, long prompts).
 """
 
 from __future__ import annotations
@@ -93,16 +94,16 @@ class PrefillAllowance:
         self.shape = self.shape.plus(num_tokens, start_pos, self.block_size)
         self.booked += 1
 
-    def seconds_to_read(self, prompt_tokens: int, chunk: int) -> float:
-        """Predicted seconds to read a whole prompt of `prompt_tokens`, from its first token, in
-        chunks of `chunk` beside this step's decodes (each chunk priced at its own context):
-        the soonest its first token can come, queueing aside."""
-        if prompt_tokens <= 0 or chunk <= 0:
+    def seconds_to_read(self, start_pos: int, end_pos: int, chunk: int) -> float:
+        """Predicted seconds to read a prompt's positions `start_pos`..`end_pos` in chunks of
+        `chunk` beside this step's decodes (each chunk priced at its own context): from 0, the
+        soonest a prompt's first token can come, queueing aside."""
+        if end_pos <= start_pos or chunk <= 0:
             return 0.0
         decodes = self.shape.decode_only
-        seconds, pos = 0.0, 0
-        while pos < prompt_tokens:
-            n = min(chunk, prompt_tokens - pos)
+        seconds, pos = 0.0, start_pos
+        while pos < end_pos:
+            n = min(chunk, end_pos - pos)
             seconds += self.model.predict(decodes.plus(n, pos, self.block_size))
             pos += n
         return seconds
