@@ -6,6 +6,7 @@ serve`'s at its defaults, and a replica sustains 80% of it: first tokens within 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from batcher.request import Request
 from batcher.sampling import SamplingParams
@@ -101,3 +102,30 @@ def test_streams_keep_their_target_beside_a_prompt_too_long_for_the_slo() -> Non
                             for sh, t in steps if sh.prefill_tokens and sh.decode_rows == 8)
     assert worst[2000] <= 1.5 * 1.1, worst
     assert worst[1000] > 3, worst
+
+
+def test_a_late_prompt_yields_only_to_one_still_on_time() -> None:
+    """8 streams decode; a 1,550-token prompt and a 600-token one arrive together under a 1 s
+    TTFT SLO. Each alone could be read within it, not both: once the first is late it takes
+    the streams' target and the second is read at once, on time; then nothing else can be on
+    time and the first is read at the whole budget (a backlog), not a few tokens a step."""
+    from batcher.config import SchedulerConfig
+    from tests.test_step_budget import Sim, prefill_of
+
+    sim = Sim(SchedulerConfig(64, 320, 4096, slo_ttft_s=1.0))
+    for i in range(8):
+        sim.add(f"s{i}", 100, 400)
+    sim.run_until(lambda: all(len(sim.token_times[f"s{i}"]) >= 60 for i in range(8)))
+    arrival = sim.now
+    sim.add("a", 1550, 2)
+    sim.add("b", 600, 2)  # arrived with "a", behind it in the queue
+    sim.run_until(lambda: bool(sim.token_times["a"]) and bool(sim.token_times["b"]))
+    b_first = sim.token_times["b"][0]
+    assert b_first - arrival <= 1.0
+    assert sim.token_times["a"][0] - arrival > 1.0
+    ends = itertools.accumulate(seconds for _, seconds, _ in sim.steps)  # the clock starts at 0
+    after_b = [prefill_of(out, "a") for (out, _, _), end in zip(sim.steps, ends, strict=True)
+               if end > b_first and prefill_of(out, "a") > 1]
+    # ~900 tokens left: 0.7 s at the whole budget, 1.3 s at the streams' ~30 tokens a step
+    assert sim.token_times["a"][0] - b_first < 1.0, after_b
+    assert sum(n for n in after_b if n >= 200) >= 0.75 * sum(after_b), after_b

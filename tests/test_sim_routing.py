@@ -52,8 +52,10 @@ def test_equal_replicas_never_worse_than_round_robin_and_near_the_oracle() -> No
     "--duration 60 --warmup 10")])
 def test_where_replicas_differ_it_beats_round_robin(flags: str) -> None:
     # NOTE: two small pools of eight make the gap to the oracle about a point and a half on
-    # average but up to three on one seed, so that row is judged on three
-    rr, fleet, oracle = compare(flags, seeds=3 if "small-kv" in flags else 1)
+    # average but up to three on one seed, so that row is judged on three; so is the long
+    # prompts' row, where one seed put round-robin 9 points ahead of both the policy and the
+    # oracle and the next two put it 2-10 points behind
+    rr, fleet, oracle = compare(flags, seeds=3 if "small-kv" in flags or "2000" in flags else 1)
     # NOTE: 5 points better where round-robin leaves that much to gain; where it already
     # meets the SLO for more than 90% (two small pools, now that replicas pace first tokens
     # to the SLO: 98.6%), at least half of what it leaves and a lower p99
