@@ -23,7 +23,8 @@ Contract:
   continues the same stream, its final chunk marked `"resumed": true` and `"resumed_at": k`
   (content chunks streamed before the switch); otherwise (`error`, the
   default) the stream ends with an error event carrying `tokens_sent` and `partial_output`, then
-  `[DONE]`. Resumes are not charged to the retry budget (they move work, they add none). What
+  `[DONE]` (on /v1/messages Anthropic's `error` event, on /v1/responses `response.failed`, as
+  each API's clients read a failure). Resumes are not charged to the retry budget (they move work, they add none). What
   the client saw is kept by `stream_ledger.StreamLedger`; this module does the I/O. Retries and
   failovers are counted here (`batcher_retries`, `batcher_failovers{kind}`).
 - A client disconnect cancels the handler; leaving the upstream request closes its connection,
@@ -137,7 +138,8 @@ class Relay:
                      and not body.get("return_token_ids"))
         if strip:
             self.payload = orjson.dumps(dict(body, return_token_ids=True))
-        self.ledger = StreamLedger(chat, choices_count(body, chat), strip_ids=strip)
+        self.ledger = StreamLedger(chat, choices_count(body, chat), strip_ids=strip,
+                                   path=request.path)
 
     def outcome(self, resp: web.StreamResponse) -> str:
         """The client-facing outcome label of the finished relay."""

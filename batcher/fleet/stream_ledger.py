@@ -1,6 +1,11 @@
 """What a relayed stream has shown its client so far, and what follows from it: which events to
 pass on, how many tokens were sent, the body of a resume elsewhere, the explicit end of a broken
 stream. Pure bookkeeping (no I/O): `forward.Relay` does the writing (contract in `forward.py`).
+
+A broken stream ends in its route's own terms, so each API's client sees the failure: chat and
+completions with an error chunk and `[DONE]`; Anthropic Messages with its `error` event; the
+Responses API with `response.failed` (its `sequence_number` continuing the stream's, the
+response object as `response.created` announced it, the items finished so far as its output).
 """
 
 from __future__ import annotations
@@ -10,14 +15,27 @@ from typing import Any
 
 import orjson
 
+from batcher.http import anthropic_errors
 from batcher.http.errors import error_body
-from batcher.http.sse import DONE, SEP, sse_event
+from batcher.http.sse import DONE, SEP, sse_event, sse_named
 
 # An error event the client caused (its own deadline) is its answer, not a replica failure.
 CLIENT_ERROR_CODES = frozenset({"deadline_exceeded"})
 # Named events that end the Responses and Anthropic Messages streams (they send no [DONE]).
 FINAL_EVENTS = frozenset({b"response.completed", b"response.incomplete", b"response.failed",
                           b"message_stop", b"error"})
+RESPONSES_PATH = "/v1/responses"
+
+
+def _named_data(ev: bytes) -> Any:
+    """The JSON of a named event's `data:` line, or None."""
+    for line in ev.split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                return orjson.loads(line[5:].strip())
+            except orjson.JSONDecodeError:
+                return None
+    return None
 
 
 @dataclass(slots=True)
@@ -46,6 +64,20 @@ class StreamLedger:
     broke: bool = False  # ended with the explicit error event
     prompt_ids: list[int] | None = None
     resume_offset: int = 0  # tokens generated before the current attempt's prompt ids
+    path: str = ""  # the route relayed: a broken stream ends in its API's terms
+    # The Responses stream so far: the next sequence_number, the response object as
+    # `response.created` announced it, and the output items finished.
+    next_seq: int = 0
+    response: dict[str, Any] | None = None
+    items: list[Any] = field(default_factory=list)
+
+    @property
+    def responses(self) -> bool:
+        return self.path == RESPONSES_PATH
+
+    @property
+    def messages(self) -> bool:
+        return self.path == anthropic_errors.PREFIX
 
     @property
     def generated(self) -> int:
@@ -74,6 +106,8 @@ class StreamLedger:
                 out += ev + SEP  # comments and other fields pass through untouched
                 done = ev.startswith(b"event:") and ev[6:].split(b"\n", 1)[0].strip() in \
                     FINAL_EVENTS
+                if self.responses or self.messages:
+                    self._track_named(ev)
                 continue
             data = ev[5:].strip()
             if data == b"[DONE]":
@@ -94,6 +128,28 @@ class StreamLedger:
                 break
             out += sse_event(obj) if self._track(obj) else ev + SEP
         return Taken(bytes(out), done, failure)
+
+    def _track_named(self, ev: bytes) -> None:
+        """Count the text a Responses or Messages event streamed; keep what `response.failed`
+        needs."""
+        obj = _named_data(ev)
+        if not isinstance(obj, dict):
+            return
+        seq = obj.get("sequence_number")
+        if isinstance(seq, int) and not isinstance(seq, bool):
+            self.next_seq = max(self.next_seq, seq + 1)
+        kind = obj.get("type")
+        if kind == "response.created" and isinstance(obj.get("response"), dict):
+            self.response = obj["response"]
+        elif kind == "response.output_item.done" and isinstance(obj.get("item"), dict):
+            self.items.append(obj["item"])
+        elif kind == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+            self.sent += 1
+            self.texts.setdefault(0, []).append(obj["delta"])
+        elif kind == "content_block_delta" and isinstance(obj.get("delta"), dict) and \
+                isinstance(obj["delta"].get("text"), str):
+            self.sent += 1
+            self.texts.setdefault(0, []).append(obj["delta"]["text"])
 
     def _track(self, obj: Any) -> bool:
         """Count and keep the chunk's text; True when the chunk was changed (ids stripped, or
@@ -188,12 +244,26 @@ class StreamLedger:
         return body
 
     def broken(self, reason: str) -> bytes:
-        """The explicit end of a broken stream: an error event with what was sent, then
-        [DONE]."""
+        """The explicit end of a broken stream, in the route's API: an error event with what
+        was sent, then [DONE] (chat, completions); an `error` event (Messages); a
+        `response.failed` event (Responses)."""
+        message = (f"the stream broke after {self.generated} tokens and cannot continue: "
+                   f"{reason}")
+        self.broke = True
+        if self.messages:
+            return sse_named("error", anthropic_errors.error_body(503, message))
+        if self.responses:
+            return self._response_failed(message)
         count = max([self.n - 1, *self.texts.keys()]) + 1
-        err = error_body(503, f"the stream broke after {self.generated} tokens and cannot "
-                         f"continue: {reason}", code="upstream_failed")
+        err = error_body(503, message, code="upstream_failed")
         err["error"].update(tokens_sent=self.generated, partial_output=[
             "".join(self.texts.get(i, ())) for i in range(count)])
-        self.broke = True
         return sse_event(err) + DONE
+
+    def _response_failed(self, message: str) -> bytes:
+        resp = dict(self.response or {"object": "response", "output": []})
+        resp.update(status="failed", output=list(self.items), usage=None,
+                    error={"code": "server_error", "message": message})
+        event = {"type": "response.failed", "sequence_number": self.next_seq, "response": resp}
+        self.next_seq += 1
+        return sse_named("response.failed", event)

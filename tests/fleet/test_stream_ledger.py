@@ -73,3 +73,43 @@ def test_beats_are_limited_per_source_in_bounded_memory() -> None:
     for i in range(10):
         lim.allow(f"flood-{i}", 1.0)
     assert len(lim._buckets) == 3
+
+
+def named(kind: str, payload: dict[str, object]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def test_a_broken_messages_stream_ends_with_anthropics_error_event() -> None:
+    led = StreamLedger(chat=True, n=1, path="/v1/messages")
+    led.take(bytearray(named("message_start", {"type": "message_start"}) + named(
+        "content_block_delta", {"type": "content_block_delta", "index": 0,
+                                "delta": {"type": "text_delta", "text": "Hel"}})),
+             cancelled=False)
+    out = led.broken("replica r1 closed the stream early")
+    assert out.startswith(b"event: error\ndata: ") and b"[DONE]" not in out
+    body = orjson.loads(out.split(b"\n")[1][6:])
+    assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+    assert "after 1 tokens" in body["error"]["message"] and led.broke
+
+
+def test_a_broken_responses_stream_ends_with_response_failed() -> None:
+    led = StreamLedger(chat=True, n=1, path="/v1/responses")
+    created = {"id": "resp_1", "object": "response", "status": "in_progress", "output": [],
+               "model": "tiny"}
+    item = {"type": "message", "id": "msg_1", "status": "completed", "content": []}
+    led.take(bytearray(
+        named("response.created", {"type": "response.created", "sequence_number": 0,
+                                   "response": created})
+        + named("response.output_item.done", {"type": "response.output_item.done",
+                                              "sequence_number": 1, "item": item})
+        + named("response.output_text.delta", {"type": "response.output_text.delta",
+                                               "sequence_number": 2, "delta": "Hi"})),
+             cancelled=False)
+    out = led.broken("replica r1 closed the stream early")
+    assert out.startswith(b"event: response.failed\ndata: ") and b"[DONE]" not in out
+    ev = orjson.loads(out.split(b"\n")[1][6:])
+    assert ev["type"] == "response.failed" and ev["sequence_number"] == 3
+    resp = ev["response"]
+    assert resp["id"] == "resp_1" and resp["status"] == "failed" and resp["output"] == [item]
+    assert resp["error"]["code"] == "server_error" and "after 1 tokens" in \
+        resp["error"]["message"]
