@@ -35,6 +35,8 @@ class SchedulerConfig:
     # When set, an interactive prompt not yet answered gets at least the chunks that finish it
     # by `ttft_pace` of this SLO after its arrival, whatever the time target above allows: the
     # streams' per-token target yields to a first token that would otherwise come too late.
+    # Not for a prompt too long to be read within the SLO at all, nor for a late one while
+    # another can still be on time; a late one with none to yield to gets the whole budget.
     slo_ttft_s: float | None = None
     ttft_pace: float = 0.5
     max_step_slowdown: float = 1.5  # else: this times the step's decode-only time
