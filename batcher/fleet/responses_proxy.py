@@ -4,7 +4,8 @@ DELETE of `/v1/responses/{id}`.
 A stored response lives on the replica that made it. The router keeps nothing (it stays soft
 state: a restarted router, or several side by side, find the same responses): it asks the
 routable replicas, in parallel and with the caller's own key, and the one that answers 200
-holds it (draining or not). A continuation (`previous_response_id`) is then routed to that
+holds it (draining or not); its 200 ends the lookup and the other questions are cancelled,
+so a hung replica delays nobody. A continuation (`previous_response_id`) is then routed to that
 replica only (a 503 + Retry-After while it drains); a replica answers only for the caller's
 tenant, so another tenant's id is a 404 as on a replica.
 The cost is one small request per replica for each continued turn or lookup.
@@ -49,13 +50,24 @@ async def ask(ctx: RouterContext, method: str, rid: str, headers: Mapping[str, s
                 return resp.status, await resp.read(), resp.content_type
         return 0, b"", ""
 
-    answers = await asyncio.gather(*(one(r.url) for r in reps))
+    # The holder's 200 answers at once: a replica that hangs delays nobody once it came.
+    tasks = {asyncio.ensure_future(one(r.url)): r for r in reps}
+    answers: list[tuple[int, bytes, str]] = []
     other: web.Response | None = None
-    for rep, (status, body, ctype) in zip(reps, answers):
-        if status == 200:
-            return rep.replica_id, web.Response(body=body, content_type=ctype)
-        if status not in (0, 404) and other is None:
-            other = web.Response(status=status, body=body, content_type=ctype)
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                status, body, ctype = task.result()
+                answers.append((status, body, ctype))
+                if status == 200:
+                    return tasks[task].replica_id, web.Response(body=body, content_type=ctype)
+                if status not in (0, 404) and other is None:
+                    other = web.Response(status=status, body=body, content_type=ctype)
+    finally:
+        for task in tasks:
+            task.cancel()
     if other is None and any(status == 0 for status, _, _ in answers):
         other = ApiError(503, "a replica that may hold the response did not answer",
                          code="upstream_unavailable", retry_after=1).response()

@@ -5,12 +5,14 @@ DELETE reach the holder, an id nobody holds (or another key's) is a 404, and err
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 import pytest
 from aiohttp import web
 
+from batcher.fleet import responses_proxy
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import create_router_app
 from tests.fleet.procs import STUB_STATE, free_port
@@ -18,14 +20,18 @@ from tests.fleet.procs import STUB_STATE, free_port
 KEY = "the-key"
 
 
-async def holder(name: str, held: set[str], seen: list[str]) -> tuple[web.AppRunner, str]:
-    """A replica double holding the responses in `held` for KEY; POSTs are recorded in `seen`."""
+async def holder(name: str, held: set[str], seen: list[str],
+                 hang: asyncio.Event | None = None) -> tuple[web.AppRunner, str]:
+    """A replica double holding the responses in `held` for KEY; POSTs are recorded in `seen`.
+    With `hang`, its lookups answer only once the event is set."""
 
     def owns(request: web.Request) -> bool:
         return (request.match_info["id"] in held
                 and request.headers.get("Authorization") == f"Bearer {KEY}")
 
     async def get(request: web.Request) -> web.Response:
+        if hang is not None:
+            await hang.wait()
         if not owns(request):
             return web.json_response({"error": {"message": "no"}}, status=404)
         return web.json_response({"id": request.match_info["id"], "object": "response",
@@ -113,3 +119,24 @@ async def test_router_errors_on_messages_take_anthropics_shape(fleet) -> None:
     assert resp.status == 400
     body = orjson.loads(await resp.read())
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_hung_replica_does_not_delay_the_holders_answer(aiohttp_client,
+                                                                monkeypatch) -> None:
+    monkeypatch.setattr(responses_proxy, "LOOKUP_TIMEOUT_S", 120.0)
+    release = asyncio.Event()
+    ctx = RouterContext(RouterConfig())
+    runners = []
+    for name, held, hang in (("r0", set(), release), ("r1", {"resp_a"}, None)):
+        runner, url = await holder(name, held, [], hang)
+        runners.append(runner)
+        ctx.registry.add_static(url, name)
+        assert ctx.registry.observe(name, STUB_STATE, ctx.clock(), poll=True)
+    client = await aiohttp_client(create_router_app(ctx))
+    try:
+        resp = await asyncio.wait_for(client.get("/v1/responses/resp_a", headers=AUTH), 20)
+        assert resp.status == 200 and (await resp.json())["on"] == "r1"
+    finally:
+        release.set()
+        for runner in runners:
+            await runner.cleanup()
