@@ -402,6 +402,23 @@ def test_messages_stream_events() -> None:
     assert out[8][1]["usage"] == {"output_tokens": 3}
 
 
+def test_messages_stream_arguments_go_to_their_own_calls_block() -> None:
+    ev = MessagesEvents("msg_1", "m", prompt_tokens=7)
+    both = {"tool_calls": [
+        {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f"}},
+        {"index": 1, "id": "call_b", "type": "function", "function": {"name": "g"}}]}
+    args = [{"tool_calls": [{"index": i, "function": {"arguments": a}}]}
+            for i, a in ((0, '{"x":1}'), (1, '{"y":2}'))]
+    out = events(b"".join(ev.chunk(c) for c in (
+        ROLE, chunk({"content": "Ok."}), chunk(both), chunk(args[0]), chunk(args[1]),
+        chunk(finish="tool_calls"), USAGE)))
+    starts = {d["content_block"].get("id"): d["index"] for n, d in out
+              if n == "content_block_start"}
+    deltas = [(d["index"], d["delta"]["partial_json"]) for n, d in out
+              if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
+    assert deltas == [(starts["toolu_a"], '{"x":1}'), (starts["toolu_b"], '{"y":2}')]
+
+
 def test_messages_stream_error_event() -> None:
     ev = MessagesEvents("msg_1", "m", prompt_tokens=7)
     raw = ev.chunk(ROLE) + ev.chunk(chunk({"content": "Hi"})) + ev.chunk(

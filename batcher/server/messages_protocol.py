@@ -307,7 +307,9 @@ class MessagesEvents:
             self.calls[e.index] = self.block
             return out
         if e.kind == "args":
-            return self._delta({"type": "input_json_delta", "partial_json": e.text})
+            # To the call's own block: a later call's block may have opened since.
+            return self._delta({"type": "input_json_delta", "partial_json": e.text},
+                               self.calls.get(e.index, self.block))
         if e.kind == "finish":
             self.stop = stop_fields(e.reason, e.stop)
             return self._stop()
@@ -329,9 +331,10 @@ class MessagesEvents:
                                                        "index": self.block,
                                                        "content_block": block})
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
+    def _delta(self, delta: dict[str, Any], index: int | None = None) -> bytes:
         return sse_named("content_block_delta", {"type": "content_block_delta",
-                                                 "index": self.block, "delta": delta})
+                                                 "index": self.block if index is None
+                                                 else index, "delta": delta})
 
     def _stop(self) -> bytes:
         if self.open is None:
