@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -240,6 +241,36 @@ def test_an_unsupported_gguf_architecture_fails_in_one_line(tmp_path):
         load_model(str(tmp_path / "f.gguf"), dtype="float32", device="cpu")
     msg = str(err.value)
     assert "\n" not in msg and "'falcon'" in msg and "qwen3moe" in msg and "gemma3" in msg
+
+
+class _Tensor:
+    def __init__(self, name: str) -> None:
+        self.name, self.data = name, np.ones(4, dtype=np.float32)
+
+
+class _Header:
+    """A GGUF header's fields and tensor names, without a file."""
+
+    def __init__(self, fields: dict, tensors: tuple[str, ...] = ()) -> None:
+        self.fields = {"general.architecture": "qwen3moe", "qwen3moe.attention.head_count": 4,
+                       "qwen3moe.embedding_length": 64, "qwen3moe.block_count": 2,
+                       **fields}
+        self.tensors = [_Tensor(t) for t in tensors]
+
+
+@pytest.mark.parametrize(("fields", "tensors", "key"), [
+    ({"qwen3moe.expert_count": 4}, (), "qwen3moe.expert_used_count"),
+    ({"qwen3moe.rope.scaling.type": "yarn"}, (), "qwen3moe.rope.scaling.factor"),
+    ({}, ("rope_factors_short.weight",), "rope_factors_long"),
+    ({"qwen3moe.block_count": None}, (), "qwen3moe.block_count"),
+])
+def test_a_gguf_header_missing_a_key_fails_in_one_line(fields, tensors, key):
+    from batcher.models.gguf_arch import config
+
+    with pytest.raises(ModelLoadError) as err:
+        config(_Header(fields, tensors))  # type: ignore[arg-type]
+    msg = str(err.value)
+    assert "\n" not in msg and key in msg
 
 
 def test_a_sharded_checkpoint_loads_through_its_index(tmp_path):

@@ -52,10 +52,17 @@ def config(reader: GGUFFile) -> LlamaConfig:
     def get(key: str, default=None):
         return reader.fields.get(f"{arch}.{key}", default)
 
-    heads = int(get("attention.head_count"))
+    def need(key: str):
+        """A header key the architecture cannot do without: its absence is one line."""
+        v = get(key)
+        if v is None:
+            raise ModelLoadError(f"GGUF {arch}: the header has no '{arch}.{key}'")
+        return v
+
+    heads = int(need("attention.head_count"))
     kv_heads = int(get("attention.head_count_kv", heads))
-    hidden = int(get("embedding_length"))
-    layers = int(get("block_count"))
+    hidden = int(need("embedding_length"))
+    layers = int(need("block_count"))
     names = {t.name for t in reader.tensors}
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
@@ -70,7 +77,7 @@ def config(reader: GGUFFile) -> LlamaConfig:
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch, get, max_pos),
+        rope_scaling=_rope_scaling(reader, arch, get, need, max_pos),
         max_position_embeddings=max_pos,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
@@ -105,7 +112,7 @@ def config(reader: GGUFFile) -> LlamaConfig:
         cfg.sliding_window, cfg.sliding_layers = window, tuple(range(layers))
     if experts:
         cfg.num_experts = experts
-        cfg.experts_per_tok = int(get("expert_used_count"))
+        cfg.experts_per_tok = int(need("expert_used_count"))
         cfg.moe_intermediate_size = int(get("expert_feed_forward_length", 0) or 0) or (
             cfg.intermediate_size)
         cfg.shared_expert_size = int(get("expert_shared_feed_forward_length", 0) or 0)
@@ -116,13 +123,16 @@ def config(reader: GGUFFile) -> LlamaConfig:
     return cfg
 
 
-def _rope_scaling(reader: GGUFFile, arch: str, get, max_pos: int) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str, get, need, max_pos: int) -> dict | None:
     kind = get("rope.scaling.type")
     orig = get("rope.scaling.original_context_length")
     factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_f")}
     if "rope_freqs.weight" in factors:  # Llama 3.1's scaling, as per-frequency divisors
         return {"rope_type": "freq_factors", "factors": _floats(factors["rope_freqs.weight"])}
     if "rope_factors_short.weight" in factors:  # Phi-3's LongRoPE
+        if "rope_factors_long.weight" not in factors:
+            raise ModelLoadError(f"GGUF {arch}: LongRoPE needs both 'rope_factors_short' and "
+                                 "'rope_factors_long'; the file has only the short factors")
         params = {"rope_type": "longrope",
                   "short_factor": _floats(factors["rope_factors_short.weight"]),
                   "long_factor": _floats(factors["rope_factors_long.weight"]),
@@ -134,7 +144,7 @@ def _rope_scaling(reader: GGUFFile, arch: str, get, max_pos: int) -> dict | None
         return None
     if kind not in ("linear", "yarn"):
         raise ModelLoadError(f"GGUF {arch}: unsupported rope scaling {kind!r}")
-    params = {"rope_type": kind, "factor": float(get("rope.scaling.factor"))}
+    params = {"rope_type": kind, "factor": float(need("rope.scaling.factor"))}
     if orig:
         params["original_max_position_embeddings"] = int(orig)
     return params
