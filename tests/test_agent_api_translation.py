@@ -492,6 +492,43 @@ def test_store_is_per_tenant_and_bounded(kind: str, tmp_path: Path) -> None:
     store.close()
 
 
+def open_kind(kind: str, retention: Retention, tmp_path: Path, clock: Clock | None = None
+              ) -> MemoryStore | SqliteStore:
+    clock = clock or Clock()
+    return (MemoryStore(retention, clock) if kind == "memory"
+            else SqliteStore(tmp_path / "r.sqlite3", retention, clock))
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_one_tenants_flood_evicts_only_its_own(kind: str, tmp_path: Path) -> None:
+    store = open_kind(kind, Retention(max_count=10, max_per_tenant=3), tmp_path)
+    store.put("b", "resp_b", {"id": "resp_b"}, [])
+    for i in range(8):
+        store.put("a", f"resp_{i}", {"id": f"resp_{i}"}, [])
+    assert store.get("b", "resp_b") is not None
+    assert [i for i in range(8) if store.get("a", f"resp_{i}")] == [5, 6, 7]
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_stored_bytes_are_capped_oldest_first(kind: str, tmp_path: Path) -> None:
+    msgs = [{"role": "user", "content": "x" * 1000}]
+    row = len(orjson.dumps({"id": "resp_0"})) + len(orjson.dumps(msgs))
+    store = open_kind(kind, Retention(max_bytes=3 * row + 10), tmp_path)
+    for i, tenant in enumerate("abcde"):
+        store.put(tenant, f"resp_{i}", {"id": f"resp_{i}"}, msgs)
+    kept = [i for i, t in enumerate("abcde") if store.get(t, f"resp_{i}")]
+    assert kept == [2, 3, 4] and store.bytes == 3 * row
+    assert store.delete("e", "resp_4") and store.bytes == 2 * row
+    store.put("d", "resp_3", {"id": "resp_3"}, msgs)  # a replaced row is counted once
+    assert store.bytes == 2 * row
+    store.close()
+    if kind == "sqlite":
+        again = SqliteStore(tmp_path / "r.sqlite3", Retention(max_bytes=3 * row + 10))
+        assert again.bytes == 2 * row
+        again.close()
+
+
 def test_sqlite_store_outlives_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
     store = SqliteStore(path, Retention())
@@ -507,3 +544,7 @@ def test_retention_flags_are_checked() -> None:
         Retention(max_count=0).validate()
     with pytest.raises(ValueError, match="max-age"):
         Retention(max_age_s=0).validate()
+    with pytest.raises(ValueError, match="per-tenant"):
+        Retention(max_per_tenant=0).validate()
+    with pytest.raises(ValueError, match="max-bytes"):
+        Retention(max_bytes=0).validate()

@@ -5,8 +5,10 @@ earlier turn's input and output as chat messages, without instructions). Every l
 tenant: another tenant's id is simply not found.
 
 Where: `DATA_DIR/responses.sqlite3` when the server has a data directory (`--data-dir`), so
-responses outlive a restart; otherwise a bounded in-memory store, lost on restart. Retention:
-at most `max_count` responses (the oldest go first) and none older than `max_age_s`, on both.
+responses outlive a restart; otherwise a bounded in-memory store, lost on restart. Retention, on both, oldest first out: at most
+`max_count` responses in all, at most `max_per_tenant` of one tenant (so one tenant's many cheap
+`store: true` requests evict only its own), at most `max_bytes` of stored JSON in all (a row's
+size: its response and conversation as stored), and none older than `max_age_s`.
 Calls are made from the event loop's thread; each is one short statement.
 """
 
@@ -24,18 +26,25 @@ from typing import Any, Protocol
 import orjson
 
 DAY_S = 86_400.0
+MIB = 1 << 20
 
 
 @dataclass(slots=True)
 class Retention:
     max_count: int = 10_000
     max_age_s: float = 30 * DAY_S  # OpenAI keeps stored responses 30 days
+    max_per_tenant: int = 2_000
+    max_bytes: int = 256 * MIB
 
     def validate(self) -> Retention:
         if self.max_count < 1:
             raise ValueError("--responses-max-stored must be >= 1")
         if not self.max_age_s > 0:
             raise ValueError("--responses-max-age must be > 0 seconds")
+        if self.max_per_tenant < 1:
+            raise ValueError("--responses-max-stored-per-tenant must be >= 1")
+        if self.max_bytes < 1:
+            raise ValueError("--responses-max-bytes must be >= 1")
         return self
 
 
@@ -75,12 +84,20 @@ class MemoryStore:
         self.retention = retention
         self.clock = clock
         self._items: OrderedDict[tuple[str, str], tuple[float, bytes, bytes]] = OrderedDict()
+        self._tenants: dict[str, OrderedDict[str, None]] = {}  # each tenant's ids, oldest first
+        self.bytes = 0  # the stored JSON of every item
 
     def put(self, tenant: str, rid: str, response: dict[str, Any],
             messages: list[dict[str, Any]]) -> None:
         # Kept as JSON bytes: a caller mutating what it passed or got never changes the store.
-        self._items[(tenant, rid)] = (self.clock(), orjson.dumps(response),
-                                      orjson.dumps(messages))
+        item = (self.clock(), orjson.dumps(response), orjson.dumps(messages))
+        self._remove((tenant, rid))
+        self._items[(tenant, rid)] = item
+        self._tenants.setdefault(tenant, OrderedDict())[rid] = None
+        self.bytes += len(item[1]) + len(item[2])
+        own = self._tenants[tenant]
+        while len(own) > self.retention.max_per_tenant:
+            self._remove((tenant, next(iter(own))))
         self._prune()
 
     def get(self, tenant: str, rid: str) -> Stored | None:
@@ -91,20 +108,33 @@ class MemoryStore:
         return Stored(orjson.loads(item[1]), orjson.loads(item[2]))
 
     def delete(self, tenant: str, rid: str) -> bool:
-        return self._items.pop((tenant, rid), None) is not None
+        return self._remove((tenant, rid))
 
     def close(self) -> None:
         self._items.clear()
+        self._tenants.clear()
+        self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
+    def _remove(self, key: tuple[str, str]) -> bool:
+        item = self._items.pop(key, None)
+        if item is None:
+            return False
+        self.bytes -= len(item[1]) + len(item[2])
+        own = self._tenants[key[0]]
+        del own[key[1]]
+        if not own:
+            del self._tenants[key[0]]
+        return True
+
     def _prune(self) -> None:
         oldest = self.clock() - self.retention.max_age_s
-        items = self._items
-        while items and (len(items) > self.retention.max_count
+        items, r = self._items, self.retention
+        while items and (len(items) > r.max_count or self.bytes > r.max_bytes
                          or next(iter(items.values()))[0] < oldest):
-            items.popitem(last=False)
+            self._remove(next(iter(items)))
 
 
 _SCHEMA = """
@@ -118,7 +148,9 @@ CREATE TABLE IF NOT EXISTS responses (
     UNIQUE (tenant, id)
 );
 CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
+CREATE INDEX IF NOT EXISTS responses_by_tenant ON responses (tenant, seq);
 """
+_SIZE = "length(response) + length(messages)"
 
 
 class SqliteStore:
@@ -135,19 +167,38 @@ class SqliteStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        self.bytes = self.db.execute(f"SELECT COALESCE(SUM({_SIZE}), 0) FROM responses"
+                                     ).fetchone()[0]
 
     def put(self, tenant: str, rid: str, response: dict[str, Any],
             messages: list[dict[str, Any]]) -> None:
-        now = self.clock()
+        now, r = self.clock(), self.retention
+        row = (orjson.dumps(response), orjson.dumps(messages))
         with self.db:
             self.db.execute("BEGIN")
-            self.db.execute("INSERT OR REPLACE INTO responses (id, tenant, created_at, response,"
-                            " messages) VALUES (?, ?, ?, ?, ?)",
-                            (rid, tenant, now, orjson.dumps(response), orjson.dumps(messages)))
-            self.db.execute("DELETE FROM responses WHERE created_at < ?",
-                            (now - self.retention.max_age_s,))
-            self.db.execute("DELETE FROM responses WHERE seq <= (SELECT MAX(seq) FROM responses)"
-                            " - ?", (self.retention.max_count,))
+            gone = self._gone("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, rid))
+            self.db.execute("INSERT INTO responses (id, tenant, created_at, response, messages)"
+                            " VALUES (?, ?, ?, ?, ?)", (rid, tenant, now, *row))
+            added = len(row[0]) + len(row[1])
+            gone += self._gone("DELETE FROM responses WHERE created_at < ?",
+                               (now - r.max_age_s,))
+            gone += self._gone("DELETE FROM responses WHERE seq <= (SELECT MAX(seq) FROM "
+                               "responses) - ?", (r.max_count,))
+            gone += self._gone("DELETE FROM responses WHERE tenant = ? AND seq <= (SELECT seq "
+                               "FROM responses WHERE tenant = ? ORDER BY seq DESC LIMIT 1 "
+                               "OFFSET ?)", (tenant, tenant, r.max_per_tenant))
+            total = self.bytes + added - gone
+            if total > r.max_bytes:
+                # The newest rows whose sizes sum to at most max_bytes stay.
+                total -= self._gone(
+                    f"DELETE FROM responses WHERE seq <= (SELECT seq FROM (SELECT seq, SUM("
+                    f"{_SIZE}) OVER (ORDER BY seq DESC) AS kept FROM responses) WHERE kept > ?"
+                    " ORDER BY seq DESC LIMIT 1)", (r.max_bytes,))
+        self.bytes = total
+
+    def _gone(self, sql: str, args: tuple[Any, ...]) -> int:
+        """Run a DELETE; the summed size of the rows it removed."""
+        return sum(n for (n,) in self.db.execute(f"{sql} RETURNING {_SIZE}", args).fetchall())
 
     def get(self, tenant: str, rid: str) -> Stored | None:
         row = self.db.execute(
@@ -157,8 +208,10 @@ class SqliteStore:
         return None if row is None else Stored(orjson.loads(row[0]), orjson.loads(row[1]))
 
     def delete(self, tenant: str, rid: str) -> bool:
-        cur = self.db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, rid))
-        return cur.rowcount > 0
+        gone = self.db.execute(f"DELETE FROM responses WHERE tenant = ? AND id = ? RETURNING "
+                               f"{_SIZE}", (tenant, rid)).fetchall()
+        self.bytes -= sum(n for (n,) in gone)
+        return bool(gone)
 
     def close(self) -> None:
         self.db.close()
@@ -178,10 +231,17 @@ def add_responses_serve_args(p: argparse.ArgumentParser) -> None:
                    help="responses kept for previous_response_id and GET, over all tenants; "
                    "the oldest go first (default: %(default)s). Kept in "
                    "DATA_DIR/responses.sqlite3 with --data-dir, else in memory")
+    g.add_argument("--responses-max-stored-per-tenant", type=int, default=d.max_per_tenant,
+                   help="responses kept for one tenant; its own oldest go first, so one "
+                   "tenant cannot evict the others' (default: %(default)s)")
+    g.add_argument("--responses-max-bytes", type=int, default=d.max_bytes,
+                   help="bytes of stored responses and their conversations over all tenants; "
+                   "the oldest go first (default: %(default)s, 256 MiB)")
     g.add_argument("--responses-max-age", type=float, default=d.max_age_s,
                    help="seconds a stored response is kept (default: %(default)s, 30 days)")
 
 
 def retention_from_args(args: argparse.Namespace) -> Retention:
     """ValueError on bad values."""
-    return Retention(args.responses_max_stored, args.responses_max_age).validate()
+    return Retention(args.responses_max_stored, args.responses_max_age,
+                     args.responses_max_stored_per_tenant, args.responses_max_bytes).validate()
