@@ -7,6 +7,7 @@ response carries its earlier turns; refusals name the client's fields, in Anthro
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import orjson
@@ -21,6 +22,7 @@ from batcher.runtime.model_runner import ModelRunner
 from batcher.server.app import create_app
 from batcher.server.auth import Authenticator
 from batcher.server.gateway import Gateway, GatewayConfig
+from batcher.server.responses_route import RESPONSES
 from batcher.tenants import TenantConfig, hash_key
 from batcher.tokenizer import load_tokenizer
 
@@ -137,6 +139,40 @@ async def test_previous_response_carries_earlier_turns(client) -> None:
                                                "previous_response_id": second["id"]},
                      status=404)
     assert err["error"]["param"] == "previous_response_id"
+
+
+class ThreadRecorder:
+    """A store that records which thread each call ran on."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.threads = store, []
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.store, name)
+
+        def call(*args: Any) -> Any:
+            self.threads.append((name, threading.current_thread()))
+            return fn(*args)
+
+        return call
+
+
+async def test_store_calls_run_off_the_event_loop(client) -> None:
+    handler = client.app[RESPONSES]
+    handler.store = rec = ThreadRecorder(handler.store)
+    first = await post(client, "/v1/responses", {"model": "tiny", "input": "Hi",
+                                                 "max_output_tokens": 2})
+    resp = await client.post("/v1/responses", headers=key(), json={
+        "model": "tiny", "input": "Again", "max_output_tokens": 2, "stream": True,
+        "previous_response_id": first["id"]})
+    final = sse(await resp.read())[-1]
+    assert final[0] == "response.incomplete"  # max_output_tokens; stored all the same
+    assert (await client.get(f"/v1/responses/{final[1]['response']['id']}",
+                             headers=key())).status == 200
+    assert (await client.delete(f"/v1/responses/{first['id']}", headers=key())).status == 200
+    assert sorted({name for name, _ in rec.threads}) == ["delete", "get", "put"]
+    loop_thread = threading.current_thread()
+    assert all(t is not loop_thread for _, t in rec.threads), rec.threads
 
 
 @pytest.mark.parametrize(("body", "param"), [

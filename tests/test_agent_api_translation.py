@@ -205,12 +205,18 @@ def test_chat_answer_becomes_a_response() -> None:
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
-def test_responses_text_stream_events() -> None:
+async def test_responses_text_stream_events() -> None:
     done: list[dict[str, Any]] = []
-    ev = ResponsesEvents("resp_1", "m", parse_request({"input": "Hi"}).echo, done.append)
+
+    async def store(response: dict[str, Any]) -> None:
+        done.append(response)
+
+    ev = ResponsesEvents("resp_1", "m", parse_request({"input": "Hi"}).echo, store)
     raw = b"".join(ev.chunk(c) for c in (
         ROLE, chunk({"content": "Hel"}), chunk({"content": "lo"}), chunk(finish="stop"), USAGE))
-    assert ev.end() == b""
+    assert b"response.completed" not in raw and not done  # held until it is stored
+    raw += await ev.end()
+    assert await ev.end() == b""
     out = events(raw)
     assert [name for name, _ in out] == [
         "response.created", "response.in_progress", "response.output_item.added",
@@ -226,6 +232,18 @@ def test_responses_text_stream_events() -> None:
     final = out[-1][1]["response"]
     assert final["status"] == "completed" and final["output"][0]["content"][0]["text"] == "Hello"
     assert final["usage"]["output_tokens"] == 3 and done == [final]
+
+
+async def test_a_failed_store_is_logged_and_the_stream_still_ends(caplog) -> None:
+    async def broken_store(response: dict[str, Any]) -> None:
+        raise OSError("disk full")
+
+    ev = ResponsesEvents("resp_1", "m", parse_request({"input": "Hi"}).echo, broken_store)
+    raw = b"".join(ev.chunk(c) for c in (ROLE, chunk({"content": "Hi"}), chunk(finish="stop"),
+                                         USAGE))
+    raw += await ev.end()
+    assert events(raw)[-1][0] == "response.completed"
+    assert "storing it failed" in caplog.text and "disk full" in caplog.text
 
 
 def test_responses_tool_call_stream_events() -> None:

@@ -283,7 +283,7 @@ class MessagesEvents:
     def chunk(self, payload: dict[str, Any]) -> bytes:
         return b"".join(self.feed(e) for e in read_chunk(payload))
 
-    def end(self) -> bytes:
+    async def end(self) -> bytes:
         return b""
 
     def feed(self, e: ChunkEvent) -> bytes:

@@ -32,7 +32,7 @@ class MessagesHandler(BridgeHandler):
         request[TURN] = new_id("msg_")
         return spec
 
-    def shape(self, request: web.Request, answer: dict[str, Any]) -> dict[str, Any]:
+    async def shape(self, request: web.Request, answer: dict[str, Any]) -> dict[str, Any]:
         return from_chat(answer, request[TURN])
 
     def sink(self, request: web.Request, spec: GenerationSpec, job: Job) -> ChunkSink:

@@ -37,11 +37,12 @@ def engine_refusal(exc: Exception) -> ApiError:
 
 
 class ChunkSink(Protocol):
-    """The bytes a stream sends for each chat chunk (an error body included) and at its end."""
+    """The bytes a stream sends for each chat chunk (an error body included) and at its end.
+    `end` may await (a route storing what the stream produced before its final event)."""
 
     def chunk(self, payload: dict[str, Any]) -> bytes: ...
 
-    def end(self) -> bytes: ...
+    async def end(self) -> bytes: ...
 
 
 class _SseChunks:
@@ -50,7 +51,7 @@ class _SseChunks:
     def chunk(self, payload: dict[str, Any]) -> bytes:
         return sse_event(payload)
 
-    def end(self) -> bytes:
+    async def end(self) -> bytes:
         return DONE
 
 
@@ -148,6 +149,7 @@ class GenerationHandler:
     async def _handle(self, request: web.Request, timing: RequestTiming) -> web.StreamResponse:
         gw = self.gw
         body = await read_json(request)
+        await self.load(request, body)
         spec = self.parse(request, body)
         if spec.sampling.grammar is not None and not gw.engine.supports_grammar:
             raise invalid("structured outputs are not supported by this model",
@@ -176,7 +178,7 @@ class GenerationHandler:
             headers = {"Server-Timing": t.server_timing()}
             if (state := request["state_header"]()) is not None:
                 headers["X-Replica-State"] = state
-            answer = self.shape(request, answer)
+            answer = await self.shape(request, answer)
             return web.Response(body=orjson.dumps(answer), content_type="application/json",
                                 headers=headers)
         finally:
@@ -187,13 +189,16 @@ class GenerationHandler:
         return "shutdown" if self.gw.engine.stopping else "client_disconnect"
 
     # hooks: the routes that translate another API onto this one override them ------------------
+    async def load(self, request: web.Request, body: Any) -> None:
+        """What `parse` needs that takes I/O (a stored response), fetched off the event loop."""
+
     def parse(self, request: web.Request, body: Any) -> GenerationSpec:
         """The request's spec from its JSON body; ApiError(400) naming the field."""
         gw = self.gw
         return parse_generation(body, self.chat, {gw.cfg.model_name}, gw.tokenizer.vocab_size,
                                 gw.tool_parser)
 
-    def shape(self, request: web.Request, answer: dict[str, Any]) -> dict[str, Any]:
+    async def shape(self, request: web.Request, answer: dict[str, Any]) -> dict[str, Any]:
         """The whole answer's body from the chat or completion answer."""
         return answer
 
@@ -305,7 +310,7 @@ class GenerationHandler:
         finally:
             await events.aclose()
         with contextlib.suppress(ConnectionError):
-            await resp.write(sink.end())
+            await resp.write(await sink.end())
             await resp.write_eof()
         return resp
 

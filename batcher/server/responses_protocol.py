@@ -16,8 +16,9 @@ Decisions (docs/agent-apis.md):
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 MAX_RESPONSE_ID_CHARS = 128
+log = logging.getLogger(__name__)
 
 # Chat field -> the Responses field a client sent, for error messages.
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
@@ -369,10 +371,13 @@ class ResponsesEvents:
     `response.in_progress`, then per output item `output_item.added`, its reasoning text,
     content part or arguments deltas and their `.done` events, `output_item.done`, and at the end
     `response.completed` (or `.incomplete`, `.failed`). Every event carries `sequence_number`.
-    `done` holds the final response object once the stream completed."""
+    `done` holds the final response object once the stream completed. With `on_done` (which
+    stores it), the final event waits for `end()`: `on_done` runs there first, so a client that
+    saw `response.completed` finds the response stored; its failure is logged, never breaks a
+    stream whose content was sent."""
 
     def __init__(self, rid: str, model: str, echo: dict[str, Any],
-                 on_done: Callable[[dict[str, Any]], None] | None = None,
+                 on_done: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.rid, self.model, self.echo = rid, model, echo
         self.on_done = on_done
@@ -384,6 +389,7 @@ class ResponsesEvents:
         self.calls: dict[int, dict[str, Any]] = {}  # chat call index -> its open item
         self.finish: str | None = None
         self.done: dict[str, Any] | None = None
+        self._final = b""  # the final event, held for end() while on_done has to run
         self._message: dict[str, Any] = {}  # the open message item
         self._thinking: dict[str, Any] = {}  # the open reasoning item
 
@@ -400,8 +406,14 @@ class ResponsesEvents:
     def chunk(self, payload: dict[str, Any]) -> bytes:
         return b"".join(self.feed(e) for e in read_chunk(payload))
 
-    def end(self) -> bytes:
-        return b""
+    async def end(self) -> bytes:
+        final, self._final = self._final, b""
+        if final and self.on_done is not None and self.done is not None:
+            try:
+                await self.on_done(self.done)
+            except Exception:  # noqa: BLE001 (the content was sent; the store is logged)
+                log.exception("response %s: storing it failed", self.rid)
+        return final
 
     def feed(self, e: ChunkEvent) -> bytes:
         if e.kind == "start":
@@ -438,9 +450,11 @@ class ResponsesEvents:
         if e.kind == "usage":
             status = "incomplete" if self.finish == "length" else "completed"
             self.done = self._response(status, e.usage)
-            if self.on_done is not None:
-                self.on_done(self.done)
-            return self._ev(f"response.{status}", response=self.done)
+            final = self._ev(f"response.{status}", response=self.done)
+            if self.on_done is None:
+                return final
+            self._final = final
+            return b""
         # An error ends the stream: the response failed, with what it had produced.
         failed = self._close_reasoning() + self._close_message() + self._close_calls()
         resp = self._response("failed")

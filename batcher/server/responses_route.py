@@ -3,6 +3,7 @@ completions path (`responses_protocol.py` translates, `responses_store.py` keeps
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +22,15 @@ from batcher.server.responses_protocol import (
     ResponsesEvents,
     ResponsesRequest,
     from_chat,
+    MAX_RESPONSE_ID_CHARS,
     output_messages,
     parse_request,
 )
 from batcher.server.responses_store import ResponseStore, StoreConfig, open_store
 
 RESPONSES = web.AppKey("responses", "ResponsesHandler")
+# The stored previous response, looked up (off the event loop) before the body is parsed.
+PREVIOUS = "responses_previous"
 
 
 @dataclass(slots=True)
@@ -51,12 +55,18 @@ class ResponsesHandler(BridgeHandler):
         super().__init__(gw)
         self.store = store
 
+    async def load(self, request: web.Request, body: Any) -> None:
+        prev = body.get("previous_response_id") if isinstance(body, dict) else None
+        if isinstance(prev, str) and 0 < len(prev) <= MAX_RESPONSE_ID_CHARS:
+            request[PREVIOUS] = await asyncio.to_thread(self.store.get,
+                                                        request["tenant"].name, prev)
+
     def parse(self, request: web.Request, body: Any) -> GenerationSpec:
         req = parse_request(require_object(body), self.gw.reasoning is not None)
         tenant = request["tenant"].name
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            prev = self.store.get(tenant, req.previous_response_id)
+            prev = request.get(PREVIOUS)
             if prev is None:
                 raise not_found(req.previous_response_id, "previous_response_id")
             history = prev.messages
@@ -64,22 +74,23 @@ class ResponsesHandler(BridgeHandler):
         request[TURN] = Turn(req, history, new_id("resp_"), tenant)
         return spec
 
-    def _keep(self, turn: Turn, response: dict[str, Any]) -> None:
-        if turn.req.store:
-            kept = {k: v for k, v in response.items() if k != "timings"}
-            self.store.put(turn.tenant, turn.rid, kept, turn.history + turn.req.messages
-                           + output_messages(response["output"]))
+    async def _keep(self, turn: Turn, response: dict[str, Any]) -> None:
+        """Store the response (SQLite and large JSON: in a worker thread)."""
+        kept = {k: v for k, v in response.items() if k != "timings"}
+        await asyncio.to_thread(self.store.put, turn.tenant, turn.rid, kept, turn.history
+                                + turn.req.messages + output_messages(response["output"]))
 
-    def shape(self, request: web.Request, answer: dict[str, Any]) -> dict[str, Any]:
+    async def shape(self, request: web.Request, answer: dict[str, Any]) -> dict[str, Any]:
         turn: Turn = request[TURN]
         response = from_chat(answer, turn.rid, turn.req.echo)
-        self._keep(turn, response)
+        if turn.req.store:
+            await self._keep(turn, response)
         return response
 
     def sink(self, request: web.Request, spec: GenerationSpec, job: Job) -> ChunkSink:
         turn: Turn = request[TURN]
-        return ResponsesEvents(turn.rid, spec.model, turn.req.echo,
-                               on_done=lambda response: self._keep(turn, response))
+        return ResponsesEvents(turn.rid, spec.model, turn.req.echo, on_done=(
+            (lambda response: self._keep(turn, response)) if turn.req.store else None))
 
 
 async def create(request: web.Request) -> web.StreamResponse:
@@ -88,7 +99,8 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 async def retrieve(request: web.Request) -> web.Response:
     rid = request.match_info["id"]
-    stored = request.app[RESPONSES].store.get(request["tenant"].name, rid)
+    stored = await asyncio.to_thread(request.app[RESPONSES].store.get,
+                                     request["tenant"].name, rid)
     if stored is None:
         raise not_found(rid, "response_id")
     return json_response(stored.response)
@@ -96,7 +108,8 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def delete(request: web.Request) -> web.Response:
     rid = request.match_info["id"]
-    if not request.app[RESPONSES].store.delete(request["tenant"].name, rid):
+    if not await asyncio.to_thread(request.app[RESPONSES].store.delete,
+                                   request["tenant"].name, rid):
         raise not_found(rid, "response_id")
     return json_response({"id": rid, "object": "response", "deleted": True})
 

@@ -9,13 +9,15 @@ responses outlive a restart; otherwise a bounded in-memory store, lost on restar
 `max_count` responses in all, at most `max_per_tenant` of one tenant (so one tenant's many cheap
 `store: true` requests evict only its own), at most `max_bytes` of stored JSON in all (a row's
 size: its response and conversation as stored), and none older than `max_age_s`.
-Calls are made from the event loop's thread; each is one short statement.
+Calls are made from worker threads (`asyncio.to_thread`: SQLite and large JSON stay off the
+event loop); each store takes a lock per call.
 """
 
 from __future__ import annotations
 
 import argparse
 import sqlite3
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -86,11 +88,16 @@ class MemoryStore:
         self._items: OrderedDict[tuple[str, str], tuple[float, bytes, bytes]] = OrderedDict()
         self._tenants: dict[str, OrderedDict[str, None]] = {}  # each tenant's ids, oldest first
         self.bytes = 0  # the stored JSON of every item
+        self._lock = threading.Lock()
 
     def put(self, tenant: str, rid: str, response: dict[str, Any],
             messages: list[dict[str, Any]]) -> None:
         # Kept as JSON bytes: a caller mutating what it passed or got never changes the store.
         item = (self.clock(), orjson.dumps(response), orjson.dumps(messages))
+        with self._lock:
+            self._put(tenant, rid, item)
+
+    def _put(self, tenant: str, rid: str, item: tuple[float, bytes, bytes]) -> None:
         self._remove((tenant, rid))
         self._items[(tenant, rid)] = item
         self._tenants.setdefault(tenant, OrderedDict())[rid] = None
@@ -101,19 +108,22 @@ class MemoryStore:
         self._prune()
 
     def get(self, tenant: str, rid: str) -> Stored | None:
-        self._prune()
-        item = self._items.get((tenant, rid))
+        with self._lock:
+            self._prune()
+            item = self._items.get((tenant, rid))
         if item is None:
             return None
         return Stored(orjson.loads(item[1]), orjson.loads(item[2]))
 
     def delete(self, tenant: str, rid: str) -> bool:
-        return self._remove((tenant, rid))
+        with self._lock:
+            return self._remove((tenant, rid))
 
     def close(self) -> None:
-        self._items.clear()
-        self._tenants.clear()
-        self.bytes = 0
+        with self._lock:
+            self._items.clear()
+            self._tenants.clear()
+            self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -169,12 +179,13 @@ class SqliteStore:
         self.db.executescript(_SCHEMA)
         self.bytes = self.db.execute(f"SELECT COALESCE(SUM({_SIZE}), 0) FROM responses"
                                      ).fetchone()[0]
+        self._lock = threading.Lock()  # one connection: one statement or transaction at a time
 
     def put(self, tenant: str, rid: str, response: dict[str, Any],
             messages: list[dict[str, Any]]) -> None:
         now, r = self.clock(), self.retention
         row = (orjson.dumps(response), orjson.dumps(messages))
-        with self.db:
+        with self._lock, self.db:
             self.db.execute("BEGIN")
             gone = self._gone("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, rid))
             self.db.execute("INSERT INTO responses (id, tenant, created_at, response, messages)"
@@ -194,27 +205,30 @@ class SqliteStore:
                     f"DELETE FROM responses WHERE seq <= (SELECT seq FROM (SELECT seq, SUM("
                     f"{_SIZE}) OVER (ORDER BY seq DESC) AS kept FROM responses) WHERE kept > ?"
                     " ORDER BY seq DESC LIMIT 1)", (r.max_bytes,))
-        self.bytes = total
+            self.bytes = total
 
     def _gone(self, sql: str, args: tuple[Any, ...]) -> int:
         """Run a DELETE; the summed size of the rows it removed."""
         return sum(n for (n,) in self.db.execute(f"{sql} RETURNING {_SIZE}", args).fetchall())
 
     def get(self, tenant: str, rid: str) -> Stored | None:
-        row = self.db.execute(
-            "SELECT response, messages FROM responses WHERE tenant = ? AND id = ? AND "
-            "created_at >= ?", (tenant, rid, self.clock() - self.retention.max_age_s)
-        ).fetchone()
+        with self._lock:
+            row = self.db.execute(
+                "SELECT response, messages FROM responses WHERE tenant = ? AND id = ? AND "
+                "created_at >= ?", (tenant, rid, self.clock() - self.retention.max_age_s)
+            ).fetchone()
         return None if row is None else Stored(orjson.loads(row[0]), orjson.loads(row[1]))
 
     def delete(self, tenant: str, rid: str) -> bool:
-        gone = self.db.execute(f"DELETE FROM responses WHERE tenant = ? AND id = ? RETURNING "
-                               f"{_SIZE}", (tenant, rid)).fetchall()
-        self.bytes -= sum(n for (n,) in gone)
+        with self._lock:
+            gone = self.db.execute(f"DELETE FROM responses WHERE tenant = ? AND id = ? "
+                                   f"RETURNING {_SIZE}", (tenant, rid)).fetchall()
+            self.bytes -= sum(n for (n,) in gone)
         return bool(gone)
 
     def close(self) -> None:
-        self.db.close()
+        with self._lock:
+            self.db.close()
 
 
 def open_store(data_dir: Path | None, retention: Retention) -> ResponseStore:
