@@ -1,4 +1,5 @@
-"""Batch API objects behind a router: which replica holds a file or batch, and merged lists.
+"""Batch API objects (and stored responses) behind a router: which replica holds a file, batch or
+response, and merged lists.
 
 The router hands out ids that name their replica: `<replica's id>.<owner>`, where `<owner>` is
 the replica id in unpadded URL-safe base64 (`file-3f...e1.cjA` for a file on replica `r0`).
@@ -6,7 +7,8 @@ Later calls on that id go to that replica, found in the router's registry by id:
 carries an address, so a forged owner can name only a replica the router already routes to, and
 that replica still answers only for the caller's own tenant (another tenant's id is a 404 there).
 Nothing is kept at the router, so it stays soft state: a restarted router, or several side by
-side, route the same ids the same way.
+side, route the same ids the same way. Stored responses take the same ids (`resp_<hex>.<owner>`,
+`responses_proxy.py`), with their own fields (`RESPONSE_ID_FIELDS`).
 
 Lists are a k-way merge of every replica's page for the tenant, newest first (files may ask
 oldest first), ties in the same second ordered by replica id (so one order is exactly the other
@@ -27,6 +29,7 @@ from typing import Any
 
 # Fields of file and batch objects that hold ids, rewritten on the way out (and in).
 ID_FIELDS = ("id", "input_file_id", "output_file_id", "error_file_id")
+RESPONSE_ID_FIELDS = ("id", "previous_response_id")
 MAX_ID_CHARS = 512
 # A replica's own ids (`file-<hex>`, `batch_<hex>`, `file-<hex>-output`): only these characters,
 # so an id the router forwards is one path segment on the replica, never `..` or a query.
@@ -55,10 +58,11 @@ def decode(router_id: str) -> tuple[str, str] | None:
     return inner, owner
 
 
-def outward(obj: Any, owner: str) -> Any:
-    """A replica's file or batch object with its ids rewritten to the router's."""
+def outward(obj: Any, owner: str, fields: tuple[str, ...] = ID_FIELDS) -> Any:
+    """A replica's file or batch object (or response, with RESPONSE_ID_FIELDS) with its ids
+    rewritten to the router's."""
     if isinstance(obj, dict):
-        for key in ID_FIELDS:
+        for key in fields:
             if isinstance(obj.get(key), str):
                 obj[key] = encode(obj[key], owner)
     return obj

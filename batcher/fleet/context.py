@@ -144,6 +144,8 @@ class RouterContext:
         # replicas scope them by tenant: one caller can neither see nor cancel another's.
         self.owners: dict[RequestKey, str] = {}  # (scope, id) -> replica id now serving it
         self.cancelled: set[RequestKey] = set()  # cancelled by the client: errors are final
+        # scope -> its untagged stored-response lookups in flight (`responses_proxy`)
+        self.lookups: dict[str, int] = {}
         self.inflight = 0
         self.metrics.inflight.set_function(lambda: self.inflight)
         self.processes: Callable[[], list[dict[str, Any]]] | None = None  # set by the launcher

@@ -49,8 +49,9 @@ from batcher.fleet.policy import (
     estimate_tokens,
 )
 from batcher.fleet.registry import Replica
+from batcher.fleet.responses_proxy import tag_body
 from batcher.fleet.route_timing import RouteClock
-from batcher.fleet.stream_ledger import StreamLedger
+from batcher.fleet.stream_ledger import RESPONSES_PATH, StreamLedger
 from batcher.http.errors import ApiError
 from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER
 from batcher.http.sse import DONE, SSE_HEADERS
@@ -140,6 +141,13 @@ class Relay:
             self.payload = orjson.dumps(dict(body, return_token_ids=True))
         self.ledger = StreamLedger(chat, choices_count(body, chat), strip_ids=strip,
                                    path=request.path)
+        # A stored response's ids name the replica that made it (`responses_proxy.py`).
+        self.tag_responses = request.path == RESPONSES_PATH
+
+    def set_body(self, body: dict[str, Any]) -> None:
+        """Send `body` instead of what the client sent (the routing estimates stand)."""
+        self.body = body
+        self.payload = orjson.dumps(body)
 
     def outcome(self, resp: web.StreamResponse) -> str:
         """The client-facing outcome label of the finished relay."""
@@ -316,6 +324,8 @@ class Relay:
                     data = await up.read()
             outcome = "ok"
             headers = self._reply_headers(up)
+            if self.tag_responses:
+                data = tag_body(data, rep.replica_id)
             data = self.route.whole(data, headers)
             return web.Response(body=data, headers=headers, content_type="application/json")
         except asyncio.CancelledError:
@@ -361,6 +371,7 @@ class Relay:
         ctx = self.ctx
         att = ctx.begin(rep, self.tokens, stream=True, prompt_tokens=self.prompt_tokens)
         ctx.owners[self.rkey] = rep.replica_id
+        self.ledger.owner = rep.replica_id
         outcome = "error"
         buf = bytearray()
         try:

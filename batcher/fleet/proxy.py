@@ -106,10 +106,12 @@ def generation(chat: bool, pinned: bool = False
             raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
         relay = Relay(ctx, request, chat, body, raw, rid, request["scope"])
         if pinned:
-            elsewhere = await pin_previous(ctx, body, _auth(request))
-            if isinstance(elsewhere, web.Response):
-                return elsewhere
-            relay.tried |= elsewhere
+            pin = await pin_previous(ctx, body, _auth(request), request["scope"])
+            if isinstance(pin, web.Response):
+                return pin
+            relay.tried |= pin.elsewhere
+            if pin.inner is not None:  # the holder's own id for it
+                relay.set_body(dict(body, previous_response_id=pin.inner))
         ctx.inflight += 1  # the gauge reads it at scrape time
         ctx.budget.note_request(ctx.clock(), request["scope"])
         outcome = "cancelled"

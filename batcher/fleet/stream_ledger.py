@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from batcher.fleet import batch_ids
 from batcher.http import anthropic_errors
 from batcher.http.errors import error_body
 from batcher.http.sse import DONE, SEP, sse_event, sse_named
@@ -70,6 +71,9 @@ class StreamLedger:
     next_seq: int = 0
     response: dict[str, Any] | None = None
     items: list[Any] = field(default_factory=list)
+    # The replica serving the attempt: a Responses stream's response objects carry ids that
+    # name it (`responses_proxy.py`).
+    owner: str | None = None
 
     @property
     def responses(self) -> bool:
@@ -103,11 +107,11 @@ class StreamLedger:
             ev = bytes(buf[:end])
             del buf[: end + 2]
             if not ev.startswith(b"data:"):
-                out += ev + SEP  # comments and other fields pass through untouched
-                done = ev.startswith(b"event:") and ev[6:].split(b"\n", 1)[0].strip() in \
-                    FINAL_EVENTS
+                name = ev[6:].split(b"\n", 1)[0].strip() if ev.startswith(b"event:") else None
                 if self.responses or self.messages:
-                    self._track_named(ev)
+                    ev = self._track_named(ev, name)
+                out += ev + SEP  # comments and other fields pass through untouched
+                done = name in FINAL_EVENTS
                 continue
             data = ev[5:].strip()
             if data == b"[DONE]":
@@ -129,12 +133,15 @@ class StreamLedger:
             out += sse_event(obj) if self._track(obj) else ev + SEP
         return Taken(bytes(out), done, failure)
 
-    def _track_named(self, ev: bytes) -> None:
+    def _track_named(self, ev: bytes, name: bytes | None) -> bytes:
         """Count the text a Responses or Messages event streamed; keep what `response.failed`
-        needs."""
+        needs. The event, with a response object's ids tagged with the owner replica."""
         obj = _named_data(ev)
         if not isinstance(obj, dict):
-            return
+            return ev
+        if self.owner is not None and isinstance(obj.get("response"), dict) and name:
+            batch_ids.outward(obj["response"], self.owner, batch_ids.RESPONSE_ID_FIELDS)
+            ev = sse_named(name.decode(errors="replace"), obj)[:-len(SEP)]
         seq = obj.get("sequence_number")
         if isinstance(seq, int) and not isinstance(seq, bool):
             self.next_seq = max(self.next_seq, seq + 1)
@@ -150,6 +157,7 @@ class StreamLedger:
                 isinstance(obj["delta"].get("text"), str):
             self.sent += 1
             self.texts.setdefault(0, []).append(obj["delta"]["text"])
+        return ev
 
     def _track(self, obj: Any) -> bool:
         """Count and keep the chunk's text; True when the chunk was changed (ids stripped, or

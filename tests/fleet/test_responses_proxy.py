@@ -12,24 +12,29 @@ import orjson
 import pytest
 from aiohttp import web
 
-from batcher.fleet import responses_proxy
+from batcher.fleet import batch_ids, responses_proxy
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import create_router_app
 from tests.fleet.procs import STUB_STATE, free_port
 
 KEY = "the-key"
+ASKED: list[str] = []  # the fixture's replicas' lookups, "replica:id"
 
 
 async def holder(name: str, held: set[str], seen: list[str],
-                 hang: asyncio.Event | None = None) -> tuple[web.AppRunner, str]:
-    """A replica double holding the responses in `held` for KEY; POSTs are recorded in `seen`.
-    With `hang`, its lookups answer only once the event is set."""
+                 hang: asyncio.Event | None = None, asked: list[str] | None = None
+                 ) -> tuple[web.AppRunner, str]:
+    """A replica double holding the responses in `held` for KEY; POSTs are recorded in `seen`
+    (with their previous_response_id, when one was sent), lookups in `asked`. With `hang`, its
+    lookups answer only once the event is set."""
 
     def owns(request: web.Request) -> bool:
         return (request.match_info["id"] in held
                 and request.headers.get("Authorization") == f"Bearer {KEY}")
 
     async def get(request: web.Request) -> web.Response:
+        if asked is not None:
+            asked.append(f"{name}:{request.match_info['id']}")
         if hang is not None:
             await hang.wait()
         if not owns(request):
@@ -44,8 +49,11 @@ async def holder(name: str, held: set[str], seen: list[str],
         return web.json_response({"id": request.match_info["id"], "deleted": True})
 
     async def create(request: web.Request) -> web.Response:
-        seen.append(name)
-        return web.json_response({"id": "resp_new", "object": "response", "on": name})
+        prev = (await request.json()).get("previous_response_id")
+        seen.append(name if prev is None else f"{name}<-{prev}")
+        held.add(f"resp_{name}new")
+        return web.json_response({"id": f"resp_{name}new", "object": "response", "on": name,
+                                  "previous_response_id": prev})
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response(STUB_STATE if request.path == "/v1/state" else {"ok": True})
@@ -71,7 +79,7 @@ async def fleet(aiohttp_client) -> Any:
     runners = []
     ctx = RouterContext(RouterConfig())
     for name in ("r0", "r1"):
-        runner, url = await holder(name, held[name], seen)
+        runner, url = await holder(name, held[name], seen, asked=ASKED)
         runners.append(runner)
         ctx.registry.add_static(url, name)
         assert ctx.registry.observe(name, STUB_STATE, ctx.clock(), poll=True)
@@ -90,7 +98,7 @@ async def test_a_continuation_goes_to_the_holder(fleet) -> None:
         resp = await client.post("/v1/responses", headers=AUTH, json={
             "input": "Hi", "previous_response_id": "resp_a"})
         assert resp.status == 200, await resp.text()
-    assert seen == ["r1"] * 6
+    assert seen == ["r1<-resp_a"] * 6
     seen.clear()
     for _ in range(6):  # without one, either replica may serve
         assert (await client.post("/v1/responses", headers=AUTH, json={"input": "Hi"})
@@ -140,3 +148,57 @@ async def test_a_hung_replica_does_not_delay_the_holders_answer(aiohttp_client,
         release.set()
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_ids_name_their_replica_and_go_there_alone(fleet) -> None:
+    client, seen, held = fleet
+    ASKED.clear()
+    resp = await client.post("/v1/responses", headers=AUTH, json={"input": "Hi"})
+    made = await resp.json()
+    owner = made["on"]
+    assert made["id"] == batch_ids.encode(f"resp_{owner}new", owner)
+    resp = await client.get(f"/v1/responses/{made['id']}", headers=AUTH)
+    assert resp.status == 200 and (await resp.json())["id"] == made["id"]
+    assert ASKED == [f"{owner}:resp_{owner}new"]  # its owner alone
+    other = await client.get(f"/v1/responses/{made['id']}",
+                             headers={"Authorization": "Bearer other"})
+    assert other.status == 404  # another tenant's id
+    seen.clear()
+    ASKED.clear()
+    for _ in range(4):  # a continuation goes to the owner, with no lookup at all
+        resp = await client.post("/v1/responses", headers=AUTH, json={
+            "input": "Again", "previous_response_id": made["id"]})
+        assert (await resp.json())["previous_response_id"] == made["id"]
+    assert seen == [f"{owner}<-resp_{owner}new"] * 4 and ASKED == []
+    forged = batch_ids.encode("resp_x", "nowhere")
+    assert (await client.get(f"/v1/responses/{forged}", headers=AUTH)).status == 404
+    resp = await client.delete(f"/v1/responses/{made['id']}", headers=AUTH)
+    assert resp.status == 200 and f"resp_{owner}new" not in held[owner]
+
+
+async def test_untagged_lookups_are_bounded_per_caller(aiohttp_client) -> None:
+    release = asyncio.Event()
+    ctx = RouterContext(RouterConfig())
+    runner, url = await holder("r0", set(), [], release)
+    ctx.registry.add_static(url, "r0")
+    assert ctx.registry.observe("r0", STUB_STATE, ctx.clock(), poll=True)
+    client = await aiohttp_client(create_router_app(ctx))
+    try:
+        hung = [asyncio.ensure_future(client.get(f"/v1/responses/resp_{i}", headers=AUTH))
+                for i in range(responses_proxy.MAX_FANOUTS_PER_SCOPE)]
+        while sum(ctx.lookups.values()) < responses_proxy.MAX_FANOUTS_PER_SCOPE:
+            await asyncio.sleep(0.01)
+        resp = await client.get("/v1/responses/resp_more", headers=AUTH)
+        assert resp.status == 429 and resp.headers["Retry-After"] == "1"
+        # Another caller has its own bound: its lookup runs.
+        hung.append(asyncio.ensure_future(client.post("/v1/responses", json={
+            "input": "Hi", "previous_response_id": "resp_more"},
+            headers={"Authorization": "Bearer other"})))
+        while sum(ctx.lookups.values()) <= responses_proxy.MAX_FANOUTS_PER_SCOPE:
+            await asyncio.sleep(0.01)
+        release.set()
+        assert [(await r).status for r in hung] == [404] * len(hung)
+        assert ctx.lookups == {}
+    finally:
+        release.set()
+        await runner.cleanup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import orjson
 
+from batcher.fleet import batch_ids
 from batcher.fleet.ratelimit import SourceLimiter
 from batcher.fleet.stream_ledger import StreamLedger
 
@@ -113,3 +114,18 @@ def test_a_broken_responses_stream_ends_with_response_failed() -> None:
     assert resp["id"] == "resp_1" and resp["status"] == "failed" and resp["output"] == [item]
     assert resp["error"]["code"] == "server_error" and "after 1 tokens" in \
         resp["error"]["message"]
+
+
+def test_a_responses_streams_ids_name_the_replica_serving_it() -> None:
+    led = StreamLedger(chat=True, n=1, path="/v1/responses", owner="r0")
+    resp = {"id": "resp_1", "previous_response_id": "resp_0", "status": "in_progress"}
+    delta = named("response.output_text.delta", {"type": "response.output_text.delta",
+                                                 "sequence_number": 1, "delta": "Hi"})
+    out = led.take(bytearray(named("response.created", {
+        "type": "response.created", "sequence_number": 0, "response": resp}) + delta),
+        cancelled=False).out
+    first, rest = out.split(b"\n\n", 1)
+    got = orjson.loads(first.split(b"\n")[1][6:])["response"]
+    assert got["id"] == batch_ids.encode("resp_1", "r0")
+    assert got["previous_response_id"] == batch_ids.encode("resp_0", "r0")
+    assert rest == delta  # events without a response object pass as they came
