@@ -16,7 +16,9 @@ An untagged id (one a replica made for a client that called it directly) is look
 trusted replica, in parallel and with the caller's own key; the one that answers 200 holds it
 (draining or not); its 200 ends the lookup and the other questions are cancelled, so a hung
 replica delays nobody. These fan-outs are bounded per caller (`MAX_FANOUTS_PER_SCOPE` at once,
-then 429 + Retry-After), so one caller's cheap requests cannot multiply across the fleet.
+then 429 + Retry-After), so one caller's cheap requests cannot multiply across the fleet. When
+none holds it but a registered replica could not be asked (evicted, unhealthy, not ready), the
+answer is a 503 + Retry-After, not a 404 that would look permanent.
 """
 
 from __future__ import annotations
@@ -175,6 +177,11 @@ async def _fan_out(ctx: RouterContext, method: str, rid: str, headers: Mapping[s
             task.cancel()
     if other is None and any(status == 0 for status, _, _ in answers):
         other = ApiError(503, "a replica that may hold the response did not answer",
+                         code="upstream_unavailable", retry_after=1).response()
+    if other is None and any(not ctx.registry.trusted(r) for r in ctx.registry):
+        # A registered replica the router cannot ask now (evicted, unhealthy, not ready) may
+        # hold it: a 404 would look permanent.
+        other = ApiError(503, "a replica that may hold the response is unavailable",
                          code="upstream_unavailable", retry_after=1).response()
     return None, other
 

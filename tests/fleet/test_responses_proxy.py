@@ -14,7 +14,7 @@ from aiohttp import web
 
 from batcher.fleet import batch_ids, responses_proxy
 from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import create_router_app
+from batcher.fleet.proxy import ROUTER, create_router_app
 from tests.fleet.procs import STUB_STATE, free_port
 
 KEY = "the-key"
@@ -202,3 +202,20 @@ async def test_untagged_lookups_are_bounded_per_caller(aiohttp_client) -> None:
     finally:
         release.set()
         await runner.cleanup()
+
+
+async def test_a_holder_out_of_reach_is_a_503_not_a_404(fleet) -> None:
+    client, _, _ = fleet
+    ctx = client.app[ROUTER]
+    ctx.registry.get("r1").evicted = True  # it holds resp_a
+    for method, path in (("GET", "/v1/responses/resp_a"), ("DELETE", "/v1/responses/resp_a")):
+        resp = await client.request(method, path, headers=AUTH)
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1", method
+    resp = await client.post("/v1/responses", headers=AUTH, json={
+        "input": "Hi", "previous_response_id": "resp_a"})
+    assert resp.status == 503 and "Retry-After" in resp.headers
+    tagged = batch_ids.encode("resp_a", "r1")  # a tagged id whose owner is out of reach
+    resp = await client.get(f"/v1/responses/{tagged}", headers=AUTH)
+    assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+    ctx.registry.get("r1").evicted = False
+    assert (await client.get("/v1/responses/resp_a", headers=AUTH)).status == 200
