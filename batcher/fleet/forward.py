@@ -47,6 +47,7 @@ from batcher.fleet.policy import (
     backoff,
     estimate_prompt_tokens,
     estimate_tokens,
+    responses_as_chat,
 )
 from batcher.fleet.registry import Replica
 from batcher.fleet.responses_proxy import tag_body
@@ -121,10 +122,12 @@ class Relay:
         policy = ctx.cfg.policy
         self.tokens, self.key = policy.default_max_tokens, None
         self.prompt_tokens = 1
-        if well_formed(body, chat):
-            self.tokens = estimate_tokens(body, chat, policy)
-            self.prompt_tokens = estimate_prompt_tokens(body, chat, policy)
-            key = affinity_key(body, chat, policy)
+        # The estimates read chat's fields; a Responses body is read as its chat equivalent.
+        shape = responses_as_chat(body) if request.path == RESPONSES_PATH else body
+        if well_formed(shape, chat):
+            self.tokens = estimate_tokens(shape, chat, policy)
+            self.prompt_tokens = estimate_prompt_tokens(shape, chat, policy)
+            key = affinity_key(shape, chat, policy)
             # Affinity only within one caller: another tenant's prefix is never a reason to
             # land on the replica that caches it (prefix caches are per tenant too).
             self.key = None if key is None else f"{scope}\x00{key}"

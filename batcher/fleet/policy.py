@@ -2,7 +2,9 @@
 so the router and the simulator share them.
 
 - `estimate_tokens(body, chat)`: prompt characters / 4 (or the token count of a token-id prompt)
-  plus `max_tokens`, times `n`; `estimate_prompt_tokens` is the prompt part alone.
+  plus `max_tokens`, times `n`; `estimate_prompt_tokens` is the prompt part alone. A Responses
+  body is read through `responses_as_chat` (its `instructions` and `input` as messages,
+  `max_output_tokens` as `max_tokens`), so its prompt size and prefix affinity count too.
 - `predicted_wait(c, prompt, tokens, ...)`: the seconds a new request would wait for its first
   token on a candidate: the prefill work ahead of it (the router's own outstanding prompt tokens
   there, plus what the replica reports beyond the router's own requests) and its own prompt, at
@@ -111,6 +113,38 @@ class Candidate:
     overdue_s: float = 0.0  # how much longer than predicted the oldest of those has waited
     prefill_rate: float | None = None  # measured prompt tokens/s to first token; None: unknown
     step_s: float | None = None  # measured seconds per decode step; None: unknown
+
+
+def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses body (`/v1/responses`) as the chat fields the estimates read: `instructions`
+    and `input` (a string, or message, function_call and function_call_output items) as
+    `messages`, `max_output_tokens` as `max_tokens`. An `input` of another shape gives no
+    messages, so the request goes to a replica as it is (whose 400 names the field)."""
+    messages: list[dict[str, Any]] | None = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for item in items:
+            if not isinstance(item, dict):
+                messages = None
+                break
+            kind = item.get("type", "message")
+            if kind == "message":
+                messages.append({"role": item.get("role"), "content": item.get("content")})
+            elif kind == "function_call":
+                messages.append({"role": "assistant", "content": item.get("arguments")})
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "content": item.get("output")})
+    else:
+        messages = None
+    out: dict[str, Any] = {"messages": messages}
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    return out
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> int:

@@ -257,3 +257,31 @@ def test_health_record_evicts_after_failures_and_readmits_after_two_probes():
     assert not rec.passed(True, 2)
     assert rec.passed(True, 2) and not rec.evicted and rec.readmitted_after == 2
     assert rec.evict("refused") and not rec.evict("refused")
+
+
+def test_a_responses_body_is_estimated_as_its_chat_equivalent():
+    from aiohttp.test_utils import make_mocked_request
+
+    from batcher.fleet.context import RouterConfig, RouterContext
+    from batcher.fleet.forward import Relay
+
+    long = "You are a careful assistant. " * 40
+    chat = {"messages": [{"role": "system", "content": long},
+                         {"role": "user", "content": "x" * 400}], "max_tokens": 30}
+    resp = {"instructions": long, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "x" * 400}]}],
+        "max_output_tokens": 30}
+    ctx = RouterContext(RouterConfig())
+
+    def relay(path: str, body: dict) -> Relay:
+        return Relay(ctx, make_mocked_request("POST", path), True, body, b"", "rid", "scope")
+
+    want, got = relay("/v1/chat/completions", chat), relay("/v1/responses", resp)
+    assert (got.tokens, got.prompt_tokens) == (want.tokens, want.prompt_tokens)
+    assert got.prompt_tokens > 100 and got.key is not None and got.key == want.key
+    plain = relay("/v1/responses", {"input": "y" * 400})
+    assert plain.prompt_tokens == estimate_prompt_tokens(
+        {"messages": [{"role": "user", "content": "y" * 400}]}, True, CFG)
+    # A shape the estimates cannot read goes on as it is (the replica's 400 names the field).
+    odd = relay("/v1/responses", {"input": 7})
+    assert odd.prompt_tokens == 1 and odd.key is None
