@@ -14,9 +14,11 @@ moves the load with it.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Self
 
 import aiohttp
@@ -141,11 +143,33 @@ _WORDS = ("harbour", "lantern", "copper", "meadow", "violet", "engine", "orbit",
           "maple", "glacier", "rocket", "saddle", "pillow")
 
 
-def real_body(i: int) -> dict[str, object]:
+@dataclass(frozen=True)
+class Shape:
+    """A request shape and the SLO flags the server runs it under."""
+
+    words: int = 36  # about 50 prompt tokens
+    max_tokens: int = REAL_MAX_TOKENS
+    flags: tuple[str, ...] = ()  # the default TTFT SLO
+    slo_s: float = DEFAULT_SLO_TTFT_MS / 1000
+
+
+DEFAULT_SHAPE = Shape()
+# The shape of an independent check: ~100-token prompts, 32 tokens out, a 3 s TTFT SLO.
+LONGER_SHAPE = Shape(words=76, max_tokens=32, flags=("--slo-ttft-ms", "3000"), slo_s=3.0)
+
+
+def real_body(i: int, shape: Shape = DEFAULT_SHAPE) -> dict[str, object]:
     rng = random.Random(i)
-    words = " ".join(rng.choice(_WORDS) for _ in range(36))
+    words = " ".join(rng.choice(_WORDS) for _ in range(shape.words))
     return {"model": "smollm2-135m", "prompt": f"Note {i}: {words}. Summarise the note:",
-            "max_tokens": REAL_MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+            "max_tokens": shape.max_tokens, "ignore_eos": True, "temperature": 0}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def poisson_loop(rate: float, duration: float, send: Callable[[int], Awaitable[Outcome]],
@@ -174,7 +198,8 @@ async def poisson_loop(rate: float, duration: float, send: Callable[[int], Await
     return [t.result() for t in tasks], offered
 
 
-async def real_capacity(session: aiohttp.ClientSession, url: str) -> float:
+async def real_capacity(session: aiohttp.ClientSession, url: str,
+                        shape: Shape = DEFAULT_SHAPE) -> float:
     """Completed requests per second with the server kept saturated: a closed loop of clients
     that resend at once after an answer, or 250 ms after a refusal (sooner, the refusals
     themselves would take the CPU the model needs). Admission is on, so this is the throughput
@@ -186,7 +211,7 @@ async def real_capacity(session: aiohttp.ClientSession, url: str) -> float:
         nonlocal done
         i = 0
         while time.monotonic() < stop:
-            out = await stream_request(session, url, real_body(10**6 + w * 1000 + i))
+            out = await stream_request(session, url, real_body(10**6 + w * 1000 + i, shape))
             i += 1
             if out.status in (429, 503):
                 await asyncio.sleep(0.25)
@@ -267,29 +292,34 @@ def real_goodput(outs: list[Outcome], slo: float) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 @pytest.mark.usefixtures("frozen_gc")
-async def test_overload_real_model_default_flags() -> None:
-    slo = DEFAULT_SLO_TTFT_MS / 1000  # the server runs with the default SLO
+@pytest.mark.parametrize("shape", [DEFAULT_SHAPE, LONGER_SHAPE], ids=["default", "longer"])
+async def test_overload_real_model_default_flags(shape: Shape) -> None:
+    slo = shape.slo_s
     lines: list[str] = []
     failures: list[str] = []
-    with serve(*REAL_FLAGS, num_blocks=None, ready_timeout=120) as server:
+    cpu: dict[int, tuple[float, int]] = {}  # factor -> (server CPU s, refusals)
+    with serve(*REAL_FLAGS, *shape.flags, num_blocks=None, ready_timeout=120) as server:
         url = server.url
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session, LagMonitor() as lag:
 
             async def send(i: int) -> Outcome:
-                return await stream_request(session, url, real_body(i))
+                return await stream_request(session, url, real_body(i, shape))
 
-            await stream_request(session, url, real_body(-1))  # warm-up
-            capacity = await real_capacity(session, url)
+            await stream_request(session, url, real_body(-1, shape))  # warm-up
+            capacity = await real_capacity(session, url, shape)
             assert capacity > 0.5, f"capacity {capacity:.2f} req/s: the machine is too slow"
             await wait_idle(session, url, within=10)
             g1 = 0.0
             for k, factor in enumerate((1, *OVERLOADS)):
                 for attempt in range(2):
                     lag.reset()
+                    cpu0 = cpu_seconds(server.proc.pid)
                     outs, offered = await poisson_loop(
                         factor * capacity, REAL_PHASE_S, send, seed=factor + 10 * attempt,
                         first_id=(k + 1) * 100_000 + attempt * 10_000)
+                    cpu[factor] = (cpu_seconds(server.proc.pid) - cpu0,
+                                   sum(o.status != 200 for o in outs))
                     await wait_idle(session, url, within=10)
                     if factor == 1:
                         g1 = real_goodput(outs, slo)
@@ -299,11 +329,17 @@ async def test_overload_real_model_default_flags() -> None:
                         failures += wrong
                         break
                     lines[-1] += " (the machine stalled: run again)"
-            healthy = await stream_request(session, url, real_body(-2))
+            healthy = await stream_request(session, url, real_body(-2, shape))
             async with session.get(url + "/ready") as resp:
                 ready = resp.status
-    figures = (f"SLO TTFT {slo:g} s; capacity {capacity:.2f} req/s (closed loop, "
-               f"{REAL_CAPACITY_CLIENTS} clients)\n" + "\n".join(lines))
+    # What refusing costs: the server CPU the 8x phase took beyond the 2x phase's, over the
+    # refusals it added (the admitted work of the two is about the same).
+    (c2, r2), (c8, r8) = cpu[2], cpu[8]
+    per_refusal = (c8 - c2) / (r8 - r2) if r8 > r2 else float("nan")
+    figures = (f"SLO TTFT {slo:g} s; {shape.words + 8}-word prompts, {shape.max_tokens} tokens "
+               f"out; capacity {capacity:.2f} req/s (closed loop, {REAL_CAPACITY_CLIENTS} "
+               f"clients); server CPU per added refusal (8x over 2x) "
+               f"{per_refusal * 1000:.2f} ms\n" + "\n".join(lines))
     print(figures)
     assert healthy.ok and ready == 200, (healthy, ready)
     assert not failures, "\n".join(failures) + "\n" + figures
