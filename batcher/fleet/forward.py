@@ -24,9 +24,10 @@ Contract:
   (content chunks streamed before the switch); otherwise (`error`, the
   default) the stream ends with an error event carrying `tokens_sent` and `partial_output`, then
   `[DONE]` (on /v1/messages Anthropic's `error` event, on /v1/responses `response.failed`, as
-  each API's clients read a failure). Resumes are not charged to the retry budget (they move work, they add none). What
-  the client saw is kept by `stream_ledger.StreamLedger`; this module does the I/O. Retries and
-  failovers are counted here (`batcher_retries`, `batcher_failovers{kind}`).
+  each API's clients read a failure). Resumes are not charged to the retry budget (they move
+  work, they add none). What the client saw is kept by `stream_ledger.StreamLedger`; this module
+  does the I/O. Retries and failovers are counted here (`batcher_retries`,
+  `batcher_failovers{kind}`).
 - A client disconnect cancels the handler; leaving the upstream request closes its connection,
   and the replica aborts the request and frees its KV.
 """

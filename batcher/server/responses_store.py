@@ -5,10 +5,11 @@ earlier turn's input and output as chat messages, without instructions). Every l
 tenant: another tenant's id is simply not found.
 
 Where: `DATA_DIR/responses.sqlite3` when the server has a data directory (`--data-dir`), so
-responses outlive a restart; otherwise a bounded in-memory store, lost on restart. Retention, on both, oldest first out: at most
-`max_count` responses in all, at most `max_per_tenant` of one tenant (so one tenant's many cheap
-`store: true` requests evict only its own), at most `max_bytes` of stored JSON in all (a row's
-size: its response and conversation as stored), and none older than `max_age_s`.
+responses outlive a restart; otherwise a bounded in-memory store, lost on restart. Retention, on
+both, oldest first out: at most `max_count` responses in all, at most `max_per_tenant` of one
+tenant (so one tenant's many cheap `store: true` requests evict only its own), at most
+`max_bytes` of stored JSON in all (a row's size: its response and conversation as stored), and
+none older than `max_age_s`.
 Calls are made from worker threads (`asyncio.to_thread`: SQLite and large JSON stay off the
 event loop); each store takes a lock per call.
 """
