@@ -217,5 +217,8 @@ async def test_a_holder_out_of_reach_is_a_503_not_a_404(fleet) -> None:
     tagged = batch_ids.encode("resp_a", "r1")  # a tagged id whose owner is out of reach
     resp = await client.get(f"/v1/responses/{tagged}", headers=AUTH)
     assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+    resp = await client.post("/v1/responses", headers=AUTH, json={
+        "input": "Hi", "previous_response_id": tagged})
+    assert resp.status == 503 and "Retry-After" in resp.headers
     ctx.registry.get("r1").evicted = False
     assert (await client.get("/v1/responses/resp_a", headers=AUTH)).status == 200
