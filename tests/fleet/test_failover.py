@@ -180,8 +180,12 @@ async def test_wedged_engine_is_caught_by_the_deep_probe():
             view = await replica_view(s, rt, "wedged")
             assert view["evicted"] and time.monotonic() - t0 < 10
             assert "probe" in view["health"]["last_error"]
+            # Moved off a replica health evicted: failover, counted, and no overload retry.
+            lost = {lb["reason"]: v for lb, v in await router_samples(
+                s, rt, "batcher_retries_total")}.get("replica_lost", 0)
+            assert lost >= 1, lost
             status = await admin(s, rt, "/admin/status")
-            assert status["retry_budget"]["retries_in_window"] >= 1
+            assert status["retry_budget"]["retries_in_window"] == 0, status["retry_budget"]
         wedged.signal(signal.SIGKILL)  # its engine thread never returns: no clean shutdown
 
 
