@@ -36,6 +36,20 @@ def test_default_data_dir_is_per_port_under_xdg(tmp_path, monkeypatch):
     assert service.config_from_args(_args(data_dir=given), 8123).data_dir == given
 
 
+def test_servers_on_one_port_number_take_sibling_directories(tmp_path, monkeypatch):
+    """Servers sharing a filesystem and a port number (network namespaces, pods on one volume)
+    each get a directory of their own; the port's own is taken again once free."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    first = service.config_from_args(_args(), 8000)
+    second = service.config_from_args(_args(), 8000)
+    assert first.data_dir.name == "port-8000" and second.data_dir.name == "port-8000.1"
+    first.lock.close()  # the first server stopped
+    third = service.config_from_args(_args(), 8000)
+    assert third.data_dir.name == "port-8000"
+    second.lock.close()
+    third.lock.close()
+
+
 def test_unwritable_default_turns_the_tier_off_but_a_given_dir_fails(tmp_path, monkeypatch,
                                                                      caplog):
     blocker = tmp_path / "file"

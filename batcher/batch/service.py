@@ -9,6 +9,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from aiohttp import web
 
@@ -17,7 +18,7 @@ from batcher.batch.gate import GateConfig, SpareCapacity
 from batcher.batch.lines import LineRunner
 from batcher.batch.metrics import BatchMetrics
 from batcher.batch.routes import BATCH, BatchLimits, BatchService, add_routes, upload_body_limit
-from batcher.batch.store import BatchStore
+from batcher.batch.store import BatchStore, lock_data_dir
 from batcher.batch.validate import LineCheck
 from batcher.http.listener import expect_continue
 from batcher.server.app import BODY_LIMIT, GATEWAY
@@ -35,6 +36,7 @@ class BatchConfig:
     db_path: Path | None = None
     limits: BatchLimits = field(default_factory=BatchLimits)
     gate: GateConfig = field(default_factory=GateConfig)
+    lock: BinaryIO | None = None  # the data directory's lock, when already taken
 
 
 def tenant_lookup(gw: Gateway):
@@ -59,7 +61,7 @@ def install(app: web.Application, cfg: BatchConfig) -> None:
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         gw = app[GATEWAY]
-        store = BatchStore(cfg.data_dir, cfg.db_path)
+        store = BatchStore(cfg.data_dir, cfg.db_path, lock=cfg.lock)
         executor = BatchExecutor(store, LineRunner(gw),
                                  SpareCapacity(gw.engine, gw.admission, cfg.gate),
                                  tenant_lookup(gw), BatchMetrics(gw.metrics.registry),
@@ -122,12 +124,18 @@ def add_batch_serve_args(p: argparse.ArgumentParser) -> None:
                    "SLO (default: %(default)s)")
 
 
-def default_data_dir(port: int) -> Path:
-    """Where the batch tier keeps its state when `--data-dir` is not given: one directory per
-    listening port (one server holds a data directory at a time, and a port is one server's)."""
+# Servers sharing one filesystem and one port number (network namespaces, pods on one volume)
+# take the next free sibling of the port's directory; this many are tried.
+_DEFAULT_DIR_TRIES = 64
+
+
+def default_data_dir(port: int, attempt: int = 0) -> Path:
+    """Where the batch tier keeps its state when `--data-dir` is not given: a directory named by
+    the listening port, so a server restarted on its port finds its batches again; `attempt` >
+    0: that directory's siblings, for a server whose port's directory another one holds."""
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
                                                             "share")
-    return Path(base) / "batcher" / f"port-{port}"
+    return Path(base) / "batcher" / (f"port-{port}" + (f".{attempt}" if attempt else ""))
 
 
 def config_from_args(args: argparse.Namespace, port: int) -> BatchConfig | None:
@@ -149,15 +157,27 @@ def config_from_args(args: argparse.Namespace, port: int) -> BatchConfig | None:
                          max_tenant_bytes=args.batch_max_file_bytes_per_tenant,
                          max_tenant_files=args.batch_max_files_per_tenant,
                          file_expiry_s=args.batch_file_expiry or None)
-    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(port)
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        if args.data_dir:
+    db = Path(args.batch_db) if args.batch_db else None
+    if args.data_dir:
+        data_dir = Path(args.data_dir)
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
             raise ValueError(f"--data-dir {data_dir} cannot be made: {exc.strerror}") from None
-        # Not asked for: a read-only home (a locked-down container) serves without the tier.
-        log.warning("no batch API: the default data directory %s cannot be made (%s); give a "
-                    "writable --data-dir, or --no-batch-api to say so", data_dir, exc.strerror)
-        return None
-    return BatchConfig(data_dir, Path(args.batch_db) if args.batch_db else None,
-                       limits.validate(), gate.validate())
+        return BatchConfig(data_dir, db, limits.validate(), gate.validate())
+    for attempt in range(_DEFAULT_DIR_TRIES):
+        data_dir = default_data_dir(port, attempt)
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            lock = lock_data_dir(data_dir)
+        except OSError as exc:
+            # Not asked for: a read-only home (a locked-down container) serves without the tier.
+            log.warning("no batch API: the default data directory %s cannot be made (%s); give "
+                        "a writable --data-dir, or --no-batch-api to say so", data_dir,
+                        exc.strerror)
+            return None
+        if lock is not None:
+            return BatchConfig(data_dir, db, limits.validate(), gate.validate(), lock)
+    log.warning("no batch API: the default data directories under %s are all in use by other "
+                "servers; give --data-dir", default_data_dir(port).parent)
+    return None

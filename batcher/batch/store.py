@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -143,22 +143,33 @@ def _batch(row: tuple[Any, ...]) -> BatchRecord:
                        errors=orjson.loads(errors) if errors else None)
 
 
+def lock_data_dir(root: Path) -> BinaryIO | None:
+    """Take the data directory's lock (held while the returned file stays open), or None when
+    another server holds it."""
+    f = open(root / ".lock", "a+b")  # noqa: SIM115 (held while open)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
 class BatchStore:
     """The batch tier's state: `root/batches.sqlite3` (or `db_path`) and `root/files/`."""
 
     def __init__(self, root: str | Path, db_path: str | Path | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, lock: BinaryIO | None = None):
+        """`lock`: the directory's lock (`lock_data_dir`) when the caller already holds it."""
         self.root = Path(root)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         # One server per data directory: two executors would run the same lines twice.
-        self._lock = open(self.root / ".lock", "a+b")  # noqa: SIM115 (held while open)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
+        held = lock if lock is not None else lock_data_dir(self.root)
+        if held is None:
             raise RuntimeError(f"the data directory {self.root} is in use by another "
-                               "server") from None
+                               "server")
+        self._lock = held
         self.db_path = Path(db_path) if db_path else self.root / "batches.sqlite3"
         self.clock = clock
         # isolation_level=None: statements autocommit; transactions are explicit (`_tx`).
