@@ -159,7 +159,7 @@ async def test_every_refusal_has_a_line_with_its_reason(aiohttp_client, caplog) 
     client = await aiohttp_client(fake_app(max_num_seqs=1, max_waiting=1))
 
     async def refused(rid: str, status: int, code: str, method: str = "POST", path: str = C,
-                      **kw: Any) -> None:
+                      **kw: Any) -> dict[str, Any]:
         headers = kw.pop("headers", key(ALICE)) | {"X-Request-Id": rid}
         r = await client.request(method, path, headers=headers, **kw)
         assert r.status == status, (rid, await r.text())
@@ -169,9 +169,15 @@ async def test_every_refusal_has_a_line_with_its_reason(aiohttp_client, caplog) 
         line = await access_line(caplog, rid)
         assert (line["status"], line["error_code"], line["outcome"]) == (
             status, code, "refused"), line
+        return line
 
     await refused("no-key", 401, "invalid_api_key", headers=key("wrong"), json=body(2))
-    await refused("no-route", 404, "not_found", "GET", "/v1/nothing-here")
+    line = await refused("no-route", 404, "not_found", "GET", "/v1/nothing-here")
+    assert line["route"] == "/v1/nothing-here"  # an unknown route: the path is the news
+    # A known route logs its pattern: the ids in a path are the caller's, never the line's.
+    line = await refused("cancel", 404, "request_not_found", "DELETE",
+                         "/v1/requests/someone-elses-id-4f2a")
+    assert line["route"] == "/v1/requests/{id}", line
     await refused("no-model", 400, "model_not_found", json=body(2) | {"model": "gpt-9"})
     await refused("bad-json", 400, "invalid_json", data=b"{")
     await refused("too-big", 413, "body_too_large", data=b"x" * (1 << 17))

@@ -121,6 +121,10 @@ async def expect_continue(request: web.Request) -> None:
         request.writer.output_size = 0  # the response proper has not started
 
 
+# The fallback route's name: what answered no route of the app's own.
+NO_ROUTE = "no-route"
+
+
 def add_fallback_route(app: web.Application) -> None:
     """Route every unknown path or method through the middlewares (404 / 405 with Allow) with
     `expect_continue`, instead of aiohttp's built-in answers, whose `Expect` handling runs before
@@ -138,7 +142,7 @@ def add_fallback_route(app: web.Application) -> None:
         raise web.HTTPNotFound()
 
     # [\s\S], not ".": a path may decode to a newline ("/%0A").
-    fallback = app.router.add_route("*", r"/{tail:[\s\S]*}", no_route,
+    fallback = app.router.add_route("*", r"/{tail:[\s\S]*}", no_route, name=NO_ROUTE,
                                     expect_handler=expect_continue).resource
 
 

@@ -15,6 +15,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from batcher.access_log import LOGGED, log_refusal
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import bearer_matches
+from batcher.http.listener import NO_ROUTE
 from batcher.http.request_ids import new_request_id
 from batcher.http.text import excerpt
 
@@ -51,8 +52,18 @@ def log_error_answer(request: web.Request, rid: str, status: int, code: str | No
     route, a body too large or malformed): why, where an operator looks. Replica and router."""
     if request.get(LOGGED):
         return
-    log_refusal(request_id=rid, tenant=tenant, route=excerpt(request.rel_url.raw_path, 200),
-                status=status, error_code=code)
+    log_refusal(request_id=rid, tenant=tenant, route=route_of(request), status=status,
+                error_code=code)
+
+
+def route_of(request: web.Request) -> str:
+    """The route as logged: a matched route's pattern (`/v1/requests/{id}`: the ids in
+    a path are the caller's, and every id its own line would make the field unbounded), else the
+    path itself, cut short (an unknown route is what the operator needs to see)."""
+    route = request.match_info.route
+    if route.resource is not None and route.name != NO_ROUTE:
+        return route.resource.canonical
+    return excerpt(request.rel_url.raw_path, 200)
 
 
 @web.middleware
