@@ -15,17 +15,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher.admission import Admission
-from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine
-from batcher.fake_runner import FakeRunner, FakeSpeed
-from batcher.metrics import Metrics
-from batcher.server.app import create_app
+from batcher.fake_runner import FakeSpeed
 from batcher.server.appkeys import GATEWAY
-from batcher.server.auth import Authenticator
-from batcher.server.gateway import Gateway, GatewayConfig
 from batcher.tenants import TenantConfig, hash_key
-from batcher.tokenizer import load_tokenizer
+from tests.test_diagnose import fake_app as diagnose_app
 
 C = "/v1/completions"
 ALICE, ALICE2, CAROL = "alice-key", "alice-2", "carol-key"  # carol: a tiny token budget
@@ -41,17 +34,8 @@ pytestmark = pytest.mark.usefixtures("frozen_gc")
 
 
 def fake_app(max_num_seqs: int = 4, max_waiting: int = 64) -> web.Application:
-    async def build() -> Gateway:
-        tok = load_tokenizer()
-        metrics = Metrics()
-        runner = FakeRunner(1024, 16, tok.vocab_size, FakeSpeed(decode_step_s=STEP_S))
-        engine = AsyncEngine(runner, tok, SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=4096),
-            metrics=metrics)
-        return Gateway(GatewayConfig("fake", 4096), engine, Authenticator(TENANTS),
-                       Admission(TENANTS, max_waiting=max_waiting), metrics)
-
-    return create_app(build, 1 << 16)
+    return diagnose_app(FakeSpeed(decode_step_s=STEP_S), max_num_seqs=max_num_seqs,
+                        max_waiting=max_waiting, tenants=TENANTS, body_limit=1 << 16)
 
 
 def body(max_tokens: int, stream: bool = False, **kw: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from batcher.metrics import Metrics
 from batcher.server.app import create_app
 from batcher.server.auth import Authenticator
 from batcher.server.gateway import Gateway, GatewayConfig
+from batcher.tenants import TenantConfig
 from batcher.timings import PHASES
 from batcher.tokenizer import load_tokenizer
 from tests.test_gateway_inprocess import ALICE, TENANTS, auth
@@ -38,7 +39,11 @@ pytestmark = pytest.mark.usefixtures("frozen_gc")
 
 
 def fake_app(speed: FakeSpeed, max_num_seqs: int = 8, slo_ttft_s: float | None = None,
-             slo_tpot_s: float | None = None, max_waiting: int = 256) -> web.Application:
+             slo_tpot_s: float | None = None, max_waiting: int = 256,
+             tenants: dict[str, TenantConfig] = TENANTS,
+             body_limit: int = 1 << 20) -> web.Application:
+    """A replica app on the fake model at `speed`, keyed by `tenants`."""
+
     async def build() -> Gateway:
         tok = load_tokenizer()
         metrics = Metrics(slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
@@ -46,10 +51,10 @@ def fake_app(speed: FakeSpeed, max_num_seqs: int = 8, slo_ttft_s: float | None =
         engine = AsyncEngine(runner, tok, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=4096),
             metrics=metrics)
-        return Gateway(GatewayConfig("fake", 4096), engine, Authenticator(TENANTS),
-                       Admission(TENANTS, max_waiting=max_waiting), metrics)
+        return Gateway(GatewayConfig("fake", 4096), engine, Authenticator(tenants),
+                       Admission(tenants, max_waiting=max_waiting), metrics)
 
-    return create_app(build, 1 << 20)
+    return create_app(build, body_limit)
 
 
 async def send(client, prompt: Any, max_tokens: int, model: str = "fake") -> dict[str, Any]:
