@@ -245,7 +245,7 @@ def add_responses_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--responses-max-stored", type=int, default=d.max_count,
                    help="responses kept for previous_response_id and GET, over all tenants; "
                    "the oldest go first (default: %(default)s). Kept in "
-                   "DATA_DIR/responses.sqlite3 with --data-dir, else in memory")
+                   "DATA_DIR/responses.sqlite3, or in memory with --no-batch-api")
     g.add_argument("--responses-max-stored-per-tenant", type=int, default=d.max_per_tenant,
                    help="responses kept for one tenant; its own oldest go first, so one "
                    "tenant cannot evict the others' (default: %(default)s)")
