@@ -7,7 +7,6 @@ processes."""
 
 from __future__ import annotations
 
-import socket
 import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import create_router_app
 from batcher.http.middleware import answer_errors
 from batcher.tenants import TenantConfig
+from tests.fleet.procs import free_port
 
 KEY = {"Authorization": "Bearer some-key"}
 HEALTH_PATHS = ("/health", "/v1/state", "/v1/probe")  # the router's health checker asks these
@@ -146,9 +146,7 @@ async def test_an_upload_no_replica_answered_is_a_503_not_a_404(aiohttp_client) 
     await off.start_server()
     try:
         ctx = RouterContext(RouterConfig())
-        with socket.socket() as s:  # a port nothing listens on
-            s.bind(("127.0.0.1", 0))
-            gone = s.getsockname()[1]
+        gone = free_port()  # a port nothing listens on
         ctx.registry.add_static(f"http://127.0.0.1:{gone}", "gone")
         ctx.registry.observe("gone", state, ctx.clock())
         client = await aiohttp_client(create_router_app(ctx))
@@ -231,9 +229,7 @@ async def test_a_list_asks_trusted_replicas_only_and_survives_one_down(aiohttp_c
         ctx.registry.observe("good", state, ctx.clock())
         ctx.registry.beat({**state, "replica_id": "unready", "epoch": 1, "seq": 1,
                            "url": str(unready.make_url("")).rstrip("/")}, ctx.clock(), True)
-        with socket.socket() as s:  # a port nothing listens on
-            s.bind(("127.0.0.1", 0))
-            gone = s.getsockname()[1]
+        gone = free_port()  # a port nothing listens on
         ctx.registry.add_static(f"http://127.0.0.1:{gone}", "gone")
         ctx.registry.observe("gone", state, ctx.clock())
         client = await aiohttp_client(create_router_app(ctx))
