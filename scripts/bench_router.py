@@ -34,6 +34,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, append_rows, pct, wait_until_up
+from batcher.bench.load import process_cpu_seconds
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
 
 
@@ -44,12 +45,7 @@ def start(argv: list[str], cwd: Path = ROOT) -> subprocess.Popen:
 
 def cpu_seconds(proc: subprocess.Popen) -> float | None:
     """User + system CPU the process has used (Linux /proc; None elsewhere)."""
-    try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return process_cpu_seconds(proc.pid)
 
 
 def checkout(rev: str, into: Path) -> None:

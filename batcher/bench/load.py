@@ -37,6 +37,13 @@ def _stat(pid: int | str) -> list[str] | None:
         return None
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used itself (None when it cannot be read: gone,
+    or no /proc)."""
+    rest = _stat(pid)
+    return None if rest is None else (int(rest[11]) + int(rest[12])) / HZ
+
+
 def _process_busy(pid: int) -> int:
     """User + system clock ticks of a process and its reaped children (0 when it is gone)."""
     rest = _stat(pid)

@@ -14,7 +14,6 @@ moves the load with it.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from typing import Self
 import aiohttp
 import pytest
 
+from batcher.bench.load import process_cpu_seconds
 from batcher.serve_args import DEFAULT_SLO_TTFT_MS
 from tests.reliability.conftest import (
     FAKE,
@@ -166,10 +166,10 @@ def real_body(i: int, shape: Shape = DEFAULT_SHAPE) -> dict[str, object]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of the server so far."""
+    cpu = process_cpu_seconds(pid)
+    assert cpu is not None, "the server's CPU time cannot be read"
+    return cpu
 
 
 async def poisson_loop(rate: float, duration: float, send: Callable[[int], Awaitable[Outcome]],
