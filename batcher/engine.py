@@ -333,13 +333,17 @@ class AsyncEngine:
             self.steps += 1
             self.last_step_end = now = self.clock()
             learn = self._learns_from(sched, started, model_seconds)
+            # Requests the runner cut (a grammar over its budget) end with that error, and the
+            # token sampled for them this step is dropped: it cannot stop them normally first.
+            for rid in out.failed:
+                live = self._live.get(rid)
+                if live is not None and not live.request.is_finished:
+                    self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
             updates = self.scheduler.update(sched, out)
             self._emit(updates, now)
-            for rid, reason in out.failed.items():  # cut by the runner (a grammar's budget)
+            for rid, reason in out.failed.items():
                 live = self._live.get(rid)
                 if live is not None:
-                    if not live.request.is_finished:
-                        self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
                     self._finish(live, now, error=reason)
             self._work_pending_since = now if self.scheduler.has_unfinished() else None
             if self.metrics is not None and self.phase == "serve":

@@ -17,14 +17,18 @@ def suppressed_tokens(req: Request) -> tuple[int, ...]:
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
-    """FINISHED_STOPPED on EOS (unless ignore_eos) or a stop token id, once more than
+    """FINISHED_STOPPED on EOS (unless ignore_eos, which a grammar overrides) or a stop token id, once more than
     `min_tokens` were generated; else FINISHED_LENGTH at max_tokens or max_model_len; None to go
     on. NOTE: a stop token that is also the last allowed one reports "stop", the truer reason.
     The sampler is expected to mask stop tokens below `min_tokens`; if it does not, such a token
     is kept as an ordinary one."""
     sp = req.sampling
+    # NOTE: a constrained row stops on EOS even under ignore_eos: its grammar offers EOS alone
+    # only once the output is complete (runtime/grammar.py bans it while anything else is
+    # allowed), and nothing but EOS could follow it.
+    eos_stops = not sp.ignore_eos or sp.grammar is not None
     if req.num_output_tokens > sp.min_tokens and (
-        (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+        (eos_stops and token in req.eos_token_ids) or token in sp.stop_token_ids
     ):
         return RequestStatus.FINISHED_STOPPED
     if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:

@@ -160,6 +160,8 @@ class GrammarMasks:
                 masks.bitmask[j].zero_()
                 for t in self._tokenizer.eos_token_ids:
                     masks.bitmask[j, t // 32] |= 1 << (t % 32)
+            elif seqs[i].sampling.ignore_eos:
+                _ban_eos_unless_alone(masks.bitmask[j], self._tokenizer.eos_token_ids)
         return masks
 
     def advance(self, seqs: Sequence[ScheduledSeq], tokens: Sequence[int]) -> None:
@@ -227,6 +229,20 @@ class GrammarMasks:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def _ban_eos_unless_alone(words: torch.Tensor, eos_ids: Sequence[int]) -> None:
+    """`ignore_eos` on a constrained row: its grammar may end the output here, but the caller
+    asked for more, so end of sequence is banned while the grammar allows any other token. Once
+    it allows nothing else, the output is complete and end of sequence ends it (a grammar row
+    stops on EOS even under `ignore_eos`, see `core/stopping.py`)."""
+    saved = [(t, int(words[t // 32]) >> (t % 32) & 1) for t in eos_ids if t // 32 < len(words)]
+    for t, _ in saved:
+        words[t // 32] &= ~(1 << (t % 32))
+    if not bool(words.any()):
+        for t, bit in saved:
+            if bit:
+                words[t // 32] |= 1 << (t % 32)
 
 
 def apply_masks(logits: torch.Tensor, masks: StepMasks) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""How a grammar-constrained request ends: `ignore_eos` cannot turn a finished grammar into a run
+of end-of-sequence tokens, and a request cut for its grammar's cost ends with that error even
+when the step that cut it sampled end of sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batcher.config import SchedulerConfig
+from batcher.core.outputs import ScheduledSeq
+from batcher.core.stopping import stop_status
+from batcher.engine import AsyncEngine
+from batcher.request import Request, RequestStatus
+from batcher.runtime import grammar as grammar_masks
+from batcher.runtime.grammar import GrammarMasks
+from batcher.runtime.model_runner import ModelRunner
+from batcher.sampling import SamplingParams
+from batcher.structured import choice_grammar, regex_grammar
+from batcher.tokenizer import load_tokenizer
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = load_tokenizer()
+    assert tokenizer.eos_token_ids == (EOS,)
+    return tokenizer
+
+
+def _allowed(masks: GrammarMasks, sp: SamplingParams, made: tuple[int, ...]) -> set[int]:
+    row = ScheduledSeq("r", [made[-1] if made else 1], 1, [0], True, sp,
+                       output_index=len(made), history=(1, *made))
+    bits = masks.wait(masks.start([row]), [row]).bitmask[0]
+    return {t for t in range(bits.numel() * 32) if int(bits[t // 32]) >> (t % 32) & 1}
+
+
+def test_ignore_eos_bans_eos_while_the_grammar_allows_more(tok) -> None:
+    grammar = regex_grammar("a+", "r")
+    made = tuple(tok.encode("a"))
+    plain = _allowed(GrammarMasks(tok), SamplingParams(grammar=grammar), made)
+    assert EOS in plain and len(plain) > 1  # "a" may end or go on
+    ignoring = _allowed(GrammarMasks(tok), SamplingParams(grammar=grammar, ignore_eos=True), made)
+    assert ignoring == plain - {EOS}
+
+
+def test_ignore_eos_keeps_eos_when_the_grammar_is_complete(tok) -> None:
+    sp = SamplingParams(grammar=choice_grammar(["no"], "c"), ignore_eos=True)
+    assert _allowed(GrammarMasks(tok), sp, tuple(tok.encode("no"))) == {EOS}
+
+
+def test_a_grammar_row_stops_on_eos_even_under_ignore_eos() -> None:
+    free = Request("a", [1], SamplingParams(ignore_eos=True), eos_token_ids=(EOS,))
+    constrained = Request("b", [1], SamplingParams(ignore_eos=True, grammar='start: "x"'),
+                          eos_token_ids=(EOS,))
+    for req in (free, constrained):
+        req.token_ids.append(EOS)
+    assert stop_status(free, EOS, 100) is None
+    assert stop_status(constrained, EOS, 100) is RequestStatus.FINISHED_STOPPED
+
+
+async def test_a_cut_request_ends_with_its_error_not_a_stop(tok, tiny_fp32, monkeypatch) -> None:
+    # Every charged mask is over budget: the step that cuts the row gives it an EOS-only mask,
+    # so it samples EOS, which must not end it as an ordinary stop first.
+    monkeypatch.setattr(grammar_masks, "ROW_BUDGET_S", -1.0)
+    runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=16)
+    engine = AsyncEngine(runner, tok, SchedulerConfig(max_num_seqs=8))
+    await engine.start()
+    try:
+        sp = SamplingParams(max_tokens=16, temperature=0, grammar=regex_grammar("[a-z]+", "r"))
+        events = [ev async for ev in engine.generate(
+            Request("cut", [100, 200, 300], sp, eos_token_ids=tok.eos_token_ids))]
+    finally:
+        await asyncio.wait_for(engine.stop(), 30)
+    last = events[-1]
+    assert last.finish_reason == "error", [(e.finish_reason, e.token_ids) for e in events]
+    assert last.error and last.error.startswith(grammar_masks.GRAMMAR_TOO_COSTLY)
+    assert EOS not in [t for e in events for t in e.token_ids]
