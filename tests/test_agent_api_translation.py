@@ -19,13 +19,10 @@ from batcher.http.errors import ApiError
 from batcher.server.bridge import read_chunk, renamed
 from batcher.server.messages_protocol import MessagesEvents, chat_body
 from batcher.server.messages_protocol import from_chat as message_from_chat
-from batcher.server.responses_protocol import (
-    ResponsesEvents,
-    input_messages,
-    output_messages,
-    parse_request,
-)
-from batcher.server.responses_protocol import from_chat as response_from_chat
+from batcher.server.responses_events import ResponsesEvents
+from batcher.server.responses_objects import from_chat as response_from_chat
+from batcher.server.responses_objects import output_messages
+from batcher.server.responses_request import input_messages, parse_request
 from batcher.server.responses_store import MemoryStore, Retention, SqliteStore
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}

@@ -1,5 +1,6 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API on the chat
-completions path (`responses_protocol.py` translates, `responses_store.py` keeps stored ones)."""
+completions path (`responses_request.py`, `responses_objects.py` and `responses_events.py`
+translate, `responses_store.py` keeps stored ones)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,12 @@ from batcher.server.bridge import TURN, BridgeHandler, new_id, require_object
 from batcher.server.gateway import Gateway, Job
 from batcher.server.openai_routes import ChunkSink
 from batcher.server.protocol import GenerationSpec
-from batcher.server.responses_protocol import (
-    NAMES,
-    ResponsesEvents,
-    ResponsesRequest,
-    from_chat,
+from batcher.server.responses_events import ResponsesEvents
+from batcher.server.responses_objects import from_chat, output_messages
+from batcher.server.responses_request import (
     MAX_RESPONSE_ID_CHARS,
-    output_messages,
+    NAMES,
+    ResponsesRequest,
     parse_request,
 )
 from batcher.server.responses_store import ResponseStore, StoreConfig, open_store
