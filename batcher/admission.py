@@ -26,8 +26,10 @@ Checks 7 and 8 never refuse a request on an idle server: it could not be served 
 nor, with nothing queued ahead of it, when no step has carried prefill for a while (the prediction
 is renewed only by prompts that run).
 (A request with only decodes ahead is checked: its prompt is read in chunks beside them, and on a
-slow machine that alone can take longer than the SLO, where waiting for them to end would not.) A prompt whose own prefill takes more than half the SLO is admitted when
-the work ahead of it takes at most half the SLO, so a long prompt is not starved by short ones.
+slow machine that alone can take longer than the SLO, where waiting for them to end would not.) A
+prompt whose own prefill takes more than half the SLO is admitted when the prompts ahead of it
+take at most half the SLO to read, so a long prompt is starved neither by short ones nor by
+running streams (its own reading beside them is not counted as a wait).
 
 A 503's retry_after is the predicted time (at least 1 s) for the queue to drain far enough that the
 check would pass: the whole queue when draining, the excess over the bound when full, the excess
@@ -308,7 +310,10 @@ class Admission:
         held = False
         if self.slo_ttft_s is not None and raw is not None and not idle:
             self.limit.check_waiting(now, self.slo_ttft_s, self.stalls.overlap)
-            held = self._check_ttft(now, priority, prompt_tokens, raw)
+            rate = self.predictor.prefill_rate_with(
+                *self.predictor.rate_query(backlog, priority, prompt_tokens))
+            own_paced = prompt_tokens / rate if rate else 0.0
+            held = self._check_ttft(now, priority, prompt_tokens, raw, own_paced)
         if self.slo_tpot_s is not None and self.decode_step_s is not None:
             self._check_tpot(backlog, requests, (prompt_tokens + max_tokens) // requests)
         if st.bucket is not None:
@@ -334,9 +339,12 @@ class Admission:
             share *= BATCH_SLO_SHARE / CEILING
         return self.slo_ttft_s * share
 
-    def _check_ttft(self, now: float, priority: str, own: int, raw: float) -> bool:
+    def _check_ttft(self, now: float, priority: str, own: int, raw: float,
+                    own_paced_s: float) -> bool:
         """Refuse (503 `queue_slo`) when the predicted TTFT is over this priority's limit;
-        True when the request is held to the whole limit (not a long prompt)."""
+        True when the request is held to the whole limit (not a long prompt). `own_paced_s`:
+        the request's own prompt at the rate predicted beside the running streams (part of
+        `raw`)."""
         limit = self.ttft_limit_s(priority)
         assert limit is not None
         corr = self.predictor.correction(now)
@@ -349,8 +357,11 @@ class Admission:
         widest = self.slo_ttft_s * (BATCH_SLO_SHARE if priority == "batch" else CEILING)
         held = own_s <= widest / 2
         if not held:
-            # A long prompt: hold only its wait behind others to half the limit.
-            predicted, limit = predicted - own_s, limit / 2
+            # A long prompt: hold only its wait behind the prompts ahead of it to half the
+            # limit. Reading its own prompt beside running streams, at the pace that keeps their
+            # tokens coming, is its own length, not a queue: counting it would refuse a long
+            # prompt for as long as streams run.
+            predicted, limit = max(0.0, raw - own_paced_s) * corr, limit / 2
         if predicted > limit:
             raise self._reject(503, max(_MIN_503_RETRY_S, predicted - limit), "queue_slo",
                                f"predicted time to first token {predicted:.2f} s exceeds the "

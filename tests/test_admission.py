@@ -419,6 +419,31 @@ def test_an_idle_server_and_a_long_prompt_are_never_starved() -> None:
         adm.admit(acme, "interactive", 5000, 10, Backlog(running=1, ahead_interactive=500))
 
 
+def test_a_long_prompt_is_not_refused_for_the_streams_it_is_read_beside() -> None:
+    """Beside 8 streams a prompt is read at a fifth of the quiet rate (the streams keep their
+    pace): a 2,000-token prompt (2 s quiet, long against a 1 s SLO) would take 10 s there. That is
+    its own reading, not a wait: with no prompt ahead of it, it is admitted while the streams run;
+    with prompts ahead it is held to half its limit as before."""
+    acme = tenant(tpm=1e9, burst=10**6, mc=1000)
+    adm, clock = make(acme, slo_ttft_s=1.0)
+    _measured(adm, clock, rate=1000.0)  # with no decodes beside
+    for _ in range(50):
+        clock.advance(0.1)
+        adm.observe_step(0.1, 20, True, decode_rows=8)  # 200 tokens/s beside 8 streams
+    streams = Backlog(running=8, steps_left=(300,) * 8, new_steps=300)
+    t = adm.admit(acme, "interactive", 2000, 10, streams)
+    assert t.predicted_ttft_s > 5 and not t.held_to_slo
+    adm.release(t, 0)
+    with pytest.raises(Rejected) as e:  # 200 tokens ahead read beside the streams: about 1 s
+        adm.admit(acme, "interactive", 2000, 10, Backlog(
+            running=8, waiting=1, waiting_interactive=1, ahead_interactive=200,
+            ahead_batch=200, steps_left=(300,) * 8, new_steps=300))
+    assert e.value.reason == "queue_slo"
+    # A short prompt beside the same streams is still held to the whole limit.
+    with pytest.raises(Rejected):
+        adm.admit(acme, "interactive", 300, 10, streams)
+
+
 def test_correction_follows_delivered_ttfts() -> None:
     acme = tenant(tpm=1e9, burst=10**6, mc=1000)
     adm, clock = make(acme, slo_ttft_s=1.0)
