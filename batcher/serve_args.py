@@ -52,48 +52,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "for tests), fake (simulated engine for fleet tests), a .gguf file or a Hugging Face "
       "folder (default: %(default)s)")
     a("--load-format", default=_E.load_format, type=lower, choices=LOAD_FORMATS,
-      help="dummy: random weights in --model's shapes, to measure realistic model sizes "
-      "without downloading weights (the output is meaningless text); --model is then "
-      "llama-3.1-8b, qwen2.5-7b, llama-3.2-1b, smollm2-135m, a config.json or a Hugging Face "
-      "folder (only its config.json is read) (default: %(default)s)")
+      help="dummy: random weights in --model's shapes, to measure a model's size and speed "
+      "without its weights (the output is meaningless); --model is then llama-3.1-8b, "
+      "qwen2.5-7b, llama-3.2-1b, smollm2-135m, a config.json or a Hugging Face folder "
+      "(default: %(default)s)")
     a("--served-model-name", default=None, help="name clients use in 'model' (default: derived "
       "from --model)")
     a("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     a("--port", type=port, default=8000, help="TCP port to listen on, 0 for any free one "
       "(default: %(default)s)")
     a("--dtype", default=_E.dtype, type=lower, choices=DTYPES, help="weight and activation type; "
-      "auto is bfloat16 on a GPU and on a CPU that computes it natively (AVX-512 BF16 or AMX), "
-      "else float32: elsewhere torch converts bf16 around every product and a batched step "
-      "is 3-6x slower than fp32. With --quantization int8/int4 auto is bfloat16 everywhere: "
-      "the packed kernels take bf16 activations and run 10x slower on fp32 ones. One stream "
-      "alone decodes faster in bfloat16 than fp32 even where bf16 is converted (it reads half "
-      "the bytes; BENCHMARKS.md) (default: %(default)s)")
-    a("--quantization", default=_E.quantization, type=lower, choices=QUANTIZATIONS,
-      help="weight-only quantization of the decoder layers on the CPU (int8 per row, int4 in "
-      "groups of 32), run by packed kernels (see --quantized-dense-above for big steps). auto "
-      "is int4 for a GGUF file of Q4_1 blocks (the bundled model) in bfloat16 on a CPU that "
-      "computes it natively, else none: int4 then takes the file's blocks as stored and, "
-      "measured on the bundled model (BENCHMARKS.md), one stream decodes at x0.99-1.00 of "
-      "llama-server's output rate (bf16 decode steps run fused C kernels for the norms and "
-      "attention; x0.73 without them) against none's x0.36, 64 requests at once at x2.3 (AMD "
-      "EPYC, AVX-512 BF16) and resident memory is x1.44 of llama-server's at the defaults; greedy "
-      "output agrees with none's for a mean 0.84 of 16 tokens (a different rounding of the "
-      "same Q4_1 weights; held-out perplexity 1.2%% higher). none keeps the dense weights "
-      "(the HF-equality reference in float32); on a CPU without native bf16 auto is none "
-      "because the packed kernels need bf16, which is 3-6x slower than fp32 for batches "
-      "there. int8 holds more memory for less speed (default: %(default)s)")
-    a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
-      metavar="ROWS", help="with int8/int4 quantization (auto included), steps of more than "
-      "ROWS rows use a dense bf16 copy of the quantized weights. 0 (the default) keeps no "
-      "copy: a tied embedding table and LM head (int4 from a GGUF) are one int8 table too, "
-      "and an int4 layer unpacks its weights into one reused dense buffer for steps of more "
-      "than 48 rows (a small C function built at start-up with the system's C compiler, or "
-      "built ahead; without either, the packed kernel runs every step). Measured on the "
-      "bundled model at the other defaults (AMD EPYC, AVX-512 BF16): no copy holds 440-450 "
-      "MiB resident against the copy's 702 (llama-server 307) and runs 64 chat requests at "
-      "once at x2.16-2.25 of llama-server's rate against x2.46 (x1.93 without the "
-      "unpacking); set 8 to trade the memory for the last of the batch speed (BENCHMARKS.md) "
+      "auto is bfloat16 on a GPU, on a CPU that computes it natively (AVX-512 BF16 or AMX) and "
+      "with --quantization int8/int4, else float32, which batches faster where bf16 is emulated "
       "(default: %(default)s)")
+    a("--quantization", default=_E.quantization, type=lower, choices=QUANTIZATIONS,
+      help="weight-only quantization of the decoder layers on a CPU: int8 per row or int4 in "
+      "groups of 32, run by packed bf16 kernels. auto is int4 for a Q4_1 GGUF (the bundled "
+      "model) on a CPU with native bf16, else none (dense weights); speed and memory in "
+      "BENCHMARKS.md (default: %(default)s)")
+    a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
+      metavar="ROWS", help="with int8/int4 quantization, steps of more than ROWS rows use a "
+      "dense bf16 copy of the weights: faster large batches for more resident memory "
+      "(BENCHMARKS.md); 0 keeps no copy, and int4 unpacks into one reused buffer for large "
+      "steps instead (default: %(default)s)")
     a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
     a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,
@@ -120,38 +101,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       f"decodes gives prefill all of it (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, "
       f"{CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA and for --model fake)")
     a("--prefill-budget", default=_E.prefill_budget, choices=list(PREFILL_BUDGETS),
-      help="how much prefill a step carrying decodes takes: 'time' sizes each chunk with a "
-      "model of step time fitted online from the engine's measured steps, so the step stays "
-      "within --slo-tpot-ms when set, else within --max-step-slowdown times the decode-only "
-      "step; 'fixed' fills --max-num-batched-tokens whatever the step then costs "
-      "(default: %(default)s)")
+      help="prefill in a step carrying decodes: 'time' sizes each chunk by a step-time model "
+      "fitted online, to keep the step within --slo-tpot-ms, else --max-step-slowdown; 'fixed' "
+      "fills --max-num-batched-tokens (default: %(default)s)")
     a("--max-step-slowdown", type=float, default=_E.max_step_slowdown,
-      help="without --slo-tpot-ms, a step carrying decodes may take at most this times the "
-      "steady step, the decode-only step of the running streams plus the requests waiting "
-      "to join them: streams then keep within this factor of their steady time per token "
-      "while a new prompt is read. 1.5 keeps streams visibly smooth and still reads a prompt "
-      "at a useful pace; lower protects streams more and slows time to first token "
+      help="without --slo-tpot-ms, a step carrying prefill takes at most this times the "
+      "decode-only step of the running streams, so streams keep within this factor of their "
+      "steady time per token; lower protects streams, raises time to first token "
       "(default: %(default)s)")
     a("--burst-window-ms", type=float, default=_E.burst_window_ms,
-      help="four or more requests that all arrived within this many ms of each other are one "
-      "burst: while any of them waits to start, prefill takes the whole step budget instead of "
-      "the --max-step-slowdown share, so the batch they are about to share fills at once (a "
-      "64-request burst read a small chunk a step lost 16%% of its throughput); streams running "
-      "before a burst arrives keep their target; 0 = off (default: %(default)s)")
+      help="four or more requests arriving within this many ms of each other are a burst: "
+      "while any of them waits, prefill takes the whole step budget instead of the "
+      "--max-step-slowdown share; 0 = off (default: %(default)s)")
     a("--min-prefill-chunk", type=positive_int, default=_E.min_prefill_chunk,
-      help="prompt tokens the longest-waiting prefill gets in a step where the time target "
-      "leaves room for none, so a long prompt always progresses; otherwise its chunk is "
-      "what fits the target, however small, since deep into a long prompt even a few tokens "
-      "cost a sizeable share of a step (default: %(default)s)")
+      help="prompt tokens the longest-waiting prefill gets in a step whose time target leaves "
+      "room for none, so a long prompt always progresses (default: %(default)s)")
     a("--speculative", default=_E.speculative, type=lower, choices=SPECULATIVE_METHODS,
-      help="speculative decoding: 'ngram' drafts a decoding stream's next tokens from an "
-      "earlier occurrence of its latest tokens in its own prompt and output, and checks them in "
-      "the same model step, keeping the ones the sampler would have chosen (grammar-constrained "
-      "requests, and requests still under min_tokens, are not drafted). Measured on the bundled "
-      "model, one stream: about a third less CPU per token when the answer repeats its prompt "
-      "(code edits, quoting), the same on free prose. Off by default: in fp32 outputs are "
-      "identical, but in bf16 a drafted position's logits round differently and may flip a "
-      "near-tie, and text that does not repeat itself gains nothing (BENCHMARKS.md) "
+      help="speculative decoding: 'ngram' drafts a stream's next tokens from an earlier "
+      "occurrence of its latest tokens and checks them in the same step; less CPU per token "
+      "when the output repeats the prompt; in bf16 it may flip a near-tie (BENCHMARKS.md) "
       "(default: %(default)s)")
     a("--num-speculative-tokens", type=positive_int, default=_E.num_speculative_tokens,
       help="most tokens drafted per stream and step with --speculative ngram, 1-16 "
@@ -160,25 +128,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       help="decode attention: the fused Triton kernel on CUDA when available (default: "
       "%(default)s)")
     a("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    a("--no-warm-start", action="store_true", help="report ready as soon as the model is "
-      "loaded, without first running every step shape once (compiling kernels and capturing "
-      "graphs before traffic) and measuring a few steps to calibrate admission to this device; "
-      "the first requests then pay for both and admission starts from a generic prior")
+    a("--no-warm-start", action="store_true", help="report ready once the model is loaded, "
+      "without first running each step shape (compiling kernels, capturing graphs) and "
+      "calibrating admission to this device; the first requests then pay for both")
     a("--compile-decode", action="store_true", default=_E.compile_decode,
-      help="CPU: run one-stream decode steps (one row, no drafts) as one torch.compile graph, "
-      "compiled at start-up (7-10 s with inductor's cache warm, 40-100 s cold; without a C++ "
-      "compiler the steps run eagerly). In bf16 its logits differ from the eager step's in the "
-      "last bits (fp32 between fused ops), so a near-tie may flip. "
-      "Measured on the bundled model, 2 cores: such a step took 0.6x (int4) and 0.8x (bf16) "
-      "the eager step's CPU; batches and prefills run eagerly, as fast as without it (batch "
-      "32: 0.93-0.97x over 3 interleaved rounds). Off by default for the start-up compile "
-      "and the compiler it needs (BENCHMARKS.md)")
+      help="CPU: run one-stream decode steps as one torch.compile graph, compiled at start-up "
+      "(seconds to minutes; eager without a C++ compiler): less CPU per token, bf16 logits may "
+      "differ in the last bits (BENCHMARKS.md) (default: off)")
     a("--torch-threads", type=positive_int, default=_E.torch_threads,
-      help="most intra-op threads for the model; on a CPU each step size (rows, in powers of "
-      "two) measures this many, one fewer and half, and keeps the fastest: with the bundled "
-      "int4 model on 2 cores, a one-stream decode step took 18.0 ms on two threads and 23.4 on "
-      "one, so it keeps two; --compile-decode steps keep the count they were compiled with "
-      "(default: the CPU quota of the container or cgroup, else all cores)")
+      help="most intra-op threads for the model; on a CPU each step size tries this many, one "
+      "fewer and half, and keeps the fastest (default: the CPU quota of the container or "
+      "cgroup, else all cores)")
     a("--max-model-len", type=int_at_least(2), default=_E.max_model_len,
       help="context limit in tokens, "
       "prompt + output (default: %(default)s, capped by the model)")
@@ -186,20 +146,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       help="chat max_tokens when the client "
       "sends none (default: %(default)s)")
     a("--tool-call-parser", default=TOOL_PARSER_DEFAULT, choices=tool_parser_names(),
-      help="how tool calls are written and read: 'generic' describes the tools in a system "
-      "message and constrains the answer to a JSON call or a reply (for chat templates without "
-      "a tool format, the bundled model's); 'hermes' (Qwen2.5/Qwen3, Hermes) and 'llama3_json' "
-      "(Llama 3.1-3.3) use the template's own format, which must render 'tools' "
-      "(default: %(default)s)")
+      help="tool call format: 'generic' lists the tools in a system message and constrains the "
+      "answer to a JSON call or a reply; 'hermes' (Qwen2.5/Qwen3) and 'llama3_json' (Llama "
+      "3.1-3.3) use the chat template's own format (default: %(default)s)")
     a("--reasoning-parser", default=None, choices=reasoning_parser_names(),
       help="thinking models: chat answers carry the <think> block as 'reasoning_content' "
       "(qwen3: when the answer opens one; deepseek_r1: the prompt opened it) (default: none)")
     a("--tenants", default=None, help="tenants TOML file (keys, token budgets) (default: none, "
       "auth off)")
     a("--max-waiting", type=positive_int, default=None, help="requests queued before new ones "
-      "get 503 (default: 4 x --max-num-seqs: 256 on a CPU, 1024 on a GPU, where a burst of a "
-      "thousand short requests is served within the TTFT SLO; the SLO check bounds the wait, "
-      "this the count)")
+      "get 503; --slo-ttft-ms bounds the wait, this the count (default: 4 x --max-num-seqs: "
+      "256 on a CPU, 1024 on a GPU)")
     a("--max-body-bytes", type=positive_int, default=4 * 2**20, help="request body limit in bytes "
       "(default: %(default)s)")
     a("--api-key", action="append", default=[], metavar="KEY", help="an API key clients "
@@ -214,16 +171,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--admin-host", default="127.0.0.1", help="admin listener address (default: %(default)s)")
     a("--admin-key", default=None, help="admin key (default: env BATCHER_ADMIN_KEY)")
     a("--slo-ttft-ms", type=non_negative_float, default=DEFAULT_SLO_TTFT_MS,
-      help="time-to-first-token SLO "
-      "in ms: a request is admitted only when its predicted TTFT is within 85%% of it (batch "
-      "within half of it; less while delivered first tokens come late), otherwise refused at "
-      "once with 503 + Retry-After; also the goodput "
-      "threshold; the scheduler also paces each interactive prompt to be read within half "
-      "of it (more prefill a step than --max-step-slowdown allows, when needed and "
-      "achievable). The default keeps an interactive client's wait for its first token bounded "
-      "on a server started with no flags, instead of letting the queue (--max-waiting) grow "
-      "to minutes; 0 turns the check off (the queue is then bounded only by count) "
-      "(default: %(default)g)")
+      help="time-to-first-token SLO in ms: a request is admitted only when its predicted TTFT "
+      "is within 85%% of it, else refused at once with 503 + Retry-After; prompts are paced to "
+      "be read within half of it; also the goodput threshold; 0 = off (default: %(default)g)")
     a("--slo-tpot-ms", type=non_negative_float, default=_E.slo_tpot_ms,
       help="time-per-output-token SLO in ms: new "
       "work is refused (503) when one more stream would make the running streams' step "
