@@ -10,7 +10,8 @@ import pytest
 
 from batcher.engine_events import EngineEvent
 from batcher.http.errors import ApiError
-from batcher.server.openai_routes import Choice, GenerationHandler
+from batcher.server.choice_tally import Choice
+from batcher.server.openai_routes import GenerationHandler
 from batcher.server.protocol import GenerationSpec, parse_generation
 from batcher.server.reasoning import PARSERS, get_reasoning_parser
 from batcher.server.tool_parsers import get_parser

@@ -15,9 +15,9 @@ from batcher.http.listener import read_json
 from batcher.http.responses import json_response
 from batcher.server.appkeys import GATEWAY
 from batcher.server.bridge import TURN, BridgeHandler, new_id, renamed, require_object
+from batcher.server.chunk_sink import ChunkSink
 from batcher.server.gateway import Job
 from batcher.server.messages_protocol import NAMES, MessagesEvents, chat_body, from_chat
-from batcher.server.openai_routes import ChunkSink
 from batcher.server.protocol import GenerationSpec
 
 MESSAGES = web.AppKey("messages", "MessagesHandler")

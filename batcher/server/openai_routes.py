@@ -4,119 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from batcher.core.outputs import TokenLogprobs
-from batcher.core.refusals import DuplicateRequestId, Refused
 from batcher.engine_events import EngineError, EngineEvent
 from batcher.http.errors import ApiError, invalid
 from batcher.http.listener import read_json
-from batcher.http.sse import DONE, SEP, SSE_HEADERS, sse_event
+from batcher.http.sse import SEP, SSE_HEADERS
+from batcher.server.choice_tally import Choice, UsageTally, score_only
+from batcher.server.chunk_sink import SSE_CHUNKS, ChunkSink
 from batcher.server.gateway import Gateway, Job
-from batcher.server.protocol import GenerationSpec, now_s, parse_generation, usage
+from batcher.server.generation_errors import deadline_error, engine_refusal, final_error
+from batcher.server.logprobs_format import chat_logprobs, echo_logprobs, legacy_logprobs
+from batcher.server.protocol import GenerationSpec, now_s, parse_generation
 from batcher.server.reasoning import ReasoningStream
 from batcher.server.timing import RequestTiming
 from batcher.server.tool_parsers import ToolStream
-from batcher.structured import GRAMMAR_TOO_COSTLY
-
-
-def engine_refusal(exc: Exception) -> ApiError:
-    """The engine refused a request before running it."""
-    if isinstance(exc, DuplicateRequestId):
-        return ApiError(409, "request id already in flight", code="duplicate_request_id")
-    if isinstance(exc, Refused):
-        return invalid(str(exc), exc.param)
-    if isinstance(exc, ValueError):
-        return invalid(str(exc), None)
-    return ApiError(503, f"the engine cannot serve: {exc}", code="engine_error", retry_after=5)
-
-
-class ChunkSink(Protocol):
-    """The bytes a stream sends for each chat chunk (an error body included) and at its end.
-    `end` may await (a route storing what the stream produced before its final event)."""
-
-    def chunk(self, payload: dict[str, Any]) -> bytes: ...
-
-    async def end(self) -> bytes: ...
-
-
-class _SseChunks:
-    """Chat and completion chunks as they are: one `data:` event each, then `[DONE]`."""
-
-    def chunk(self, payload: dict[str, Any]) -> bytes:
-        return sse_event(payload)
-
-    async def end(self) -> bytes:
-        return DONE
-
-
-SSE_CHUNKS = _SseChunks()
-
-
-class Choice:
-    """Accumulates one choice's text, tokens and logprobs."""
-
-    __slots__ = ("final", "logprobs", "prompt_logprobs", "text", "tokens")
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprobs | None] = []
-        self.prompt_logprobs: list[TokenLogprobs] | None = None
-        self.final: EngineEvent | None = None
-
-
-def score_only(ev: EngineEvent) -> EngineEvent:
-    """An event of a `max_tokens: 0` answer: the one token the engine sampled is dropped."""
-    return dataclasses.replace(
-        ev, text="", token_ids=[], logprobs=[], num_output_tokens=0, stop_reason=None,
-        finish_reason="length" if ev.finish_reason in ("stop", "length") else ev.finish_reason)
-
-
-class UsageTally:
-    """Token counts of a job's finished choices; the n copies of one prompt count it once."""
-
-    __slots__ = ("_seen", "cached", "completion", "n", "prompt")
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.prompt = self.completion = self.cached = 0
-        self._seen: set[int] = set()
-
-    def add(self, index: int, final: EngineEvent) -> None:
-        self.completion += final.num_output_tokens
-        prompt = index // self.n
-        if prompt not in self._seen:
-            self._seen.add(prompt)
-            self.prompt += final.num_prompt_tokens
-            self.cached += final.num_cached_tokens
-
-    def body(self) -> dict[str, Any]:
-        return usage(self.prompt, self.completion, self.cached)
-
-
-def final_error(ev: EngineEvent) -> ApiError | None:
-    """How a choice's last event ends the answer, streamed or whole: an engine failure ("error")
-    is a 503 (a status before any byte, an error event after); anything else, "abort" included,
-    is a normal end. NOTE: a request cancelled by its owner ends with its partial output and
-    finish_reason "abort": an error would make clients, and a router, retry a request nobody
-    wants."""
-    if ev.finish_reason != "error":
-        return None
-    if ev.error and ev.error.startswith(GRAMMAR_TOO_COSTLY):  # the request's fault: no retry
-        return ApiError(400, ev.error, param="response_format", code="grammar_too_costly")
-    return ApiError(503, ev.error or "the engine failed the request", code="engine_error",
-                    retry_after=1)
-
-
-def deadline_error(spec: GenerationSpec) -> ApiError:
-    return ApiError(504, f"the request's deadline of {spec.timeout:g}s passed", param="timeout",
-                    code="deadline_exceeded")
 
 
 class GenerationHandler:
@@ -242,8 +149,8 @@ class GenerationHandler:
             text = "".join(c.text)
             lp = self._logprobs(spec, c.tokens, c.logprobs, text)
             if spec.echo and spec.logprobs is not None:
-                lp = self._echo_logprobs(job.requests[i].prompt_token_ids, c.prompt_logprobs,
-                                         lp)
+                lp = echo_logprobs(self.gw.tokenizer, job.requests[i].prompt_token_ids,
+                                   c.prompt_logprobs, lp)
             item: dict[str, Any] = {"index": i, "logprobs": lp,
                                     "finish_reason": fin.finish_reason}
             thinking = self.gw.reasoning if self.chat else None
@@ -372,7 +279,8 @@ class GenerationHandler:
                 ev = score_only(ev)
             if i in echo_due and ev.prompt_logprobs is not None:
                 echo_due.discard(i)
-                lp = self._echo_logprobs(job.requests[i].prompt_token_ids, ev.prompt_logprobs)
+                lp = echo_logprobs(self.gw.tokenizer, job.requests[i].prompt_token_ids,
+                                   ev.prompt_logprobs)
                 await resp.write(sink.chunk(self._chunk(base, i, text=self._echo(spec, i),
                                                        logprobs=lp)))
             chunk = self._event_chunk(base, spec, job, i, ev, prompt_sent, buffers, thinking)
@@ -469,51 +377,10 @@ class GenerationHandler:
         return prompt if isinstance(prompt, str) else self.gw.tokenizer.decode(prompt)
 
     # logprobs --------------------------------------------------------------------------------
-    def _echo_logprobs(self, prompt: list[int], scores: list[TokenLogprobs] | None,
-                       then: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The legacy `logprobs` of an echoed prompt (its first token has none), followed by
-        the completion's (`then`), offsets running on across both."""
-        lps: list[TokenLogprobs | None] = [None, *(scores or [])]
-        assert len(lps) == len(prompt), (len(lps), len(prompt))
-        out = self._legacy_logprobs(prompt, lps)
-        if then:
-            base = out["text_offset"][-1] + len(out["tokens"][-1]) if prompt else 0
-            for key in ("tokens", "token_logprobs", "top_logprobs"):
-                out[key] += then[key]
-            out["text_offset"] += [base + o for o in then["text_offset"]]
-        return out
-
-    def _legacy_logprobs(self, tokens: list[int], lps: list[TokenLogprobs | None]
-                         ) -> dict[str, Any]:
-        dec = self.gw.tokenizer.decode
-        toks, token_lps, tops, offsets, off = [], [], [], [], 0
-        for t, lp in zip(tokens, lps):
-            tok = dec([t])
-            toks.append(tok)
-            offsets.append(off)
-            off += len(tok)
-            token_lps.append(None if lp is None else lp.logprob)
-            tops.append(None if lp is None else {dec([a]): b for a, b in lp.top})
-        return {"tokens": toks, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
-
     def _logprobs(self, spec: GenerationSpec, tokens: list[int],
                   lps: list[TokenLogprobs | None], text: str) -> Any:
         if spec.logprobs is None or not tokens:
             return None
-        dec = self.gw.tokenizer.decode
         if self.chat:
-            # `bytes` are the token's own bytes: a piece of a multi-byte character decodes to
-            # U+FFFD alone, and a client rebuilds the text from the bytes.
-            raw = self.gw.tokenizer.token_bytes
-            content = []
-            for t, lp in zip(tokens, lps):
-                if lp is None:
-                    continue
-                content.append({"token": dec([t]), "logprob": lp.logprob,
-                                "bytes": list(raw(t)),
-                                "top_logprobs": [{"token": dec([a]), "logprob": b,
-                                                  "bytes": list(raw(a))}
-                                                 for a, b in lp.top]})
-            return {"content": content}
-        return self._legacy_logprobs(tokens, lps)
+            return chat_logprobs(self.gw.tokenizer, tokens, lps)
+        return legacy_logprobs(self.gw.tokenizer, tokens, lps)

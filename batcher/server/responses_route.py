@@ -15,8 +15,8 @@ from batcher.http.errors import ApiError
 from batcher.http.responses import json_response
 from batcher.server.appkeys import GATEWAY
 from batcher.server.bridge import TURN, BridgeHandler, new_id, require_object
+from batcher.server.chunk_sink import ChunkSink
 from batcher.server.gateway import Gateway, Job
-from batcher.server.openai_routes import ChunkSink
 from batcher.server.protocol import GenerationSpec
 from batcher.server.responses_events import ResponsesEvents
 from batcher.server.responses_objects import from_chat, output_messages
