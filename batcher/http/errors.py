@@ -113,6 +113,17 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
     return ApiError(400, message, param=param, code=code)
 
 
+def bool_field(body: dict[str, Any], key: str, default: bool) -> bool:
+    """`body[key]` as a boolean: absent or null is `default`; anything but true or false is a
+    400 naming the field."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(f"'{key}' must be a boolean", key, "invalid_type")
+    return v
+
+
 def from_http_exception(exc: web.HTTPException) -> ApiError:
     """aiohttp's own 4xx/5xx (no route, wrong method, body too large) in OpenAI's shape; keeps
     `Allow` on a 405, which clients (and RFC 9110) rely on."""

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batcher.http.errors import invalid
+from batcher.http.errors import bool_field, invalid
 from batcher.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from batcher.server.tool_parsers import ToolParser, ToolSpec, get_parser, parse_tools
 from batcher.server.unsupported import refuse_unsupported
@@ -88,15 +88,6 @@ def _int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | N
         raise invalid(f"'{key}' must be an integer", key, "invalid_type")
     if not lo <= v <= hi:
         raise invalid(f"'{key}' must be between {lo} and {hi}, got {v}", key)
-    return v
-
-
-def _bool(body: dict, key: str, default: bool) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(f"'{key}' must be a boolean", key, "invalid_type")
     return v
 
 
@@ -223,7 +214,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         spec.messages = tool_parser.render(msgs, spec.tools)
         spec.chat_tools = tool_parser.template_tools(spec.tools)
         spec.template_kwargs = _template_kwargs(body)
-        lp = _bool(body, "logprobs", False)
+        lp = bool_field(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
         if top is not None and not lp:
             raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -231,7 +222,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
     else:
         spec.prompts = _prompts(body, vocab_size)
         spec.logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-        spec.echo = _bool(body, "echo", False)
+        spec.echo = bool_field(body, "echo", False)
         best_of = _int(body, "best_of", None, 1, MAX_N)
         if best_of is not None and best_of != (_int(body, "n", 1, 1, MAX_N) or 1):
             raise invalid("'best_of' other than 'n' is not supported", "best_of", "unsupported")
@@ -244,13 +235,13 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         # extra model work, and every engine path stays the same.
         spec.score_only, max_tokens = True, 1
     spec.n = _int(body, "n", 1, 1, MAX_N) or 1
-    spec.stream = _bool(body, "stream", False)
-    spec.return_token_ids = _bool(body, "return_token_ids", False)
+    spec.stream = bool_field(body, "stream", False)
+    spec.return_token_ids = bool_field(body, "return_token_ids", False)
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
             raise invalid("'stream_options' must be an object", "stream_options", "invalid_type")
-        spec.include_usage = _bool(so, "include_usage", False)
+        spec.include_usage = bool_field(so, "include_usage", False)
     spec.priority = _priority(body)
     # Validated for the router, which reads it; a replica has nothing to fail over to.
     _choice(body, "failover", FAILOVER)
@@ -267,7 +258,7 @@ def parse_generation(body: Any, chat: bool, served_models: set[str], vocab_size:
         temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
         top_k=max(0, top_k or 0),
-        seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
+        seed=seed, stop=_stop(body), ignore_eos=bool_field(body, "ignore_eos", False),
         logprobs=spec.logprobs, prompt_logprobs=spec.logprobs if spec.echo else None,
         min_tokens=_int(body, "min_tokens", 0, 0, 1 << 20) or 0,
         stop_token_ids=_stop_token_ids(body, vocab_size),

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from batcher.http.errors import invalid
+from batcher.http.errors import bool_field, invalid
 from batcher.server.unsupported import Unsupported, refuse_fields
 
 MAX_METADATA_KEYS = 16
@@ -96,8 +96,8 @@ def parse_request(body: dict[str, Any], reasoning: bool = False) -> ResponsesReq
                              or len(prev) > MAX_RESPONSE_ID_CHARS):
         raise invalid("'previous_response_id' must be a response id", "previous_response_id",
                       "invalid_type")
-    store = _bool(body, "store", True)
-    stream = _bool(body, "stream", False)
+    store = bool_field(body, "store", True)
+    stream = bool_field(body, "stream", False)
     messages = input_messages(body.get("input"))
     tools = _tools(body.get("tools"))
     chat: dict[str, Any] = {"stream": stream}
@@ -130,15 +130,6 @@ def parse_request(body: dict[str, Any], reasoning: bool = False) -> ResponsesReq
             "tools": body.get("tools") or [], "user": body.get("user")}
     return ResponsesRequest(model if isinstance(model, str) else None, messages, instructions,
                             prev, store, stream, chat, echo)
-
-
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(f"'{key}' must be a boolean", key, "invalid_type")
-    return v
 
 
 def _metadata(v: Any) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from batcher.http.errors import ApiError, invalid
+from batcher.http.errors import ApiError, bool_field, invalid
 from batcher.http.listener import read_json
 from batcher.http.responses import json_response
 from batcher.server.appkeys import GATEWAY
@@ -43,15 +43,6 @@ def _body(raw: Any, gw: Gateway) -> dict[str, Any]:
         raise invalid(f"model '{str(model)[:64]}' is not served here; available: "
                       f"['{gw.cfg.model_name}']", "model", "model_not_found")
     return raw
-
-
-def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(f"'{key}' must be a boolean", key, "invalid_type")
-    return v
 
 
 async def _off_loop(size: int, work: Callable[[], Any], gw: Gateway | None = None,
@@ -86,14 +77,14 @@ async def tokenize(request: web.Request) -> web.Response:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise invalid("'prompt' must be a string", "prompt", "invalid_type")
-        special = _flag(body, "add_special_tokens", True)
-        strs = _flag(body, "return_token_strs", False)
+        special = bool_field(body, "add_special_tokens", True)
+        strs = bool_field(body, "return_token_strs", False)
         _check_fits(gw, len(prompt))
         ids = await _off_loop(len(prompt), lambda: tok.encode(prompt, special), gw, tenant)
     else:
         messages = body["messages"]
-        gen = _flag(body, "add_generation_prompt", True)
-        strs = _flag(body, "return_token_strs", False)
+        gen = bool_field(body, "add_generation_prompt", True)
+        strs = bool_field(body, "return_token_strs", False)
         _check_fits(gw, message_chars(messages))
         try:
             ids = await _off_loop(len(str(messages)),
