@@ -17,6 +17,11 @@ from batcher.request import Request
 # Fewer requests arriving together are not a burst: a pair's second prompt read at the whole
 # budget would stall the first stream for as long, for nothing a batch gains.
 BURST_MIN = 4
+# A prompt too long for the TTFT SLO even at the whole budget is read evenly beside the streams,
+# its first token due this many times its whole-budget reading after arrival; behind that pace,
+# its chunks grow to at most LONG_CATCH_UP times the even one.
+LONG_READ_PACE = 4.0
+LONG_CATCH_UP = 2
 # Prompts a late one looks at for one that can still be on time (the queue's head is enough:
 # a step has room for the first few).
 ON_TIME_SCAN = 8
@@ -101,6 +106,21 @@ class PrefillPacer:
                     return False
         return False
 
+    @staticmethod
+    def _long_chunk(req: Request, num_computed: int, limit: int, allowance: PrefillAllowance,
+                    left_s: float, due_s: float) -> int:
+        """A chunk of a prompt too long for the SLO: its whole prompt spread evenly over the
+        steps that fit in `due_s`; behind that pace (`left_s` to its due time), up to
+        LONG_CATCH_UP times as much, so catching up never takes one step many times the
+        others."""
+        n = req.num_prompt_tokens
+        even = deadline_chunk(n, due_s, allowance.target_s, limit)
+        even = deadline_chunk(n, due_s, allowance.step_with(num_computed, even), limit)
+        remaining = n - num_computed
+        step_s = allowance.step_with(num_computed, even)
+        behind = deadline_chunk(remaining, left_s, step_s, limit) if left_s > step_s else limit
+        return min(limit, remaining, max(even, min(behind, LONG_CATCH_UP * even)))
+
     def paced(self, req: Request, num_computed: int, limit: int,
               allowance: PrefillAllowance) -> int:
         """The chunk the time target allows, raised to what the request's first-token deadline
@@ -115,14 +135,24 @@ class PrefillPacer:
         if cfg.long_prefill_token_threshold > 0:
             whole = min(whole, cfg.long_prefill_token_threshold)
         whole = max(1, whole)
-        if allowance.seconds_to_read(0, req.num_prompt_tokens, whole) > slo:
-            return num_new  # too long for the SLO at any pace: the streams keep their target
+        alone_s = allowance.seconds_to_read(0, req.num_prompt_tokens, whole)
         now = self.clock()
         since = now - req.arrival_time
+        remaining = req.num_prompt_tokens - num_computed
+        if alone_s > slo:
+            # Too long for the SLO at any pace: not held to it (nor by admission). The step's
+            # first such prompt is read evenly, so that its first token comes within
+            # LONG_READ_PACE times its whole-budget reading, never in a few steps many times
+            # the streams' (at the target alone, a slow machine's small chunks would take
+            # minutes); the prompts behind it wait their turn rather than share its steps.
+            if allowance.booked:
+                return num_new
+            return max(num_new, self._long_chunk(req, num_computed, limit, allowance,
+                                                 LONG_READ_PACE * alone_s - since,
+                                                 LONG_READ_PACE * alone_s))
         if (allowance.seconds_to_read(num_computed, req.num_prompt_tokens, whole) > slo - since
                 and self.on_time_other(req, allowance, whole, now)):
             return num_new  # late because it waited: it yields to a first token still on time
-        remaining = req.num_prompt_tokens - num_computed
         left = cfg.ttft_pace * slo - since
         need = deadline_chunk(remaining, left, allowance.target_s, limit)
         # Steps that carry the needed chunk are longer than the target: size it again on them.

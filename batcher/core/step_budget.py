@@ -37,8 +37,10 @@ the scheduler asks for the largest chunk whose predicted step time stays within 
   share of the SLO after its arrival). Short prompts then need a few tokens a step on top of
   what the streams' target allows, instead of waiting at two tokens a step for seconds. A
   prompt too long to be read within the SLO even at the whole token budget from its first token
-  (`seconds_to_read`) misses whatever it is given: it gets only the streams' target, so the
-  streams are not stalled for it. A prompt late only because it waited (behind other prompts,
+  (`seconds_to_read`) misses whatever it is given: it gets the streams' target, so the streams
+  are not stalled for it, but no less than an even share of its prompt a step, due a few times
+  its whole-budget reading after arrival (`prefill_pacing.LONG_READ_PACE`): where the target
+  leaves no room (a slow or noisy machine), two tokens a step would read 2,000 in minutes. A prompt late only because it waited (behind other prompts,
   or sharing steps with them) yields the same way only to another prompt whose first token can
   still be on time; with none, it gets the whole budget: that is a backlog, and a backlog read
   at the streams' target drains at a third of the rate (each small chunk pays a step's fixed
