@@ -35,7 +35,7 @@ from batcher.fleet.responses_proxy import lookup_route, pin_previous
 from batcher.fleet.scope import tenant_scope
 from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
-from batcher.http.keys import AuthError, bearer_matches
+from batcher.http.keys import OPEN_PATHS, AuthError, bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
 from batcher.http.middleware import answer_unexpected, log_error_answer
 from batcher.http.request_ids import client_request_id, new_request_id
@@ -46,8 +46,6 @@ log = logging.getLogger("batcher.fleet.proxy")
 
 ROUTER = web.AppKey("router", RouterContext)
 STATE_HEADER = web.AppKey("state_header", StateHeader)
-# Routes that read no credential (as on a replica); the rest scope by it.
-OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
 # Idle pooled connections to replicas close after this: below the replicas' 20 s idle cut-off,
 # so a connection is never reused just as its replica closes it.
 KEEPALIVE_S = 10.0

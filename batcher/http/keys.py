@@ -77,6 +77,9 @@ FLEET_KEY_HEADER = "X-Fleet-Key"
 # The tenant a replica resolved a request's key to, on its answers to the fleet: the router logs
 # the request under the same name (it holds no tenants file, only the key's digest).
 TENANT_HEADER = "X-Batcher-Tenant"
+# Routes a replica and a router serve without an API key: liveness, readiness, capacity, metrics;
+# the probe checks its own.
+OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
 
 
 def header_matches(headers: Headers | Mapping[str, str], name: str, expected_key: str) -> bool:

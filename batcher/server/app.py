@@ -12,7 +12,7 @@ from aiohttp import web
 
 from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
-from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER, AuthError, header_matches
+from batcher.http.keys import FLEET_KEY_HEADER, OPEN_PATHS, TENANT_HEADER, AuthError, header_matches
 from batcher.http.listener import add_fallback_route, expect_continue
 from batcher.http.middleware import answer_unexpected, log_error_answer
 from batcher.http.request_ids import client_request_id, new_request_id
@@ -31,8 +31,6 @@ PROBE = web.AppKey("probe", ProbeGuard)
 FLEET_KEY = web.AppKey("fleet_key", str)  # "" when the replica has none
 # Optional: a request's body limit when it differs from the server's (None: the server's).
 BODY_LIMIT = web.AppKey("body_limit", Callable[[web.Request], "int | None"])
-# Routes without a tenant key: liveness, readiness, capacity, metrics; the probe checks its own.
-OPEN_PATHS = frozenset({"/health", "/ready", "/v1/state", "/metrics", "/v1/probe"})
 TO_FLEET = "batcher.to_fleet"  # the caller is the fleet (or the replica has no fleet key)
 
 
