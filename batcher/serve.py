@@ -84,7 +84,7 @@ def build_embedder(args: argparse.Namespace):
         return None, None
     from batcher.embeddings import EmbeddingModel, make_embedding_batcher
 
-    from batcher.models.loader import cpu_has_fast_bf16
+    from batcher.models.load_settings import cpu_has_fast_bf16
 
     auto = "bfloat16" if cpu_has_fast_bf16() else "float32"
     model = EmbeddingModel(dtype=args.dtype if args.dtype != "auto" else auto,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batcher.models import loader
-from batcher.models.loader import cpu_has_fast_bf16, resolve_dtype
+from batcher.models import load_settings
+from batcher.models.load_settings import cpu_has_fast_bf16, resolve_dtype
 
 
 @pytest.mark.parametrize(("flags", "fast"), [
@@ -24,11 +24,11 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, fast
 
 
 def test_auto_is_float32_on_a_cpu_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(load_settings, "cpu_has_fast_bf16", lambda: False)
     assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16  # asked: given
     assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(load_settings, "cpu_has_fast_bf16", lambda: True)
     assert resolve_dtype("auto", torch.device("cpu")) is torch.bfloat16
 
 
@@ -36,7 +36,7 @@ def test_auto_is_float32_on_a_cpu_without_native_bf16(monkeypatch: pytest.Monkey
 def test_auto_is_bfloat16_under_quantization_whatever_the_cpu(
         monkeypatch: pytest.MonkeyPatch, quantization: str) -> None:
     """The packed kernels take bf16 activations; fp32 ones take a path 10x slower."""
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(load_settings, "cpu_has_fast_bf16", lambda: False)
     assert resolve_dtype("auto", torch.device("cpu"), quantization) is torch.bfloat16
     assert resolve_dtype("float32", torch.device("cpu"), quantization) is torch.float32
     assert resolve_dtype("auto", torch.device("cpu"), "none") is torch.float32

@@ -16,8 +16,9 @@ from batcher.engine_config import EngineConfig
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_file import GGUFFile, StringArray
 from batcher.models.llama import LlamaModel
-from batcher.models import loader
-from batcher.models.loader import load_model, resolve_quantization
+from batcher.models import load_settings
+from batcher.models.load_settings import resolve_quantization
+from batcher.models.loader import load_model
 from batcher.runtime.quant import Int8Embedding, PackedLinear
 from batcher.serve_args import add_serve_args
 
@@ -269,7 +270,7 @@ def test_read_weights_leave_the_resident_set(gguf_file: Path) -> None:
 def test_auto_quantization_is_int4_only_for_q4_1_files_in_native_bf16(
         gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(load_settings, "cpu_has_fast_bf16", lambda: True)
     assert resolve_quantization("auto", str(gguf_file), "auto", cpu) == "int4"
     assert resolve_quantization("auto", str(gguf_file), "bfloat16", cpu) == "int4"
     assert resolve_quantization("auto", "smollm2-135m", "auto", cpu) == "int4"  # Q4_1 file
@@ -289,16 +290,16 @@ def test_auto_quantization_is_int4_only_for_q4_1_files_in_native_bf16(
     assert resolve_quantization("none", str(gguf_file), "auto", cpu) == "none"
     assert resolve_quantization("int8", "tiny", "auto", cpu) == "int8"
     # Without native bf16 the packed kernels would force bf16 onto the batch path.
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(load_settings, "cpu_has_fast_bf16", lambda: False)
     assert resolve_quantization("auto", str(gguf_file), "auto", cpu) == "none"
 
 
 def test_auto_quantization_loads_the_blocks_as_int4(gguf_file: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(load_settings, "cpu_has_fast_bf16", lambda: True)
     loaded = load_model(str(gguf_file), device="cpu", quantization="auto")
     assert loaded.quantization == "int4" and loaded.dtype is torch.bfloat16
     assert isinstance(loaded.model.layers[0].mlp.down_proj, PackedLinear)
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(load_settings, "cpu_has_fast_bf16", lambda: False)
     loaded = load_model(str(gguf_file), device="cpu", quantization="auto")
     assert loaded.quantization == "none" and loaded.dtype is torch.float32

@@ -8,7 +8,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from batcher.models.llama import RMSNorm, RotaryTables, apply_rope, rope_inv_freq
-from batcher.models.loader import tiny_config
+from batcher.models.tiny import tiny_config
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.models.loader import _tiny_state, tiny_config
+from batcher.models.tiny import tiny_config, tiny_state
 from batcher.runtime.model_runner import ModelRunner
 from batcher.sampling import SamplingParams
 from tests.hf_reference import hf_model_from_state
@@ -30,7 +30,7 @@ def _seq(rid, tokens, start, blocks, n):
 @pytest.mark.parametrize("fold_gqa", [True, False])
 def test_tiny_mixed_batch_matches_hf(tiny_fp32, fold_gqa):
     cfg = tiny_config()
-    hf = hf_model_from_state(cfg, _tiny_state(cfg, seed=0))
+    hf = hf_model_from_state(cfg, tiny_state(cfg, seed=0))
     runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=BLOCK)
     runner.fold_gqa = fold_gqa
     rng = random.Random(1)
@@ -71,7 +71,7 @@ def test_decode_groups_of_different_lengths_match_hf(tiny_fp32, monkeypatch):
 
     monkeypatch.setattr(mr, "MIN_SAVED_BLOCKS", 1)
     cfg = tiny_config()
-    hf = hf_model_from_state(cfg, _tiny_state(cfg, seed=0))
+    hf = hf_model_from_state(cfg, tiny_state(cfg, seed=0))
     runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=BLOCK)
     rng = random.Random(2)
     lens = [150, 140, 20, 18, 5]

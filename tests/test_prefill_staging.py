@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.models.loader import _tiny_state, tiny_config
+from batcher.models.tiny import tiny_config, tiny_state
 from batcher.runtime.model_runner import ModelRunner
 from batcher.runtime.prefill_staging import MAX_IDLE_STEPS, PrefillStaging
 from batcher.sampling import SamplingParams
@@ -33,7 +33,7 @@ def _chunk(rid, toks, start, n, blocks, last=False):
 @pytest.fixture(scope="module")
 def hf():
     cfg = tiny_config()
-    return hf_model_from_state(cfg, _tiny_state(cfg, seed=0))
+    return hf_model_from_state(cfg, tiny_state(cfg, seed=0))
 
 
 def _prompt(seed: int, n: int) -> tuple[list[int], list[int]]:
