@@ -138,3 +138,27 @@ async def test_api_key_from_the_environment_on_the_bundled_model() -> None:
                                  headers=auth) as resp:
                 assert resp.status == 400
                 assert resp.headers["x-should-retry"] == "false"
+
+
+def test_retry_and_health_flags_mean_the_same_everywhere() -> None:
+    """router, fleet and balancer share one set of retry and health flags with the router's
+    configured defaults (docs/capacity.md: 10% of the last 10 s of requests, a floor of 3), and
+    `sim run` the same retry budget, where `none` is no budget."""
+    from batcher.fleet.context import RouterConfig
+    from batcher.fleet.health import HealthConfig
+
+    r, h = RouterConfig(), HealthConfig()
+    expected = {"max_attempts": r.max_attempts, "retry_ratio": r.retry_ratio,
+                "retry_floor": r.retry_floor, "retry_window": r.retry_window,
+                "health_interval": h.interval, "liveness_timeout": h.liveness_timeout,
+                "probe_interval": h.probe_interval, "probe_deadline": h.probe_deadline,
+                "evict_after": h.evict_after, "readmit_after": h.readmit_after}
+    assert (r.retry_ratio, r.retry_floor, r.retry_window) == (0.1, 3, 10.0)
+    _, commands = build_parser()
+    for name, argv in (("router", []), ("fleet", []), ("balancer", ["--cell", "http://c:1"])):
+        args = commands[name].parse_args(argv)
+        assert {k: getattr(args, k) for k in expected} == expected, name
+    sim = commands["sim"]
+    args = sim.parse_args(["run"])
+    assert (args.retry_ratio, args.retry_floor, args.retry_window) == (0.1, 3, 10.0)
+    assert sim.parse_args(["run", "--retry-ratio", "none"]).retry_ratio is None

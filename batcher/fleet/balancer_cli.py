@@ -15,8 +15,8 @@ import sys
 
 from batcher.fleet.balancer import BalancerConfig
 from batcher.fleet.context import RouterConfig
-from batcher.fleet.health import HealthConfig
 from batcher.fleet.policy import PolicyConfig
+from batcher.fleet.retry_flags import add_retry_health_args, health_config, retry_settings
 
 
 def add_cell_policy_args(p: argparse.ArgumentParser) -> None:
@@ -41,22 +41,11 @@ def add_balancer_args(p: argparse.ArgumentParser) -> None:
     a("--admin-host", default="127.0.0.1", help="admin listener address "
       "(default: %(default)s)")
     a("--admin-key", default=None, help="balancer admin key (or env BATCHER_ADMIN_KEY)")
-    a("--max-attempts", type=int, default=3, help="cells tried per request "
-      "(default: %(default)s)")
-    a("--retry-ratio", type=float, default=0.2, help="retries allowed per request in the "
-      "window (default: %(default)s)")
-    a("--retry-floor", type=int, default=5, help="retries always allowed in the window "
-      "(default: %(default)s)")
-    a("--retry-window", type=float, default=10.0, help="retry budget window, seconds "
-      "(default: %(default)s)")
-    a("--health-interval", type=float, default=0.5, help="seconds between health rounds "
-      "(default: %(default)s)")
-    a("--evict-after", type=int, default=3, help="consecutive failures that evict a cell "
-      "(default: %(default)s)")
     a("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get "
       "to finish on SIGTERM (default: %(default)s)")
     a("--log-level", default="info", type=str.lower,
       choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
+    add_retry_health_args(p.add_argument_group("retries and health"))
     add_cell_policy_args(p)
 
 
@@ -66,10 +55,7 @@ def balancer_configs(args: argparse.Namespace, cell_key: str | None
         # The relay's affinity key carries the tenant scope; with no minimum length every
         # well-formed request has one, and the balancer uses only its tenant part.
         policy=PolicyConfig(affinity_min_chars=0, affinity_chars=1),
-        health=HealthConfig(interval=args.health_interval, evict_after=args.evict_after),
-        max_attempts=args.max_attempts, retry_ratio=args.retry_ratio,
-        retry_floor=args.retry_floor, retry_window=args.retry_window,
-        replica_admin_key=cell_key)
+        health=health_config(args), **retry_settings(args), replica_admin_key=cell_key)
     try:
         bcfg = BalancerConfig(shift_at=args.shift_at, shed_at=args.shed_at).validate()
     except ValueError as exc:
@@ -106,11 +92,8 @@ async def run_cells(args: argparse.Namespace, flags: list[str]) -> int:
     from batcher.fleet.launcher import ReplicaSpec, Supervisor, free_port, wait_for_signal
 
     key = secrets.token_hex(16)
-    cfg, bcfg = balancer_configs(argparse.Namespace(
-        health_interval=args.health_interval, evict_after=args.evict_after,
-        max_attempts=args.max_attempts, retry_ratio=args.retry_ratio,
-        retry_floor=args.retry_floor, retry_window=args.retry_window,
-        shift_at=args.shift_at, shed_at=args.shed_at), key)
+    # The fleet's own retry and health flags are the balancer's too.
+    cfg, bcfg = balancer_configs(args, key)
     ctx = BalancerContext(cfg, bcfg)
     specs = []
     for i in range(args.cells):

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 from batcher.cli_types import port
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.discovery import Discovery, HttpProber, Source, parse_source
-from batcher.fleet.health import HealthConfig
 from batcher.fleet.policy import POLICIES, PolicyConfig
 from batcher.fleet.registry import Registry
+from batcher.fleet.retry_flags import add_retry_health_args, health_config, retry_settings
 
 if TYPE_CHECKING:
     from batcher.fleet.launcher import ReplicaSpec
@@ -51,25 +51,7 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
       "(default: %(default)s)")
     a("--late-extra-ms", type=float, default=10000.0, help="predicted extra wait such a request "
       "may get at most (default: %(default)s)")
-    a("--max-attempts", type=int, default=3, help="attempts per request (default: %(default)s)")
-    a("--retry-ratio", type=float, default=0.1, help="retries allowed per request in the "
-      "window (default: %(default)s)")
-    a("--retry-floor", type=int, default=3, help="retries always allowed in the window "
-      "(default: %(default)s)")
-    a("--retry-window", type=float, default=10.0, help="retry budget window, seconds "
-      "(default: %(default)s)")
-    a("--health-interval", type=float, default=0.5, help="seconds between health rounds "
-      "(default: %(default)s)")
-    a("--liveness-timeout", type=float, default=0.5, help="seconds a replica's /health may "
-      "take before the round counts it as failed (default: %(default)s)")
-    a("--probe-interval", type=float, default=5.0, help="seconds between deep probes "
-      "(default: %(default)s)")
-    a("--probe-deadline", type=float, default=2.0, help="seconds a deep probe (one token "
-      "through /v1/probe) may take (default: %(default)s)")
-    a("--evict-after", type=int, default=3, help="consecutive failures that evict "
-      "(default: %(default)s)")
-    a("--readmit-after", type=int, default=2, help="consecutive passing probes that re-admit "
-      "(default: %(default)s)")
+    add_retry_health_args(g)
     a("--stream-idle-timeout", type=float, default=60.0, help="seconds without an upstream "
       "byte that end a stream attempt (default: %(default)s)")
     a("--fleet-key", default=None, help="key replicas must send with heartbeats (or env "
@@ -155,13 +137,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                             slo_ttft_s=args.routing_slo_ttft_ms / 1e3,
                             late_extra_s=args.late_extra_ms / 1e3),
         routing=args.policy,
-        health=HealthConfig(interval=args.health_interval,
-                            liveness_timeout=args.liveness_timeout,
-                            probe_interval=args.probe_interval,
-                            probe_deadline=args.probe_deadline, evict_after=args.evict_after,
-                            readmit_after=args.readmit_after),
-        max_attempts=args.max_attempts, retry_ratio=args.retry_ratio,
-        retry_floor=args.retry_floor, retry_window=args.retry_window,
+        health=health_config(args), **retry_settings(args),
         stream_idle_timeout=args.stream_idle_timeout,
         max_body_bytes=getattr(args, "max_body_bytes", 4 * 2**20),
         fleet_key=fleet_key(args), max_replicas=args.max_replicas,

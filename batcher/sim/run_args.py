@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from batcher.fleet.retry_flags import add_retry_budget_args
 from batcher.resources import DEFAULT_STEP_MODEL as PACKAGED_STEP_MODEL
 from batcher.sim.hetero import parse_pair, parse_stall
 
@@ -86,8 +87,7 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
     a("--admission", action="store_true", help="replicas admit as `batcher serve` does: a "
       "request only when its predicted TTFT is within --slo-ttft-ms and one more stream keeps "
       "--slo-tpot-ms, else a 503 the router retries elsewhere")
-    a("--retry-ratio", default="0.1", help="retry budget as a share of "
-      "requests, or 'none' (default: %(default)s)")
+    add_retry_budget_args(p, unlimited=True)
     a("--max-attempts", type=int, default=5, help="tries per request, first included "
       "(default: %(default)s)")
     a("--fail-zone", action="append", default=[], metavar="Z@T[:D]",
@@ -135,7 +135,6 @@ def fleet_from_args(args: argparse.Namespace):
     from batcher.sim.workload import ArrivalSpec, ShapeSpec
 
     model = load_step_model(args.step_model)
-    ratio = None if args.retry_ratio == "none" else float(args.retry_ratio)
     slow_k, slow_f = args.slow_replicas
     small_k, small_b = args.small_kv
     cfg = FleetConfig(
@@ -145,7 +144,9 @@ def fleet_from_args(args: argparse.Namespace):
         heartbeat_delay=args.heartbeat_delay, stale_after=args.stale_after,
         reservations=not args.no_reservations, piggyback=args.piggyback,
         eject_on_refused=not args.no_eject,
-        max_waiting=args.max_waiting, admission=args.admission, retry_ratio=ratio,
+        max_waiting=args.max_waiting, admission=args.admission,
+        retry_ratio=args.retry_ratio, retry_floor=args.retry_floor,
+        retry_window=args.retry_window,
         max_attempts=args.max_attempts,
         slo_ttft=args.slo_ttft_ms / 1e3, slo_tpot=args.slo_tpot_ms / 1e3,
         duration=args.duration, warmup=args.warmup, failures=parse_failures(args),
