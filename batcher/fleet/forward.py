@@ -43,15 +43,15 @@ from aiohttp import web
 
 from batcher.access_log import LOGGED, log_access, outcome_of
 from batcher.fleet.context import Attempt, RouterContext
-from batcher.fleet.policy import (
+from batcher.fleet.registry import Replica
+from batcher.fleet.request_estimates import (
     affinity_key,
-    backoff,
     estimate_prompt_tokens,
     estimate_tokens,
     responses_as_chat,
 )
-from batcher.fleet.registry import Replica
 from batcher.fleet.responses_proxy import tag_body
+from batcher.fleet.retry_budget import backoff
 from batcher.fleet.route_timing import RouteClock
 from batcher.fleet.stream_ledger import RESPONSES_PATH, StreamLedger
 from batcher.http.errors import ApiError

@@ -1,10 +1,6 @@
 """The fleet routing policy: pure functions and small classes, no I/O and no clock of their own,
 so the router and the simulator share them.
 
-- `estimate_tokens(body, chat)`: prompt characters / 4 (or the token count of a token-id prompt)
-  plus `max_tokens`, times `n`; `estimate_prompt_tokens` is the prompt part alone. A Responses
-  body is read through `responses_as_chat` (its `instructions` and `input` as messages,
-  `max_output_tokens` as `max_tokens`), so its prompt size and prefix affinity count too.
 - `predicted_wait(c, prompt, tokens, ...)`: the seconds a new request would wait for its first
   token on a candidate: the prefill work ahead of it (the router's own outstanding prompt tokens
   there, plus what the replica reports beyond the router's own requests) and its own prompt, at
@@ -23,8 +19,9 @@ so the router and the simulator share them.
 - `choose_round_robin(...)`: the naive baseline, for comparison.
 - `pick_version(weights, available, r)`: weighted version choice; `"*"` stands for every
   version not named.
-- `RetryBudget`: retries <= max(floor, ratio * requests seen in the window, or in flight).
-- `backoff(...)`: full jitter.
+
+What it reads of a request (its token estimates, its affinity key) is `request_estimates.py`;
+retries and their backoff are `retry_budget.py`.
 
 Why every candidate and not two sampled ones: the router's own accounting is exact and updated
 the moment it sends, so scoring all of them does not herd the way stale state would, and with
@@ -44,12 +41,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import random
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 OTHERS = "*"
 POLICIES = ("predicted-wait", "round-robin")  # the router's --policy names
@@ -113,104 +107,6 @@ class Candidate:
     overdue_s: float = 0.0  # how much longer than predicted the oldest of those has waited
     prefill_rate: float | None = None  # measured prompt tokens/s to first token; None: unknown
     step_s: float | None = None  # measured seconds per decode step; None: unknown
-
-
-def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A Responses body (`/v1/responses`) as the chat fields the estimates read: `instructions`
-    and `input` (a string, or message, function_call and function_call_output items) as
-    `messages`, `max_output_tokens` as `max_tokens`. An `input` of another shape gives no
-    messages, so the request goes to a replica as it is (whose 400 names the field)."""
-    messages: list[dict[str, Any]] | None = []
-    instructions = body.get("instructions")
-    if isinstance(instructions, str) and instructions:
-        messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        messages.append({"role": "user", "content": items})
-    elif isinstance(items, list):
-        for item in items:
-            if not isinstance(item, dict):
-                messages = None
-                break
-            kind = item.get("type", "message")
-            if kind == "message":
-                messages.append({"role": item.get("role"), "content": item.get("content")})
-            elif kind == "function_call":
-                messages.append({"role": "assistant", "content": item.get("arguments")})
-            elif kind == "function_call_output":
-                messages.append({"role": "tool", "content": item.get("output")})
-    else:
-        messages = None
-    out: dict[str, Any] = {"messages": messages}
-    if body.get("max_output_tokens") is not None:
-        out["max_tokens"] = body["max_output_tokens"]
-    return out
-
-
-def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> int:
-    """The prompt tokens one request brings to prefill (an estimate, never below 1)."""
-    out = _default_out(body, chat, cfg)
-    n = body.get("n") or 1
-    n = n if isinstance(n, int) and n > 0 else 1
-    return max(1, estimate_tokens(body, chat, cfg) // n - out)
-
-
-def _default_out(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> int:
-    if chat:
-        out = (body.get("max_completion_tokens") or body.get("max_tokens")
-               or cfg.default_chat_max_tokens)
-    else:
-        out = body.get("max_tokens") or cfg.default_max_tokens
-    return out if isinstance(out, int) and out > 0 else cfg.default_max_tokens
-
-
-def estimate_tokens(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> int:
-    """Prompt + output tokens one request may hold in KV (an estimate, never below 1)."""
-    prompt = 0.0
-    if chat:
-        for m in body.get("messages") or ():
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):
-                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-            prompt += len(content) / cfg.chars_per_token + 4 if isinstance(content, str) else 4
-        default = cfg.default_chat_max_tokens
-        out = body.get("max_completion_tokens") or body.get("max_tokens") or default
-    else:
-        p = body.get("prompt")
-        items = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
-        for item in items:
-            if isinstance(item, str):
-                prompt += len(item) / cfg.chars_per_token
-            elif isinstance(item, list):
-                prompt += len(item)
-        out = body.get("max_tokens") or cfg.default_max_tokens
-    n = body.get("n") or 1
-    out = out if isinstance(out, int) and out > 0 else cfg.default_max_tokens
-    n = n if isinstance(n, int) and n > 0 else 1
-    return max(1, math.ceil(prompt) + out) * n
-
-
-def affinity_key(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> str | None:
-    """The prompt's leading text, or None when affinity is off or the prompt is short."""
-    if cfg.affinity_chars <= 0:
-        return None
-    if chat:
-        parts = []
-        for m in body.get("messages") or ():
-            if isinstance(m, dict) and isinstance(m.get("content"), str):
-                parts.append(f"{m.get('role')}:{m['content']}")
-        text = "\n".join(parts)
-    else:
-        p = body.get("prompt")
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, list):  # token ids: about chars_per_token characters each
-            text = ",".join(map(str, p[: int(cfg.affinity_chars / cfg.chars_per_token)]))
-        else:
-            text = p if isinstance(p, str) else ""
-    if len(text) < cfg.affinity_min_chars:
-        return None
-    return text[: cfg.affinity_chars]
 
 
 def rendezvous_weight(key: str, replica_id: str) -> int:
@@ -392,43 +288,3 @@ def pick_version(weights: Mapping[str, float], available: set[str], r: float) ->
         if x < 0:
             return v
     return table[-1][0]
-
-
-class RetryBudget:
-    """Fleet-wide: a retry is allowed while retries in the window stay within
-    `max(floor, ratio * max(requests in the window, requests in flight))`."""
-
-    def __init__(self, ratio: float = 0.1, floor: int = 3, window: float = 10.0):
-        if ratio < 0 or floor < 0 or window <= 0:
-            raise ValueError("retry budget: ratio, floor >= 0 and window > 0")
-        self.ratio, self.floor, self.window = ratio, floor, window
-        self._requests: deque[float] = deque()
-        self._retries: deque[float] = deque()
-
-    def _prune(self, now: float) -> None:
-        cut = now - self.window
-        for q in (self._requests, self._retries):
-            while q and q[0] < cut:
-                q.popleft()
-
-    def note_request(self, now: float) -> None:
-        self._requests.append(now)
-
-    def allowed(self, now: float, inflight: int = 0) -> float:
-        self._prune(now)
-        return max(float(self.floor), self.ratio * max(len(self._requests), inflight))
-
-    def try_spend(self, now: float, inflight: int = 0) -> bool:
-        if len(self._retries) + 1 > self.allowed(now, inflight):
-            return False
-        self._retries.append(now)
-        return True
-
-    @property
-    def retries_in_window(self) -> int:
-        return len(self._retries)
-
-
-def backoff(retry: int, base: float, cap: float, r: float) -> float:
-    """Full jitter: uniform in [0, min(cap, base * 2**retry)) given `r` uniform in [0, 1)."""
-    return r * min(cap, base * (2 ** max(0, retry)))

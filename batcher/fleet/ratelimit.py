@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from batcher.fleet.policy import RetryBudget
+from batcher.fleet.retry_budget import RetryBudget
 
 
 class SourceLimiter:

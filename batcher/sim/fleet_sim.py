@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 
 from batcher.admission import Rejected
-from batcher.fleet.policy import RetryBudget
+from batcher.fleet.retry_budget import RetryBudget
 from batcher.request import Request
 from batcher.sampling import SamplingParams
 from batcher.sim.engine_sim import SYNTHETIC_TOKEN, SimReplica, Timing

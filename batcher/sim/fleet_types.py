@@ -1,6 +1,6 @@
 """The fleet simulator's configuration and bookkeeping types: what fails or stalls when, the
 knobs, the router's view of a replica and the record of one client request. The retry budget is
-the fleet router's own (`batcher.fleet.policy.RetryBudget`)."""
+the fleet router's own (`batcher.fleet.retry_budget.RetryBudget`)."""
 
 from __future__ import annotations
 

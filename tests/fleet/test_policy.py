@@ -12,16 +12,17 @@ from batcher.fleet.policy import (
     Candidate,
     PolicyConfig,
     Priors,
-    RetryBudget,
-    affinity_key,
-    backoff,
     choose,
-    estimate_prompt_tokens,
-    estimate_tokens,
     pick_version,
     predicted_wait,
     rendezvous_weight,
 )
+from batcher.fleet.request_estimates import (
+    affinity_key,
+    estimate_prompt_tokens,
+    estimate_tokens,
+)
+from batcher.fleet.retry_budget import RetryBudget, backoff
 from batcher.fleet.rollout import Rollout
 
 CFG = PolicyConfig()
