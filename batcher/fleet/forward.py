@@ -25,9 +25,9 @@ Contract:
   default) the stream ends with an error event carrying `tokens_sent` and `partial_output`, then
   `[DONE]` (on /v1/messages Anthropic's `error` event, on /v1/responses `response.failed`, as
   each API's clients read a failure). Resumes are not charged to the retry budget (they move
-  work, they add none). What the client saw is kept by `stream_ledger.StreamLedger`; this module
-  does the I/O. Retries and failovers are counted here (`batcher_retries`,
-  `batcher_failovers{kind}`).
+  work, they add none). What the client saw is kept by `stream_ledger.StreamLedger`;
+  `stream_relay.StreamRelay` does the I/O. Retries and failovers are counted by the relays
+  (`batcher_retries`, `batcher_failovers{kind}`).
 - A client disconnect cancels the handler; leaving the upstream request closes its connection,
   and the replica aborts the request and frees its KV.
 """
@@ -46,9 +46,11 @@ from batcher.fleet.context import Attempt, RouterContext
 from batcher.fleet.registry import Replica
 from batcher.fleet.request_estimates import (
     affinity_key,
+    choices_count,
     estimate_prompt_tokens,
     estimate_tokens,
     responses_as_chat,
+    well_formed,
 )
 from batcher.fleet.responses_proxy import tag_body
 from batcher.fleet.retry_budget import backoff
@@ -56,17 +58,12 @@ from batcher.fleet.route_timing import RouteClock
 from batcher.fleet.stream_ledger import RESPONSES_PATH, StreamLedger
 from batcher.http.errors import ApiError
 from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER
-from batcher.http.sse import DONE, SSE_HEADERS
 from batcher.http.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
 from batcher.tracing import current as current_tracer
 from batcher.tracing import forward_headers
 
 RETRYABLE = frozenset({500, 502, 503})
 PASS_HEADERS = ("Authorization", "x-api-key")
-
-
-class ClientGone(Exception):
-    """Writing to the client failed: it disconnected."""
 
 
 @dataclass(slots=True)
@@ -80,31 +77,6 @@ class Failure:
 def error_response(status: int, message: str, code: str, rid: str | None = None,
                    retry_after: int | None = None) -> web.Response:
     return ApiError(status, message, code=code, retry_after=retry_after).response(rid)
-
-
-def well_formed(body: dict[str, Any], chat: bool) -> bool:
-    """Whether the prompt has a shape the routing estimates can read. Anything else goes to a
-    replica as it is, and the replica's 400 (naming the field) is the answer."""
-    if chat:
-        msgs = body.get("messages")
-        return isinstance(msgs, list) and all(
-            isinstance(m, dict) and (isinstance(m.get("content"), str | None) or (
-                isinstance(m.get("content"), list) and all(
-                    isinstance(p, dict) and isinstance(p.get("text", ""), str)
-                    for p in m["content"]))) for m in msgs)
-    p = body.get("prompt")
-    return isinstance(p, str) or (isinstance(p, list) and (
-        all(isinstance(x, int) for x in p) or all(isinstance(x, str) for x in p)
-        or all(isinstance(x, list) for x in p)))
-
-
-def choices_count(body: dict[str, Any], chat: bool) -> int:
-    n = body.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-    prompt = body.get("prompt")
-    if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return n * len(prompt)
-    return n
 
 
 class Relay:
@@ -276,14 +248,6 @@ class Relay:
         finally:
             self._done(resp)
 
-    async def stream(self) -> web.StreamResponse:
-        resp: web.StreamResponse | None = None
-        try:
-            resp = await self._stream()
-            return resp
-        finally:
-            self._done(resp)
-
     def _done(self, resp: web.StreamResponse | None) -> None:
         self.request[LOGGED] = True  # the line is this relay's, with its phases
         self.ctx.later(self._record, 499 if resp is None else resp.status)
@@ -347,109 +311,3 @@ class Relay:
         if self.ctx.owners.get(self.rkey) == rep.replica_id:
             del self.ctx.owners[self.rkey]
         self.ctx.later(self.ctx.metrics.attempt, rep.replica_id, rep.version, outcome)
-
-    # streams -------------------------------------------------------------------------------
-    async def _stream(self) -> web.StreamResponse:
-        try:
-            while True:
-                rep = await self._next(charge=self.client is None)
-                if isinstance(rep, web.StreamResponse):
-                    if self.client is None:
-                        return rep
-                    await self.end_with_error(self.last.reason if self.last else "no replica")
-                    return self.client
-                result = await self._stream_attempt(rep)
-                if result is None:
-                    return self.client  # type: ignore[return-value]
-                if isinstance(result, web.StreamResponse):
-                    return result
-                self.last = result
-                if self.client is None:
-                    continue
-                if not await self.prepare_resume():
-                    return self.client
-        except ClientGone:
-            return self.client  # type: ignore[return-value]
-
-    async def _stream_attempt(self, rep: Replica) -> Failure | web.StreamResponse | None:
-        ctx = self.ctx
-        att = ctx.begin(rep, self.tokens, stream=True, prompt_tokens=self.prompt_tokens)
-        ctx.owners[self.rkey] = rep.replica_id
-        self.ledger.owner = rep.replica_id
-        outcome = "error"
-        buf = bytearray()
-        try:
-            async with asyncio.timeout(None) as tm:
-                att.arm(tm, ctx.cfg.upstream_timeout)  # the first byte may wait in a queue
-                async with ctx.upstream.post(ctx.upstream_url(rep, self.request.path),
-                                             self.payload, self._headers()) as up:
-                    self._observe(rep, up, att)
-                    if up.status != 200:
-                        result = await self._status(up)
-                        if isinstance(result, web.Response) and self.client is None:
-                            outcome = "client_error"
-                            return result
-                        outcome = "rejected" if up.status == 503 else "error"
-                        return result if isinstance(result, Failure) else Failure(
-                            f"a replica answered {up.status} to a resumed stream")
-                    async for chunk in up.iter_any():
-                        att.last_byte = ctx.clock()
-                        ctx.progress(att, att.last_byte)
-                        att.extend(ctx.cfg.stream_idle_timeout)
-                        buf += chunk
-                        taken = self.ledger.take(buf, self.rkey in ctx.cancelled)
-                        if taken.out or taken.done:
-                            await self.write(self.route.stream(taken.out),
-                                             eof=taken.done)
-                        if taken.failure is not None:
-                            return Failure(taken.failure)
-                        if taken.done:
-                            outcome = "resumed" if self.ledger.resumed else "ok"
-                            return None
-                    if self.client is not None and self.ledger.complete:
-                        await self.write(DONE, eof=True)  # finished but [DONE] was lost
-                        outcome = "ok"
-                        return None
-                    return Failure(f"replica {rep.replica_id} closed the stream early",
-                                   lost=True)
-        except (asyncio.CancelledError, ClientGone):
-            outcome = "cancelled"
-            raise
-        except (TimeoutError, UpstreamError, OSError) as exc:
-            return self._failed(rep, att, exc)
-        finally:
-            self._end(rep, att, outcome)
-
-    async def write(self, data: bytes, eof: bool = False) -> None:
-        """To the client; commits the stream on the first write. ClientGone if it left."""
-        try:
-            if self.client is None:
-                self.client = web.StreamResponse(headers={
-                    **SSE_HEADERS, "X-Request-Id": self.rid, "X-Attempt": str(self.attempts)})
-                await self.client.prepare(self.request)
-            if data:
-                await self.client.write(data)
-            if eof:
-                await self.client.write_eof()
-        except (ConnectionError, RuntimeError) as exc:
-            raise ClientGone(str(exc)) from None
-
-    async def prepare_resume(self) -> bool:
-        """After a failure mid-stream: set up the resumed request and return True, or end the
-        stream (explicit error, or the final chunk when nothing was left to generate) and return
-        False."""
-        reason = self.last.reason if self.last is not None else "the replica failed"
-        if not self.ledger.resumable(self.body):
-            await self.end_with_error(reason)
-            return False
-        self.ctx.metrics.failovers.labels("resume").inc()
-        nxt = self.ledger.resume(self.body, self.ctx.cfg.policy.default_max_tokens, self.rid)
-        if isinstance(nxt, bytes):
-            await self.write(nxt, eof=True)
-            return False
-        self.payload = orjson.dumps(nxt)
-        return True
-
-    async def end_with_error(self, reason: str) -> None:
-        self.ctx.metrics.failovers.labels("error").inc()
-        await self.write(self.ledger.broken(reason), eof=True)

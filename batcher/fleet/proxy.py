@@ -33,6 +33,7 @@ from batcher.fleet.forward import PASS_HEADERS, Relay
 from batcher.fleet.health import HealthChecker
 from batcher.fleet.responses_proxy import lookup_route, pin_previous
 from batcher.fleet.scope import tenant_scope
+from batcher.fleet.stream_relay import StreamRelay
 from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import OPEN_PATHS, AuthError, bearer_matches
@@ -102,7 +103,8 @@ def generation(chat: bool, pinned: bool = False
         body = await read_json(request, raw)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
-        relay = Relay(ctx, request, chat, body, raw, rid, request["scope"])
+        relay = (StreamRelay if body.get("stream") is True else Relay)(
+            ctx, request, chat, body, raw, rid, request["scope"])
         if pinned:
             pin = await pin_previous(ctx, body, _auth(request), request["scope"])
             if isinstance(pin, web.Response):
@@ -114,7 +116,7 @@ def generation(chat: bool, pinned: bool = False
         ctx.budget.note_request(ctx.clock(), request["scope"])
         outcome = "cancelled"
         try:
-            if body.get("stream") is True:
+            if isinstance(relay, StreamRelay):
                 resp = await relay.stream()
             else:
                 resp = await relay.whole()

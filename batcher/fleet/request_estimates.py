@@ -114,3 +114,28 @@ def affinity_key(body: Mapping[str, Any], chat: bool, cfg: PolicyConfig) -> str 
     if len(text) < cfg.affinity_min_chars:
         return None
     return text[: cfg.affinity_chars]
+
+
+def well_formed(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the prompt has a shape the routing estimates can read. Anything else goes to a
+    replica as it is, and the replica's 400 (naming the field) is the answer."""
+    if chat:
+        msgs = body.get("messages")
+        return isinstance(msgs, list) and all(
+            isinstance(m, dict) and (isinstance(m.get("content"), str | None) or (
+                isinstance(m.get("content"), list) and all(
+                    isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                    for p in m["content"]))) for m in msgs)
+    p = body.get("prompt")
+    return isinstance(p, str) or (isinstance(p, list) and (
+        all(isinstance(x, int) for x in p) or all(isinstance(x, str) for x in p)
+        or all(isinstance(x, list) for x in p)))
+
+
+def choices_count(body: dict[str, Any], chat: bool) -> int:
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return n * len(prompt)
+    return n

@@ -1,6 +1,7 @@
 """What a relayed stream has shown its client so far, and what follows from it: which events to
 pass on, how many tokens were sent, the body of a resume elsewhere, the explicit end of a broken
-stream. Pure bookkeeping (no I/O): `forward.Relay` does the writing (contract in `forward.py`).
+stream. Pure bookkeeping (no I/O): `stream_relay.StreamRelay` does the writing (contract in
+`forward.py`).
 
 A broken stream ends in its route's own terms, so each API's client sees the failure: chat and
 completions with an error chunk and `[DONE]`; Anthropic Messages with its `error` event; the
