@@ -10,7 +10,7 @@ import pytest
 
 from batcher.engine_state import EngineSnapshot
 from batcher.fleet import batch_ids
-from batcher.fleet.batch_proxy import BatchProxy
+from batcher.fleet.batch_replicas import BatchProxy
 from batcher.fleet.context import RouterConfig, RouterContext
 
 
