@@ -1,6 +1,6 @@
 """The batch executor: one background task that starts lines while there is spare capacity,
 records each answer in the store the moment it arrives, and ends batches (completed, cancelled or
-expired) by writing their output and error files.
+expired) by writing their output and error files (`output_files.py`).
 
 Resuming is reading the store: at start every unfinished batch is loaded with the lines still
 pending (including any that were running when the process died), so no answered line runs again
@@ -22,19 +22,18 @@ import asyncio
 import contextlib
 import heapq
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Protocol
 
 import orjson
 
-from batcher.batch.lines import Deferred, LineResult, output_line, unanswered_line
+from batcher.batch.lines import Deferred, LineResult, output_line
 from batcher.batch.metrics import BatchMetrics
-from batcher.batch.records import BatchRecord, FileRecord, PendingLine, new_id
+from batcher.batch.output_files import write_outputs
+from batcher.batch.records import BatchRecord, PendingLine, new_id
 from batcher.batch.store import BatchStore
 from batcher.http.errors import error_body
 from batcher.tenants import TenantConfig
@@ -50,19 +49,12 @@ FINISH_STEPS = 2
 HOUSEKEEP_S = 1.0
 # A line body longer than this is parsed in a worker thread when its line starts.
 PARSE_INLINE_BYTES = 64 * 1024
-# Lines a finalize writes (or deletes from the store) between yields to the event loop.
-FINALIZE_SLICE = 2000
 # Gate refusals that depend on the line's own size: a smaller line of another tenant may still
 # fit, so only this tenant's turn passes. Any other refusal holds every line back.
 LINE_SIZED = frozenset({"kv", "ttft"})
-# Output files are written through a buffer this large: few system calls on the event loop.
-_WRITE_BUFFER = 1 << 20
 # Refusals about the server's state (queue, SLO, drain), not a tenant's budget.
 SERVER_REFUSALS = frozenset({"queue_full", "queue_slo", "tpot_slo", "draining", "overloaded",
                              "embedding queue full", "shutting down", "engine_error"})
-UNANSWERED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
-              "expired": ("batch_expired",
-                          "the batch's completion window ended before this request ran")}
 
 
 class Runner(Protocol):
@@ -385,76 +377,8 @@ class BatchExecutor:
 
     # ending a batch ------------------------------------------------------------------------
     async def _finalize(self, b: _Batch, status: str) -> None:
-        """Write the output and error files and mark the batch `status`. Answers go to the
-        files as they are read, so a batch's output is never held in memory whole (50,000
-        lines with logprobs can be gigabytes)."""
-        sinks = {kind: _LineFile(self.store.temp_path()) for kind in ("output", "error")}
-        unanswered = 0
-        try:
-            for n, (custom_id, code, output) in enumerate(self.store.outputs(b.id), 1):
-                if n % FINALIZE_SLICE == 0:
-                    await asyncio.sleep(0)  # let the loop answer others between slices
-                if output is None:
-                    unanswered += 1
-                    sinks["error"].add(unanswered_line(custom_id, *UNANSWERED.get(
-                        status, ("batch_failed", "the request did not run"))))
-                elif 200 <= code < 300:
-                    sinks["output"].add(output)
-                else:
-                    sinks["error"].add(output)
-            out = await self._adopt(b, "output", sinks["output"])
-            err = await self._adopt(b, "error", sinks["error"])
-        finally:
-            for sink in sinks.values():
-                sink.discard()
-        rec = self.store.batch(b.id)
-        failed = rec.failed + unanswered if rec is not None and unanswered else None
-        if self.store.finish(b.id, status, out, err, failed):
-            self.metrics.done.labels("unanswered").inc(unanswered)
-        while self.store.drop_lines(b.id, FINALIZE_SLICE):
-            await asyncio.sleep(0)
+        """Write the batch's output and error files, mark it `status` (`output_files.py`) and
+        stop working on it."""
+        await write_outputs(self.store, self.metrics, b.id, b.tenant, status, self.file_expiry_s)
         del self.batches[b.id]
         log.info("batch %s %s", b.id, status)
-
-    async def _adopt(self, b: _Batch, kind: str, sink: _LineFile) -> FileRecord | None:
-        """The file `sink` wrote as the batch's `kind` file; None when it has no line."""
-        if not sink.size:
-            return None
-        await asyncio.to_thread(sink.close)
-        # The ID derives from the batch's: a finalize repeated after a crash replaces the file.
-        return self.store.add_file(b.tenant, f"{b.id}_{kind}.jsonl", "batch_output", sink.path,
-                                   sink.size, file_id=f"file-{b.id.removeprefix('batch_')}-{kind}",
-                                   expires_after_s=self.file_expiry_s)
-
-
-class _LineFile:
-    """An output file written line by line, opened on its first line; `close` makes it durable
-    (the store then renames it into place), `discard` removes what was not adopted."""
-
-    __slots__ = ("f", "path", "size")
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.f: BinaryIO | None = None
-        self.size = 0
-
-    def add(self, line: bytes) -> None:
-        if self.f is None:
-            # Open across many `add` calls; closed by `close` or `discard`.
-            self.f = open(self.path, "wb", buffering=_WRITE_BUFFER)  # noqa: SIM115
-        self.f.write(line)
-        self.f.write(b"\n")
-        self.size += len(line) + 1
-
-    def close(self) -> None:
-        assert self.f is not None
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        self.f = None
-
-    def discard(self) -> None:
-        if self.f is not None:
-            self.f.close()
-            self.f = None
-        self.path.unlink(missing_ok=True)  # gone already once adopted (renamed)
