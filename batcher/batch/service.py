@@ -13,11 +13,13 @@ from typing import BinaryIO
 
 from aiohttp import web
 
+from batcher.batch.api_state import BATCH, BatchLimits, BatchService
 from batcher.batch.executor import BatchExecutor
+from batcher.batch.file_upload import upload_body_limit
 from batcher.batch.gate import GateConfig, SpareCapacity
 from batcher.batch.lines import LineRunner
 from batcher.batch.metrics import BatchMetrics
-from batcher.batch.routes import BATCH, BatchLimits, BatchService, add_routes, upload_body_limit
+from batcher.batch.routes import add_routes
 from batcher.batch.store import BatchStore, lock_data_dir
 from batcher.batch.validate import LineCheck
 from batcher.http.listener import expect_continue

@@ -15,7 +15,8 @@ import pytest
 from aiohttp import FormData, web
 from aiohttp.test_utils import TestServer
 
-from batcher.batch.routes import BATCH, BatchLimits, BatchService, add_routes
+from batcher.batch.api_state import BATCH, BatchLimits, BatchService
+from batcher.batch.routes import add_routes
 from batcher.batch.store import BatchStore
 from batcher.fleet import batch_ids
 from batcher.fleet.context import RouterConfig, RouterContext
