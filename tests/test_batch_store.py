@@ -185,7 +185,7 @@ def test_files_expire_and_count_against_their_tenant(tmp_path: Path) -> None:
 
 def test_staged_lines_of_a_batch_never_opened_are_removed_at_open(tmp_path: Path) -> None:
     from batcher.batch.jsonl import InputLine
-    from batcher.batch.store import line_rows
+    from batcher.batch.line_rows import line_rows
 
     store = make_store(tmp_path)
     lines = [InputLine(0, "a", "/v1/completions", {"prompt": "x"}, cost=(3, 5)),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
-import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,85 +31,11 @@ from typing import Any, BinaryIO
 import orjson
 
 from batcher.batch.jsonl import InputLine
+from batcher.batch.line_rows import STAGE_ROWS, line_rows
 from batcher.batch.records import ACTIVE, TERMINAL, BatchRecord, FileRecord, PendingLine, new_id
+from batcher.batch.store_db import Tx, open_db
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    tenant TEXT NOT NULL,
-    filename TEXT NOT NULL,
-    purpose TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL,
-    expires_at INTEGER
-);
-CREATE TABLE IF NOT EXISTS batches (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    tenant TEXT NOT NULL,
-    endpoint TEXT NOT NULL,
-    input_file_id TEXT NOT NULL,
-    completion_window TEXT NOT NULL,
-    status TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    in_progress_at REAL, finalizing_at REAL, completed_at REAL, failed_at REAL,
-    expired_at REAL, cancelling_at REAL, cancelled_at REAL,
-    output_file_id TEXT, error_file_id TEXT,
-    total INTEGER NOT NULL DEFAULT 0,
-    completed INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0,
-    tokens INTEGER NOT NULL DEFAULT 0,
-    metadata TEXT,
-    errors TEXT
-);
-CREATE TABLE IF NOT EXISTS lines (
-    batch_id TEXT NOT NULL,
-    idx INTEGER NOT NULL,
-    custom_id TEXT NOT NULL,
-    body BLOB NOT NULL,
-    state TEXT NOT NULL DEFAULT 'pending',
-    status_code INTEGER,
-    output BLOB,
-    prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    max_tokens INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (batch_id, idx)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, idx);
-"""
-# Columns added since the first schema: a database made before them gains them at open.
-_ADDED = (("files", "expires_at", "INTEGER"),
-          ("lines", "prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
-          ("lines", "max_tokens", "INTEGER NOT NULL DEFAULT 0"))
 _FILE_COLS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
-# Rows of staged lines inserted per transaction: each commit is short, so answers recorded
-# meanwhile wait for at most one.
-STAGE_ROWS = 1000
-
-
-def line_rows(batch_id: str, lines: list[InputLine]) -> list[tuple[Any, ...]]:
-    """The `lines` rows of a batch's lines, for `stage_lines`: any thread may build them (a line
-    answered at creation is stored done, with its output-file line). Lines with no `cost` are
-    sized roughly from their body (`rough_cost`)."""
-    rows = []
-    for ln in lines:
-        prompt, out = ln.cost or rough_cost(ln.body)
-        status, output = ln.answer or (None, None)
-        # An answered line's body is never read again: not stored.
-        body = orjson.dumps(ln.body) if output is None else b"{}"
-        rows.append((batch_id, ln.index, ln.custom_id, body,
-                     "pending" if output is None else "done", status, output, prompt, out))
-    return rows
-
-
-def rough_cost(body: dict[str, Any]) -> tuple[int, int]:
-    """(prompt, max output) tokens of a body nobody tokenized: about four characters of JSON
-    per token, the output as asked (16 when not, or not a sane number)."""
-    text = body.get("messages") or body.get("prompt") or body.get("input") or ""
-    out = body.get("max_completion_tokens") or body.get("max_tokens")
-    return (max(1, len(str(text)) // 4),
-            out if isinstance(out, int) and 0 < out <= 1 << 20 else 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,18 +97,7 @@ class BatchStore:
         self._lock = held
         self.db_path = Path(db_path) if db_path else self.root / "batches.sqlite3"
         self.clock = clock
-        # isolation_level=None: statements autocommit; transactions are explicit (`_tx`).
-        self.db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA busy_timeout=5000")
-        self.db.executescript(_SCHEMA)
-        for table, column, decl in _ADDED:
-            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-        self.db.execute("CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) "
-                        "WHERE expires_at IS NOT NULL")
+        self.db = open_db(self.db_path)
         self._clean_uploads()
         # Lines staged for a batch whose creation a crash cut short (no batch row names them),
         # or of a finished batch whose rows a crash left half deleted.
@@ -200,8 +114,8 @@ class BatchStore:
         for p in self.files_dir.glob(".tmp-*"):
             p.unlink(missing_ok=True)
 
-    def _tx(self) -> _Tx:
-        return _Tx(self.db)
+    def _tx(self) -> Tx:
+        return Tx(self.db)
 
     # files ---------------------------------------------------------------------------------
     def temp_path(self) -> Path:
@@ -452,18 +366,3 @@ class BatchStore:
         return self.db.execute(
             "DELETE FROM lines WHERE batch_id = ? AND idx IN (SELECT idx FROM lines WHERE "
             "batch_id = ? LIMIT ?)", (batch_id, batch_id, limit)).rowcount
-
-
-class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT, rolled back on an exception."""
-
-    __slots__ = ("db",)
-
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")

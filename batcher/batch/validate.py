@@ -22,8 +22,8 @@ from batcher.batch.jsonl import (
     LineProblem,
     iter_lines,
 )
+from batcher.batch.line_rows import STAGE_ROWS, line_rows
 from batcher.batch.lines import LineResult, output_line
-from batcher.batch.store import STAGE_ROWS, line_rows
 from batcher.http.errors import ApiError, invalid
 from batcher.server.gateway import Gateway
 from batcher.server.protocol import GenerationSpec, parse_generation
