@@ -310,10 +310,7 @@ class Admission:
         held = False
         if self.slo_ttft_s is not None and raw is not None and not idle:
             self.limit.check_waiting(now, self.slo_ttft_s, self.stalls.overlap)
-            rate = self.predictor.prefill_rate_with(
-                *self.predictor.rate_query(backlog, priority, prompt_tokens))
-            own_paced = prompt_tokens / rate if rate else 0.0
-            held = self._check_ttft(now, priority, prompt_tokens, raw, own_paced)
+            held = self._check_ttft(now, priority, prompt_tokens, raw, backlog)
         if self.slo_tpot_s is not None and self.decode_step_s is not None:
             self._check_tpot(backlog, requests, (prompt_tokens + max_tokens) // requests)
         if st.bucket is not None:
@@ -340,11 +337,9 @@ class Admission:
         return self.slo_ttft_s * share
 
     def _check_ttft(self, now: float, priority: str, own: int, raw: float,
-                    own_paced_s: float) -> bool:
+                    backlog: Backlog) -> bool:
         """Refuse (503 `queue_slo`) when the predicted TTFT is over this priority's limit;
-        True when the request is held to the whole limit (not a long prompt). `own_paced_s`:
-        the request's own prompt at the rate predicted beside the running streams (part of
-        `raw`)."""
+        True when the request is held to the whole limit (not a long prompt)."""
         limit = self.ttft_limit_s(priority)
         assert limit is not None
         corr = self.predictor.correction(now)
@@ -361,7 +356,8 @@ class Admission:
             # limit. Reading its own prompt beside running streams, at the pace that keeps their
             # tokens coming, is its own length, not a queue: counting it would refuse a long
             # prompt for as long as streams run.
-            predicted, limit = max(0.0, raw - own_paced_s) * corr, limit / 2
+            ahead = self.predictor.predict_raw(backlog, priority, 0) or 0.0
+            predicted, limit = ahead * corr, limit / 2
         if predicted > limit:
             raise self._reject(503, max(_MIN_503_RETRY_S, predicted - limit), "queue_slo",
                                f"predicted time to first token {predicted:.2f} s exceeds the "

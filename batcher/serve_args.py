@@ -106,8 +106,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "fills --max-num-batched-tokens (default: %(default)s)")
     a("--max-step-slowdown", type=float, default=_E.max_step_slowdown,
       help="without --slo-tpot-ms, a step carrying prefill takes at most this times the "
-      "decode-only step of the running streams, so streams keep within this factor of their "
-      "steady time per token; lower protects streams, raises time to first token "
+      "decode-only step of the running streams (a prompt due by its TTFT SLO, or too long for "
+      "it, may get more); lower protects streams, raises time to first token "
       "(default: %(default)s)")
     a("--burst-window-ms", type=float, default=_E.burst_window_ms,
       help="four or more requests arriving within this many ms of each other are a burst: "
@@ -172,8 +172,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--admin-key", default=None, help="admin key (default: env BATCHER_ADMIN_KEY)")
     a("--slo-ttft-ms", type=non_negative_float, default=DEFAULT_SLO_TTFT_MS,
       help="time-to-first-token SLO in ms: a request is admitted only when its predicted TTFT "
-      "is within 85%% of it, else refused at once with 503 + Retry-After; prompts are paced to "
-      "be read within half of it; also the goodput threshold; 0 = off (default: %(default)g)")
+      "is within 85%% of it (a prompt too long for it: its wait behind others within half), "
+      "else 503 + Retry-After at once; prompts are paced to be read within half of it; also the "
+      "goodput threshold; 0 = off (default: %(default)g)")
     a("--slo-tpot-ms", type=non_negative_float, default=_E.slo_tpot_ms,
       help="time-per-output-token SLO in ms: new "
       "work is refused (503) when one more stream would make the running streams' step "

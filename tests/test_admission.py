@@ -439,6 +439,12 @@ def test_a_long_prompt_is_not_refused_for_the_streams_it_is_read_beside() -> Non
             running=8, waiting=1, waiting_interactive=1, ahead_interactive=200,
             ahead_batch=200, steps_left=(300,) * 8, new_steps=300))
     assert e.value.reason == "queue_slo"
+    # Streams about to end read the prompts ahead faster, but 1,000 tokens ahead still take
+    # longer than half the limit: refused.
+    with pytest.raises(Rejected):
+        adm.admit(acme, "interactive", 2000, 10, Backlog(
+            running=8, waiting=1, waiting_interactive=1, ahead_interactive=1000,
+            ahead_batch=1000, steps_left=(20,) * 8, new_steps=300))
     # A short prompt beside the same streams is still held to the whole limit.
     with pytest.raises(Rejected):
         adm.admit(acme, "interactive", 300, 10, streams)

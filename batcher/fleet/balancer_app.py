@@ -3,7 +3,7 @@
 A cell is a router (`batcher router` or `batcher fleet`) with its own registry and replicas. The
 balancer speaks the same OpenAI API on the same trust boundary as a router (tenant keys pass
 through to the replicas that check them; an admin listener with its own key; cells' deep probes
-with the cells' key), and reuses the router's pieces unchanged: the relay (`forward.py`: retries
+with the cells' key), and reuses the router's pieces unchanged: the relays (`forward.py`, `stream_relay.py`: retries
 before the first byte under the retry budget, same request id, failover after), the health
 checker (liveness, `/v1/state` polls, deep probes, eviction and re-admission), the admin
 listener (drain a cell: `POST /admin/drain {"replica": CELL}`) and the retry budget. What
