@@ -140,11 +140,11 @@ class PrefillPacer:
         since = now - req.arrival_time
         remaining = req.num_prompt_tokens - num_computed
         if alone_s > slo:
-            # Too long for the SLO at any pace: not held to it (nor by admission). The step's
-            # first such prompt is read evenly, so that its first token comes within
-            # LONG_READ_PACE times its whole-budget reading, never in a few steps many times
-            # the streams' (at the target alone, a slow machine's small chunks would take
-            # minutes); the prompts behind it wait their turn rather than share its steps.
+            # Too long for the SLO at any pace: not held to it (nor by admission). As the step's
+            # first chunk (the longest-waiting prompt), it is read evenly, so that its first
+            # token comes within LONG_READ_PACE times its whole-budget reading, never in a few
+            # steps many times the streams' (at the target alone, a slow machine's small chunks
+            # would take minutes); behind another chunk, it gets the target's share only.
             if allowance.booked:
                 return num_new
             return max(num_new, self._long_chunk(req, num_computed, limit, allowance,
