@@ -11,7 +11,7 @@ import pytest
 
 from batcher.config import SchedulerConfig
 from batcher.core.outputs import ScheduledSeq
-from batcher.core.stopping import stop_status
+from batcher.core.stopping import stop_status, suppressed_tokens
 from batcher.engine import AsyncEngine
 from batcher.request import Request, RequestStatus
 from batcher.runtime import grammar as grammar_masks
@@ -79,3 +79,11 @@ async def test_a_cut_request_ends_with_its_error_not_a_stop(tok, tiny_fp32, monk
     assert last.finish_reason == "error", [(e.finish_reason, e.token_ids) for e in events]
     assert last.error and last.error.startswith(grammar_masks.GRAMMAR_TOO_COSTLY)
     assert EOS not in [t for e in events for t in e.token_ids]
+
+
+def test_min_tokens_holds_eos_back_from_a_grammar_row_under_ignore_eos() -> None:
+    free = Request("a", [1], SamplingParams(ignore_eos=True, min_tokens=4), eos_token_ids=(EOS,))
+    constrained = Request("b", [1], SamplingParams(ignore_eos=True, min_tokens=4,
+                                                   grammar='start: "x"'), eos_token_ids=(EOS,))
+    assert suppressed_tokens(free) == ()
+    assert suppressed_tokens(constrained) == (EOS,)

@@ -7,12 +7,13 @@ from batcher.request import Request, RequestStatus
 
 
 def suppressed_tokens(req: Request) -> tuple[int, ...]:
-    """Token ids the sampler must not pick yet: EOS (unless ignored) and stop token ids while
-    fewer than `min_tokens` were generated."""
+    """Token ids the sampler must not pick yet: EOS (unless ignored, which a grammar overrides)
+    and stop token ids while fewer than `min_tokens` were generated."""
     sp = req.sampling
     if req.num_output_tokens >= sp.min_tokens:
         return ()
-    eos = () if sp.ignore_eos else req.eos_token_ids
+    # A grammar row stops on EOS even under ignore_eos (see stop_status), so it is held back too.
+    eos = () if sp.ignore_eos and sp.grammar is None else req.eos_token_ids
     return tuple(eos) + tuple(sp.stop_token_ids)
 
 
