@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batcher.backlog import Backlog
@@ -27,6 +26,7 @@ from batcher.core.step_updates import RequestUpdate
 from batcher.detokenizer import IncrementalDetokenizer
 from batcher.engine_events import EngineError, EngineEvent
 from batcher.engine_state import EngineSnapshot
+from batcher.live_request import LiveRequest
 from batcher.model_thread import ModelThread
 from batcher.request import Request, RequestStatus
 from batcher.request_registry import RequestRegistry, iter_stream
@@ -51,31 +51,6 @@ class Runner(Protocol):
     block_size: int
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
-
-
-@dataclass(slots=True)
-class _Live:
-    """Engine-side bookkeeping for one in-flight request."""
-
-    request: Request
-    detok: IncrementalDetokenizer
-    token_times: list[float] = field(default_factory=list)
-    abort_time: float | None = None
-    # Waiting again after a preemption: since when, and the waits so far (split at the first
-    # token, so the latency anatomy can move them out of prefill or decode into queue).
-    preempted_at: float | None = None
-    requeue_before: float = 0.0
-    requeue_after: float = 0.0
-
-    def end_requeue(self, now: float) -> None:
-        if self.preempted_at is None:
-            return
-        wait = max(0.0, now - self.preempted_at)
-        if self.request.first_token_time is None:
-            self.requeue_before += wait
-        else:
-            self.requeue_after += wait
-        self.preempted_at = None
 
 
 class AsyncEngine:
@@ -107,7 +82,7 @@ class AsyncEngine:
         self.version = version
         self.clock = clock
         self._streams = RequestRegistry()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._preempted: set[str] = set()  # waiting again after a preemption
         self._wake = asyncio.Event()
         self._executor = ModelThread("batcher-model")
@@ -213,7 +188,7 @@ class AsyncEngine:
         except BaseException:
             self._streams.discard(rid)
             raise
-        self._live[rid] = _Live(request, IncrementalDetokenizer(
+        self._live[rid] = LiveRequest(request, IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, stop or request.sampling.stop))
         self._wake.set()
         finished = False
@@ -242,7 +217,7 @@ class AsyncEngine:
         ended): what a request cut short (a client gone, a shutdown) ran, for its access line
         and phase histograms."""
         live = self._live.get(request_id)
-        return None if live is None else self._times(live, self.clock())
+        return None if live is None else live.times(self.clock())
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._live
@@ -422,7 +397,7 @@ class AsyncEngine:
                 text = live.detok.add(ids)
             else:
                 live.token_times.extend([now] * len(ids))
-                text = self._add_until_stop(live, u)
+                text = live.add_until_stop(u)
             detok = live.detok
             if detok.stopped and not u.status.finished:
                 self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
@@ -437,67 +412,17 @@ class AsyncEngine:
                 push(u.request_id, ev, merge=True, paced=True, now=wall)
         self._streams.release_held(wall)
 
-    @staticmethod
-    def _add_until_stop(live: _Live, u: RequestUpdate) -> str:
-        """Several tokens from one step (speculation): detokenize them one at a time, so a stop
-        string ends the output at the same token as plain decoding would; the tokens after it
-        are dropped from the update and the request."""
-        parts: list[str] = []
-        for i, token in enumerate(u.new_token_ids):
-            parts.append(live.detok.add([token]))
-            extra = len(u.new_token_ids) - i - 1
-            if live.detok.stopped and extra:
-                del u.new_token_ids[-extra:], u.new_logprobs[-extra:]
-                del live.token_times[-extra:], live.request.token_ids[-extra:]
-                if u.status is RequestStatus.FINISHED_LENGTH:  # the stop came first
-                    u.status = live.request.status = RequestStatus.FINISHED_STOPPED
-                break
-        return "".join(parts)
-
-    def _finish(self, live: _Live, now: float, ev: EngineEvent | None = None,
+    def _finish(self, live: LiveRequest, now: float, ev: EngineEvent | None = None,
                 error: str | None = None) -> None:
         req = live.request
         rid = req.request_id
-        ev = ev or EngineEvent(rid)
-        ev.finish_reason = "error" if error else (req.status.finish_reason or "abort")
-        ev.error = error
-        ev.stop_reason = live.detok.stop_reason
-        ev.num_prompt_tokens = req.num_prompt_tokens
-        ev.num_output_tokens = req.num_output_tokens
-        ev.num_cached_tokens = max(0, req.num_cached_tokens)
-        if req.first_scheduled_time is not None:
-            ev.queue_wait = req.first_scheduled_time - req.arrival_time
-        if req.first_token_time is not None:
-            ev.ttft = req.first_token_time - req.arrival_time
-        ev.e2e = now - req.arrival_time
-        ev.token_times = live.token_times
-        ev.priority = int(req.priority)
-        live.end_requeue(now)
+        ev = live.final_event(now, ev, error)
         self._preempted.discard(rid)
-        ev.times = self._times(live, now)
         del self._live[rid]
         self._streams.push(rid, ev, merge=True, now=time.monotonic())
         self._streams.close_stream(rid)
         if self.metrics is not None and not req.tenant.startswith("__"):
             self.metrics.observe_finished(ev)
-
-    @staticmethod
-    def _times(live: _Live, now: float) -> EngineTimes:
-        """The request's marks as its final event carries them, were it to end at `now` (a
-        wait after a preemption still under way counts to `now`)."""
-        req = live.request
-        before, after = live.requeue_before, live.requeue_after
-        if live.preempted_at is not None:
-            wait = max(0.0, now - live.preempted_at)
-            if req.first_token_time is None:
-                before += wait
-            else:
-                after += wait
-        return EngineTimes(
-            first_scheduled=req.first_scheduled_time, first_token=req.first_token_time,
-            last_token=live.token_times[-1] if live.token_times else None, finished=now,
-            requeue_before_first_token=before, requeue_after_first_token=after,
-            preemptions=req.num_preemptions)
 
     def _fail_all(self, reason: str) -> None:
         now = self.clock()
