@@ -20,11 +20,12 @@ from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.ngram_proposer import NgramProposer, can_speculate
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from batcher.core.refusals import DuplicateRequestId, EmptyPrompt, ExceedsContext, ExceedsKvCapacity
+from batcher.core.scheduled_rows import decode_row, scheduled_row
 from batcher.core.prefill_pacing import PrefillPacer
 from batcher.core.step_budget import PrefillAllowance
 from batcher.core.step_time import OnlineStepTimeModel
 from batcher.core.step_updates import RequestUpdate, SchedulerStats
-from batcher.core.stopping import stop_status, suppressed_tokens
+from batcher.core.stopping import stop_status
 from batcher.request import Request, RequestStatus
 
 # Prompt positions one request scores (prompt logprobs) per step, at most.
@@ -171,7 +172,7 @@ class Scheduler:
                                          < len(req.block_ids) * slots_per_block):
                     # NOTE: the common case, a decode whose slot its blocks already hold: what
                     # the general path below does for it, without its checks.
-                    seqs.append(self._decode_seq(req))
+                    seqs.append(decode_row(req))
                     budget -= 1
                     i += 1
                     continue
@@ -203,7 +204,7 @@ class Scheduler:
             else:
                 if allowance is not None and req.num_tokens - req.num_computed_tokens > 1:
                     allowance.take(num_new, req.num_computed_tokens)
-                seqs.append(self._seq(req, num_new, drafts))
+                seqs.append(scheduled_row(req, num_new, drafts))
                 budget -= num_new + len(drafts)
                 i += 1
 
@@ -241,7 +242,7 @@ class Scheduler:
             self.stats.prefix_hit_tokens += num_hit
             self.stats.prefix_query_tokens += req.num_tokens
             bisect.insort(self.running, req, key=_running_key)
-            seqs.append(self._seq(req, num_new))
+            seqs.append(scheduled_row(req, num_new))
             budget -= num_new
 
         out = SchedulerOutput(seqs=seqs, freed_ids=self._freed_ids)  # puts decodes first
@@ -397,45 +398,6 @@ class Scheduler:
             self.kv.trim(req)
             self.kv.release_behind_window(req)
         return RequestUpdate(req.request_id, new_tokens, new_lps, req.status)
-
-    def _decode_seq(self, req: Request) -> ScheduledSeq:
-        """`_seq(req, 1)` for a decode row: it samples, and it scores no prompt position (a
-        row at the prompt's last position or later has none to score)."""
-        start = req.num_computed_tokens
-        sp = req.sampling
-        return ScheduledSeq(req.request_id, req.token_ids[start:], start,
-                            list(req.block_ids), True, sp,
-                            len(req.token_ids) - len(req.prompt_token_ids),
-                            suppressed_tokens(req) if sp.min_tokens else (),
-                            tuple(req.token_ids) if sp.needs_history else ())
-
-    def _seq(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
-        start = req.num_computed_tokens
-        seq = ScheduledSeq(
-            request_id=req.request_id,
-            token_ids=req.token_ids[start : start + num_new],
-            start_pos=start,
-            # NOTE: a copy: the runner reads it while the next step may grow the request's list.
-            block_ids=list(req.block_ids),
-            sample=start + num_new == req.num_tokens,
-            sampling=req.sampling,
-            output_index=req.num_output_tokens,
-            suppress=suppressed_tokens(req),
-            history=tuple(req.token_ids) if req.sampling.needs_history and start + num_new
-            == req.num_tokens else (),
-        )
-        if req.prompt_unscored:
-            # Position p's logits score prompt token p + 1; earlier positions were scored
-            # before a preemption (their entries are kept) or need no entry.
-            lo = max(start, req.num_prompt_scored)
-            hi = min(start + num_new, req.num_prompt_tokens - 1)
-            if lo < hi:
-                seq.score_targets = tuple(req.prompt_token_ids[lo + 1 : hi + 1])
-                seq.score_offset = lo - start
-        if drafts:
-            seq.token_ids = seq.token_ids + drafts  # a new list: the request's stays as it is
-            seq.draft_token_ids = tuple(drafts)
-        return seq
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         """The one exit: release the request's blocks and move it out of `running`/`waiting`.
