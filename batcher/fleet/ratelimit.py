@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from batcher.fleet.retry_budget import RetryBudget
+from batcher.token_bucket import TokenBucket
 
 
 class SourceLimiter:
-    """`rate` events per second per source, bursts up to `burst`. Pure: the caller passes `now`."""
+    """`rate` events per second per source, bursts up to `burst`: one `TokenBucket` per source.
+    Pure: the caller passes `now`."""
 
     __slots__ = ("_buckets", "burst", "max_sources", "rate")
 
@@ -17,16 +19,16 @@ class SourceLimiter:
         self.rate = rate
         self.burst = burst
         self.max_sources = max_sources
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def allow(self, source: str, now: float) -> bool:
-        tokens, at = self._buckets.pop(source, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - at) * self.rate)
-        ok = tokens >= 1.0
-        self._buckets[source] = (tokens - 1.0 if ok else tokens, now)
+        bucket = self._buckets.pop(source, None)
+        if bucket is None:
+            bucket = TokenBucket(self.rate, self.burst, now=now)
+        self._buckets[source] = bucket
         if len(self._buckets) > self.max_sources:
             self._buckets.popitem(last=False)  # the least recently seen source starts afresh
-        return ok
+        return bucket.try_take(1.0, now) == 0.0
 
     def retry_after(self) -> float:
         return 1.0 / self.rate
