@@ -2,9 +2,10 @@
 with a clear error once their masks cost more than the budget.
 
 Pass figures: while 4 streams follow a 60-byte ambiguous grammar (200 tokens, `ignore_eos`),
-another tenant's plain 64-token completion takes at most 3 s (about 12 s before the budget), and
-a JSON-schema request of a third kind finishes normally; every grammar stream ends with an
-error event saying the grammar is too costly (`grammar_too_costly`), then `[DONE]`, within 20 s.
+another tenant's plain 64-token completion takes at most twice what it takes alone (plus 0.1 s
+for a shared machine's jitter; about 12 s before the budget, against 0.1 s alone), and a
+JSON-schema request of a third kind finishes normally; every grammar stream ends with an error
+event saying the grammar is too costly (`grammar_too_costly`), then `[DONE]`, within 20 s.
 
 One tiny-model replica with two tenants on 127.0.0.1, started and stopped by this module.
 """
@@ -67,6 +68,7 @@ async def test_ambiguous_grammar_is_cut_and_others_keep_their_pace(
         server: Server, session: aiohttp.ClientSession) -> None:
     plain = {"prompt": "hello", "max_tokens": 64, "ignore_eos": True}
     await _timed(session, server.url, plain)  # warm
+    alone = sorted([(await _timed(session, server.url, plain))[0] for _ in range(3)])[1]
     start = time.monotonic()
     streams = [asyncio.create_task(_grammar_stream(session, server.url)) for _ in range(4)]
     await asyncio.sleep(0.5)  # the grammar rows are stepping
@@ -76,7 +78,9 @@ async def test_ambiguous_grammar_is_cut_and_others_keep_their_pace(
             "type": "object", "properties": {"name": {"type": "string"}}}})
     results = await asyncio.gather(*streams)
     assert time.monotonic() - start < 20
-    assert took < 3.0, f"a plain 64-token request took {took:.1f} s beside the grammar streams"
+    assert took <= 2 * alone + 0.1, (
+        f"a plain 64-token request took {took:.2f} s beside the grammar streams, {alone:.2f} s "
+        "alone")
     assert schema["choices"][0]["finish_reason"] in ("stop", "length"), schema
     for events in results:
         assert events and events[-1] == DONE, events[-3:]
