@@ -34,12 +34,10 @@ from batcher.fleet.health import HealthChecker
 from batcher.fleet.responses_proxy import lookup_route, pin_previous
 from batcher.fleet.scope import tenant_scope
 from batcher.fleet.stream_relay import StreamRelay
-from batcher.http.anthropic_errors import reshape_error
-from batcher.http.errors import ApiError, from_http_exception
-from batcher.http.keys import OPEN_PATHS, AuthError, bearer_matches
+from batcher.http.errors import ApiError
+from batcher.http.keys import bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
-from batcher.http.middleware import answer_unexpected, log_error_answer
-from batcher.http.request_ids import client_request_id, new_request_id
+from batcher.http.middleware import api_middleware
 from batcher.http.responses import json_response
 from batcher.http.upstream import UpstreamPool
 
@@ -54,42 +52,24 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/em
                               "/v1/responses", "/v1/messages"})
 
 
-@web.middleware
-async def middleware(request: web.Request, handler: Callable[[web.Request],
-                     Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    rid = new_request_id()
-    try:
-        rid = client_request_id(request.headers.get("X-Request-Id")) or rid
-        request["request_id"] = rid
-        length = request.content_length
-        cfg = request.app[ROUTER].cfg
-        # A file upload streams to a replica under its own limit (batch_proxy.py).
-        limit = cfg.max_upload_bytes if request.path == "/v1/files" else cfg.max_body_bytes
-        if length is not None and length > limit:
-            raise ApiError(413, f"the request body is {length} bytes; the limit is {limit}",
-                           code="body_too_large")
-        if request.path not in OPEN_PATHS:
-            try:
-                request["scope"] = tenant_scope(request.headers)
-            except AuthError as exc:
-                raise ApiError(401, str(exc), code="invalid_api_key") from None
-        resp = await handler(request)
-    except ApiError as err:
-        resp = err.response(rid)
-        log_error_answer(request, rid, err.status, err.code, request.get("scope", "-"))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        err = from_http_exception(exc)
-        resp = err.response(rid)
-        log_error_answer(request, rid, err.status, err.code, request.get("scope", "-"))
-    except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
-        resp = answer_unexpected(request, exc, rid)
-        log_error_answer(request, rid, resp.status, None, request.get("scope", "-"))
-    resp = reshape_error(request, resp)  # Anthropic's clients read Anthropic's shape
-    if not resp.prepared and "X-Request-Id" not in resp.headers:
-        resp.headers["X-Request-Id"] = rid
-    return resp
+def body_limit(request: web.Request) -> int:
+    cfg = request.app[ROUTER].cfg
+    # A file upload streams to a replica under its own limit (batch_proxy.py).
+    return cfg.max_upload_bytes if request.path == "/v1/files" else cfg.max_body_bytes
+
+
+def authenticate(request: web.Request) -> None:
+    request["scope"] = tenant_scope(request.headers)
+
+
+def caller_scope(request: web.Request) -> str:
+    return request.get("scope", "-")
+
+
+# Request ID, body limit, the caller's scope, errors in OpenAI's shape: as a replica's, but an
+# answer relayed from a replica keeps the X-Request-Id it came with.
+middleware = api_middleware(body_limit=body_limit, authenticate=authenticate,
+                            caller=caller_scope, restamp_request_id=False)
 
 
 def generation(chat: bool, pinned: bool = False

@@ -10,8 +10,10 @@ it hands out).
 - `keys`: `bearer_matches`, `bearer_token`, `single_header`, `same_secret`, `AuthError`:
   constant-time key checks that never raise on odd header bytes.
 - `responses`: `json_response` with orjson.
-- `middleware`: `answer_errors` (OpenAI-shaped errors, a request ID on every answer) and
-  `require_bearer(key, message)` for admin and internal listeners.
+- `middleware`: `api_middleware(...)`, the public API's (request ID, body limit, the caller's
+  key, OpenAI-shaped errors with their access lines) on replica and router; `answer_errors`
+  (OpenAI-shaped errors, a request ID on every answer) and `require_bearer(key, message)` for
+  admin and internal listeners.
 - `listener`: what every listener needs around its handlers (see its docstring).
 """
 

@@ -1,5 +1,7 @@
-"""Middlewares every small listener needs (an admin or internal app): errors in OpenAI's shape
-with a request ID on every answer, and a bearer key in front of every route.
+"""Middlewares every listener needs: errors in OpenAI's shape with a request ID on every answer
+(`answer_errors` for a small listener, an admin or internal app; `api_middleware` for the public
+API of replica and router alike, with the client's request ID, the body limit, the caller's key
+and an access line for every refusal), and a bearer key in front of every route.
 
     app = web.Application(middlewares=[answer_errors, require_bearer(key, "invalid admin key")])
 """
@@ -13,10 +15,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from batcher.access_log import LOGGED, log_refusal
+from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
-from batcher.http.keys import bearer_matches
+from batcher.http.keys import OPEN_PATHS, AuthError, bearer_matches
 from batcher.http.listener import NO_ROUTE
-from batcher.http.request_ids import new_request_id
+from batcher.http.request_ids import HEADER, client_request_id, new_request_id
 from batcher.http.text import excerpt
 
 log = logging.getLogger("batcher.http")
@@ -66,6 +69,21 @@ def route_of(request: web.Request) -> str:
     return excerpt(request.rel_url.raw_path, 200)
 
 
+def error_answer(request: web.Request, exc: Exception, rid: str) -> tuple[web.Response,
+                                                                        str | None]:
+    """The answer to an exception out of a handler, with its error code: an `ApiError` as it
+    says, aiohttp's own 4xx/5xx (unknown route, wrong method) in OpenAI's shape, anything else
+    as `answer_unexpected` says. Re-raises aiohttp's redirects and other answers below 400."""
+    if isinstance(exc, ApiError):
+        return exc.response(rid), exc.code
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        err = from_http_exception(exc)
+        return err.response(rid), err.code
+    return answer_unexpected(request, exc, rid), None
+
+
 @web.middleware
 async def answer_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """A fresh `X-Request-Id` on every answer; `ApiError` and aiohttp's own 4xx/5xx (unknown
@@ -73,17 +91,54 @@ async def answer_errors(request: web.Request, handler: Handler) -> web.StreamRes
     rid = new_request_id()
     try:
         resp = await handler(request)
-    except ApiError as err:
-        return err.response(rid)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return from_http_exception(exc).response(rid)
     except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
-        return answer_unexpected(request, exc, rid)
+        return error_answer(request, exc, rid)[0]
     if not resp.prepared:
-        resp.headers["X-Request-Id"] = rid
+        resp.headers[HEADER] = rid
     return resp
+
+
+def api_middleware(*, body_limit: Callable[[web.Request], int],
+                   authenticate: Callable[[web.Request], None],
+                   caller: Callable[[web.Request], str],
+                   restamp_request_id: bool) -> Middleware:
+    """The public API's middleware, replica and router alike: the request ID (the client's
+    `X-Request-Id` when it sends one, a 400 when malformed, else a fresh one) in
+    `request["request_id"]` and on every answer not yet sent; a body over `body_limit(request)`
+    refused (413) before it is read; `authenticate(request)` on every route but `OPEN_PATHS`
+    (it stores the caller where the handlers look; an `AuthError` is a 401); errors in OpenAI's
+    shape (Anthropic's on the Messages paths), each with the access line no handler wrote,
+    under `caller(request)`.
+
+    `restamp_request_id`: the request ID replaces one a handler's answer carries (a replica's
+    answers are its own), or leaves it (the router relays a replica's answer as it came)."""
+
+    @web.middleware
+    async def api(request: web.Request, handler: Handler) -> web.StreamResponse:
+        rid = new_request_id()
+        try:
+            rid = client_request_id(request.headers.get(HEADER)) or rid
+            request["request_id"] = rid
+            length = request.content_length
+            limit = body_limit(request)
+            if length is not None and length > limit:
+                raise ApiError(413, f"the request body is {length} bytes; the limit is {limit}",
+                               code="body_too_large")
+            if request.path not in OPEN_PATHS:
+                try:
+                    authenticate(request)
+                except AuthError as exc:
+                    raise ApiError(401, str(exc), code="invalid_api_key") from None
+            resp = await handler(request)
+        except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
+            resp, code = error_answer(request, exc, rid)
+            log_error_answer(request, rid, resp.status, code, caller(request))
+        resp = reshape_error(request, resp)  # Anthropic's clients read Anthropic's shape
+        if not resp.prepared and (restamp_request_id or HEADER not in resp.headers):
+            resp.headers[HEADER] = rid
+        return resp
+
+    return api
 
 
 def require_bearer(key: str, message: str) -> Middleware:

@@ -1,5 +1,6 @@
-"""The aiohttp application: middlewares (request ID, auth, errors, body limit), routes, the admin
-listener, and the engine's lifetime in `cleanup_ctx`."""
+"""The aiohttp application: middlewares (the replica's state for the fleet; request ID, auth,
+errors and body limit in `batcher.http.middleware.api_middleware`), routes, and the engine's
+lifetime in `cleanup_ctx`."""
 
 from __future__ import annotations
 
@@ -10,12 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from batcher.http.anthropic_errors import reshape_error
-from batcher.http.errors import ApiError, from_http_exception
-from batcher.http.keys import FLEET_KEY_HEADER, OPEN_PATHS, TENANT_HEADER, AuthError, header_matches
+from batcher.http.errors import ApiError
+from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER, header_matches
 from batcher.http.listener import add_fallback_route, expect_continue
-from batcher.http.middleware import answer_unexpected, log_error_answer
-from batcher.http.request_ids import client_request_id, new_request_id
+from batcher.http.middleware import api_middleware
 from batcher.http.responses import json_response
 from batcher.server import embeddings_route, messages_route, responses_route, tokenize_route
 from batcher.server.appkeys import GATEWAY
@@ -34,12 +33,33 @@ BODY_LIMIT = web.AppKey("body_limit", Callable[[web.Request], "int | None"])
 TO_FLEET = "batcher.to_fleet"  # the caller is the fleet (or the replica has no fleet key)
 
 
+def body_limit(request: web.Request) -> int:
+    """The server's body limit, or the one an extension gives this request (the batch API's
+    file uploads)."""
+    override = request.app.get(BODY_LIMIT)
+    return (override(request) if override is not None else None) or \
+        request.app[GATEWAY].cfg.max_body_bytes
+
+
+def authenticate(request: web.Request) -> None:
+    request["tenant"] = request.app[GATEWAY].auth.authenticate_headers(request.headers)
+
+
+def tenant_name(request: web.Request) -> str:
+    return getattr(request.get("tenant"), "name", "-")
+
+
+# Request ID on every response, body limit before reading, auth, errors in OpenAI's shape.
+GATEWAY_MIDDLEWARE = api_middleware(body_limit=body_limit, authenticate=authenticate,
+                                    caller=tenant_name, restamp_request_id=True)
+
+
 @web.middleware
-async def gateway_middleware(request: web.Request, handler: Callable[[web.Request],
-                             Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Request ID on every response, auth, body limit before reading, errors in OpenAI shape."""
+async def fleet_state(request: web.Request, handler: Callable[[web.Request],
+                      Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The replica's state on the fleet's answers (outside `api_middleware`, so its errors carry
+    it too)."""
     gw = request.app[GATEWAY]
-    rid = new_request_id()
     fleet_key = request.app[FLEET_KEY]
     from_fleet = header_matches(request.headers, FLEET_KEY_HEADER, fleet_key)
 
@@ -52,39 +72,10 @@ async def gateway_middleware(request: web.Request, handler: Callable[[web.Reques
         st = gw.state()
         return orjson.dumps(st.to_wire() if from_fleet else st.public_wire()).decode()
 
-    try:
-        rid = client_request_id(request.headers.get("X-Request-Id")) or rid
-        request["request_id"] = rid
-        request["state_header"] = state_header
-        request[TO_FLEET] = not fleet_key or from_fleet
-        length = request.content_length
-        # An extension may give some requests their own limit (the batch API's file uploads).
-        override = request.app.get(BODY_LIMIT)
-        limit = (override(request) if override is not None else None) or gw.cfg.max_body_bytes
-        if length is not None and length > limit:
-            raise ApiError(413, f"the request body is {length} bytes; the limit is "
-                           f"{limit}", code="body_too_large")
-        if request.path not in OPEN_PATHS:
-            try:
-                request["tenant"] = gw.auth.authenticate_headers(request.headers)
-            except AuthError as exc:
-                raise ApiError(401, str(exc), code="invalid_api_key") from None
-        resp = await handler(request)
-    except ApiError as err:
-        resp = err.response(rid)
-        refused(request, rid, err.status, err.code)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        err = from_http_exception(exc)
-        resp = err.response(rid)
-        refused(request, rid, err.status, err.code)
-    except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
-        resp = answer_unexpected(request, exc, rid)
-        refused(request, rid, resp.status, None)
-    resp = reshape_error(request, resp)  # Anthropic's clients read Anthropic's shape
+    request["state_header"] = state_header
+    request[TO_FLEET] = not fleet_key or from_fleet
+    resp = await handler(request)
     if not resp.prepared:
-        resp.headers["X-Request-Id"] = rid
         # DESIGN: the replica's state rides on the fleet's responses, errors included, so a
         # router's view is refreshed by all traffic; never on a refused credential.
         if resp.status == 401:
@@ -100,11 +91,6 @@ async def tenant_header(request: web.Request, response: web.StreamResponse) -> N
     tenant = request.get("tenant")
     if tenant is not None and request.get(TO_FLEET):
         response.headers[TENANT_HEADER] = tenant.name
-
-
-def refused(request: web.Request, rid: str, status: int, code: str | None) -> None:
-    """The access line of an error answer no generation handler logged itself."""
-    log_error_answer(request, rid, status, code, getattr(request.get("tenant"), "name", "-"))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -175,7 +161,8 @@ def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int
     `extend` adds routes and lifetimes of optional tiers (the batch API). With `fleet_key`,
     `X-Replica-State` goes only to callers that send it in `X-Fleet-Key` (the router).
     `responses`: where stored responses live (default: in memory)."""
-    app = web.Application(middlewares=[gateway_middleware], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[fleet_state, GATEWAY_MIDDLEWARE],
+                          client_max_size=max_body_bytes)
     app[PROBE] = ProbeGuard(probe_keys)
     app[FLEET_KEY] = fleet_key or ""
 
