@@ -87,3 +87,20 @@ def test_min_tokens_holds_eos_back_from_a_grammar_row_under_ignore_eos() -> None
                                                    grammar='start: "x"'), eos_token_ids=(EOS,))
     assert suppressed_tokens(free) == ()
     assert suppressed_tokens(constrained) == (EOS,)
+
+
+def test_a_tenant_cut_for_its_grammar_cools_down_alone() -> None:
+    from batcher.http.errors import ApiError
+    from batcher.server.grammar_cooldown import GrammarCooldown
+
+    now = [100.0]
+    cool = GrammarCooldown(10.0, clock=lambda: now[0])
+    cool.check("alice")  # never cut: served
+    cool.note_cut("alice")
+    now[0] += 2.5
+    with pytest.raises(ApiError) as e:
+        cool.check("alice")
+    assert (e.value.status, e.value.code, e.value.retry_after) == (429, "grammar_cooldown", 8)
+    cool.check("bob")  # another tenant is not held
+    now[0] += 7.6
+    cool.check("alice")  # the cool-down is over

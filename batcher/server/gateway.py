@@ -21,6 +21,7 @@ from batcher.http.errors import ApiError, invalid
 from batcher.metrics import Metrics
 from batcher.request import Priority, Request
 from batcher.server.auth import Authenticator
+from batcher.server.grammar_cooldown import GrammarCooldown
 from batcher.server.protocol import GenerationSpec
 from batcher.server.reasoning import get_reasoning_parser
 from batcher.server.tool_parsers import get_parser
@@ -71,6 +72,7 @@ class Gateway:
                  embedder_name: str = "", embedder_tokens: Any = None):
         self.cfg = cfg
         self.engine = engine
+        self.grammar_cooldown = GrammarCooldown()
         self.tokenizer = engine.tokenizer
         self.tool_parser = get_parser(cfg.tool_call_parser, self.tokenizer.chat_template)
         self.reasoning = get_reasoning_parser(cfg.reasoning_parser)

@@ -64,6 +64,8 @@ class GenerationHandler:
         if spec.sampling.prompt_logprobs is not None and not gw.engine.scores_prompts:
             raise invalid("prompt logprobs ('echo' with 'logprobs') are not supported by this "
                           "model", "echo", "unsupported")
+        if spec.sampling.grammar is not None:
+            gw.grammar_cooldown.check(request["tenant"].name)
         timing.marks.mark_parsed()
         prompts = await gw.tokenize(spec, request["tenant"])
         gw.fit_context(spec, prompts)
@@ -90,6 +92,10 @@ class GenerationHandler:
                                 headers=headers)
         finally:
             gw.release(job, generated or sum(r.num_output_tokens for r in job.requests))
+
+    def _note_grammar_cut(self, job: Job, err: ApiError) -> None:
+        if err.code == "grammar_too_costly":
+            self.gw.grammar_cooldown.note_cut(job.key[0])
 
     def gone(self) -> str:
         """Why a request still running was cut: the server shutting down, or its client."""
@@ -136,6 +142,7 @@ class GenerationHandler:
         for c in choices:
             err = final_error(c.final) if c.final is not None else None
             if err is not None:
+                self._note_grammar_cut(job, err)
                 raise err
         return choices
 
@@ -271,6 +278,7 @@ class GenerationHandler:
                 continue
             err = final_error(ev)
             if err is not None:
+                self._note_grammar_cut(job, err)
                 finals[i] = ev
                 timing.cut("shutdown" if self.gw.engine.stopping else "error", finals)
                 await resp.write(sink.chunk(self._error(err, ev)))

@@ -5,7 +5,9 @@ Pass figures: while 4 streams follow a 60-byte ambiguous grammar (200 tokens, `i
 another tenant's plain 64-token completion takes at most twice what it takes alone (plus 0.1 s
 for a shared machine's jitter; about 12 s before the budget, against 0.1 s alone), and a
 JSON-schema request of a third kind finishes normally; every grammar stream ends with an error
-event saying the grammar is too costly (`grammar_too_costly`), then `[DONE]`, within 20 s.
+event saying the grammar is too costly (`grammar_too_costly`), then `[DONE]`, within 20 s; then
+the cut tenant's next constrained request is refused for a cool-down (429 `grammar_cooldown`),
+its plain ones and the other tenant's constrained ones are served.
 
 One tiny-model replica with two tenants on 127.0.0.1, started and stopped by this module.
 """
@@ -87,3 +89,17 @@ async def test_ambiguous_grammar_is_cut_and_others_keep_their_pace(
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
         assert errors and errors[0]["code"] == "grammar_too_costly", events[-3:]
         assert "too costly" in errors[0]["message"]
+    # Cut once, alice's next constrained request waits out a cool-down (her plain ones do not);
+    # bob's constrained requests are served as before.
+    schema_body = {"prompt": "a person:", "max_tokens": 8, "guided_json": {
+        "type": "object", "properties": {"name": {"type": "string"}}}}
+    async with session.post(server.url + "/v1/completions", json=schema_body,
+                            headers=ALICE) as resp:
+        refused = await resp.json()
+        assert resp.status == 429, refused
+        assert refused["error"]["code"] == "grammar_cooldown"
+        assert 1 <= int(resp.headers["Retry-After"]) <= 10
+    async with session.post(server.url + "/v1/completions", json=plain, headers=ALICE) as resp:
+        assert resp.status == 200, await resp.text()
+    _, again = await _timed(session, server.url, schema_body)
+    assert again["choices"][0]["finish_reason"] in ("stop", "length"), again
