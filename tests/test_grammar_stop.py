@@ -104,3 +104,13 @@ def test_a_tenant_cut_for_its_grammar_cools_down_alone() -> None:
     cool.check("bob")  # another tenant is not held
     now[0] += 7.6
     cool.check("alice")  # the cool-down is over
+
+
+def test_a_grammar_is_seen_in_a_body_before_it_is_parsed() -> None:
+    from batcher.server.grammar_cooldown import asks_for_grammar
+
+    assert asks_for_grammar({"guided_json": {"type": "object"}})
+    assert asks_for_grammar({"response_format": {"type": "json_schema"}})
+    assert not asks_for_grammar({"response_format": {"type": "text"}, "prompt": "x"})
+    assert not asks_for_grammar({"guided_regex": None})
+    assert not asks_for_grammar(["not", "an", "object"])

@@ -26,6 +26,22 @@ COOLDOWN_S = 10.0
 MAX_TENANTS = 10_000
 
 
+# Request fields that ask for a grammar (`batcher.structured`), looked at before the body is
+# parsed: a tenant cooling down is refused before its grammar is compiled.
+GRAMMAR_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def asks_for_grammar(body: object) -> bool:
+    """Whether a request body names a grammar (a cheap look before parsing it; tool calls that
+    end up constrained are caught after parsing)."""
+    if not isinstance(body, dict):
+        return False
+    if any(body.get(k) is not None for k in GRAMMAR_FIELDS):
+        return True
+    fmt = body.get("response_format")
+    return isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
+
+
 class GrammarCooldown:
     def __init__(self, cooldown_s: float = COOLDOWN_S,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -19,6 +19,7 @@ from batcher.server.choice_tally import Choice, UsageTally, score_only
 from batcher.server.chunk_sink import SSE_CHUNKS, ChunkSink
 from batcher.server.gateway import Gateway, Job
 from batcher.server.generation_errors import deadline_error, engine_refusal, final_error
+from batcher.server.grammar_cooldown import asks_for_grammar
 from batcher.server.logprobs_format import chat_logprobs, echo_logprobs, legacy_logprobs
 from batcher.server.protocol import GenerationSpec, now_s, parse_generation
 from batcher.server.reasoning import ReasoningStream
@@ -56,6 +57,8 @@ class GenerationHandler:
     async def _handle(self, request: web.Request, timing: RequestTiming) -> web.StreamResponse:
         gw = self.gw
         body = await read_json(request)
+        if asks_for_grammar(body):  # before its grammar is compiled
+            gw.grammar_cooldown.check(request["tenant"].name)
         await self.load(request, body)
         spec = self.parse(request, body)
         if spec.sampling.grammar is not None and not gw.engine.supports_grammar:
