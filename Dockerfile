@@ -44,7 +44,7 @@ RUN /opt/batcher/bin/pip install -q . \
 # the dense caches instead of spending seconds (and writes) on each start.
 ENV BATCHER_CACHE=/opt/batcher-cache XDG_CACHE_HOME=/opt/batcher-cache
 RUN /opt/batcher/bin/python -c "from batcher.models.loader import load_model; \
-from batcher.tokenizer import load_tokenizer; load_model(dtype='bfloat16', device='cpu'); \
+from batcher.tokenizer.tokenizer import load_tokenizer; load_model(dtype='bfloat16', device='cpu'); \
 load_tokenizer(); from pathlib import Path; from batcher.runtime.cpu_kernels import build_portable; \
 build_portable(Path('/opt/batcher-cache/kernels'))" \
  && test -n "$(ls /opt/batcher-cache/weights)" && test -n "$(ls /opt/batcher-cache/kernels)"

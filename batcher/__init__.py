@@ -20,14 +20,14 @@ __all__ = ["LLM", "AsyncLLM", "Batcher", "Completion", "EngineConfig", "Generati
 # The names load on first use: `import batcher` (every CLI command does) must not pull in the
 # engine and torch.
 _WHERE = {"LLM": "batcher.llm", "AsyncLLM": "batcher.llm", "Completion": "batcher.llm",
-          "GenerationError": "batcher.llm", "EngineConfig": "batcher.engine_config",
-          "SamplingParams": "batcher.sampling", "Batcher": "batcher.flusher"}
+          "GenerationError": "batcher.llm", "EngineConfig": "batcher.engine.config",
+          "SamplingParams": "batcher.core.sampling", "Batcher": "batcher.flusher.flusher"}
 
 if TYPE_CHECKING:
-    from batcher.engine_config import EngineConfig
-    from batcher.flusher import Batcher
+    from batcher.engine.config import EngineConfig
+    from batcher.flusher.flusher import Batcher
     from batcher.llm import LLM, AsyncLLM, Completion, GenerationError
-    from batcher.sampling import SamplingParams
+    from batcher.core.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, fields, replace
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from batcher.engine_config import DEFAULT_MODEL, EngineConfig
-from batcher.sampling import SamplingParams
+from batcher.engine.config import DEFAULT_MODEL, EngineConfig
+from batcher.core.sampling import SamplingParams
 
 T = TypeVar("T")
 _ids = itertools.count()
@@ -53,7 +53,7 @@ class GenerationError(RuntimeError):
 def _serve_namespace(model: str, config: EngineConfig) -> argparse.Namespace:
     """`config` as the namespace `batcher serve` would parse, so the engine is built by the
     same code with the same defaults."""
-    from batcher.serve_args import add_serve_args
+    from batcher.flags.serve import add_serve_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_serve_args(parser)
@@ -71,8 +71,8 @@ class AsyncLLM:
     loop, the one of the first request."""
 
     def __init__(self, model: str = DEFAULT_MODEL, config: EngineConfig | None = None) -> None:
-        from batcher.metrics import Metrics
-        from batcher.serve import build_engine
+        from batcher.engine.metrics import Metrics
+        from batcher.app.serve import build_engine
 
         self.model = model
         self.config = replace(config) if config is not None else EngineConfig()
@@ -113,7 +113,7 @@ class AsyncLLM:
         raise GenerationError("the request ended without a final event")
 
     async def _events(self, prompt: str | Sequence[int], sampling: SamplingParams | None):
-        from batcher.request import Request
+        from batcher.core.request import Request
 
         if self._closed:
             raise GenerationError("this engine is closed")

@@ -66,7 +66,7 @@ def main() -> int:
     port, admin = free_port(), free_port()
     load0 = os.getloadavg()[0]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batcher.cli", "fleet", "--cells", "2", "--replicas", "1",
+        [sys.executable, "-m", "batcher.app.cli", "fleet", "--cells", "2", "--replicas", "1",
          "--model", "fake", "--embedding-model", "none", "--fake-decode-step-ms", "5",
          "--port", str(port), "--admin-port", str(admin), "--admin-key", "bench",
          "--log-level", "warning"], cwd=ROOT, stdout=subprocess.DEVNULL,

@@ -53,7 +53,7 @@ async def main_async(args: argparse.Namespace) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     data = tempfile.mkdtemp(prefix="batcher-bench-batch-")
-    cmd = [sys.executable, "-m", "batcher.cli", "serve", "--model", MODEL, "--port", str(port),
+    cmd = [sys.executable, "-m", "batcher.app.cli", "serve", "--model", MODEL, "--port", str(port),
            "--embedding-model", "none", "--log-level", "warning", "--data-dir", data,
            "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", *args.serve_arg]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)  # noqa: ASYNC220

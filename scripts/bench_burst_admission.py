@@ -70,7 +70,7 @@ async def burst(url: str, shapes: list[tuple[list[int], int]]) -> dict[str, obje
 
 def serve(checkout: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    return subprocess.Popen([sys.executable, "-m", "batcher.cli", "serve", *FAKE,
+    return subprocess.Popen([sys.executable, "-m", "batcher.app.cli", "serve", *FAKE,
                              "--port", str(port)], cwd=checkout, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

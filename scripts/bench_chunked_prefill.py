@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 from bench_common import append_rows, load_workload, pct
 
-from batcher.serve_args import DEFAULT_SLO_TTFT_MS
+from batcher.flags.serve import DEFAULT_SLO_TTFT_MS
 
 # "time" is `batcher serve`'s default: the time budget, first tokens paced to the default TTFT SLO.
 CASES = {
@@ -65,7 +65,7 @@ STEADY_AFTER = 15  # tokens per stream after the prompt's first token, to measur
 
 def load(dtype: str):
     from batcher.models.loader import load_model
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     loaded = load_model("smollm2-135m", dtype=dtype, device="cpu")
     return loaded, load_tokenizer(loaded.tokenizer_source)
@@ -100,8 +100,8 @@ FIT_CPU = False  # set from --fit-clock in the child process
 
 
 def engine_for(loaded, tok, **sched):
-    from batcher.config import CacheConfig, SchedulerConfig
-    from batcher.engine import AsyncEngine
+    from batcher.core.config import CacheConfig, SchedulerConfig
+    from batcher.engine.engine import AsyncEngine
 
     engine = AsyncEngine.from_loaded(loaded, tok, SchedulerConfig(**sched), CacheConfig())
     engine.cpu = CpuClock(engine.runner, engine.step_time_model if FIT_CPU else None)
@@ -123,8 +123,8 @@ def steady_at_ctx(steps: list[tuple[object, float]]):
 
 
 async def streams_case(loaded, tok, sched: dict, long_len: int, stream_prompt: int = 0) -> dict:
-    from batcher.request import Request
-    from batcher.sampling import SamplingParams
+    from batcher.core.request import Request
+    from batcher.core.sampling import SamplingParams
 
     work = load_workload()
     long_ids = [t for r in work for t in r["prompt_ids"]][:long_len]

@@ -96,8 +96,8 @@ def _child(variant: str, quant: str, steps: int, threads: int | None) -> dict[st
     else:
         out["layer_us"] = _layer_us(lm.model)
         # Its calls ran parallel regions on this thread: let that pool go before the steps
-        # run on another (two pools on 2 CPUs slow both; `batcher.threads`).
-        from batcher.threads import release_openmp_pool
+        # run on another (two pools on 2 CPUs slow both; `batcher.system.threads`).
+        from batcher.system.threads import release_openmp_pool
 
         release_openmp_pool()
     runner.tune_threads = False  # the thread count under test, every step
@@ -111,7 +111,7 @@ def _steps(runner, steps: int, out: dict[str, object]) -> None:
     import torch
 
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-    from batcher.sampling import SamplingParams
+    from batcher.core.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
 

@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from bench_common import append_rows, left_padded, load_workload, pct
 
-from batcher.config import CacheConfig, SchedulerConfig
-from batcher.engine import AsyncEngine
+from batcher.core.config import CacheConfig, SchedulerConfig
+from batcher.engine.engine import AsyncEngine
 from batcher.models.loader import load_model
-from batcher.request import Request
-from batcher.sampling import SamplingParams
-from batcher.tokenizer import load_tokenizer
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
+from batcher.tokenizer.tokenizer import load_tokenizer
 
 
 async def run_engine(loaded, tok, work, args) -> dict:

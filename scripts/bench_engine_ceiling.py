@@ -77,7 +77,7 @@ def free_port() -> int:
 
 def supports_per_seq(path: str) -> bool:
     env = dict(os.environ, PYTHONPATH=path)
-    out = subprocess.run([sys.executable, "-m", "batcher.cli", "serve", "--help"], env=env,
+    out = subprocess.run([sys.executable, "-m", "batcher.app.cli", "serve", "--help"], env=env,
                          cwd=path, capture_output=True, text=True, check=True).stdout
     return "--fake-per-seq-ms" in out
 
@@ -89,7 +89,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         flags = ZERO_COST if supports_per_seq(path) else OLD_FAKE
-        self.cmd = [sys.executable, "-m", "batcher.cli", "serve", "--model", "fake",
+        self.cmd = [sys.executable, "-m", "batcher.app.cli", "serve", "--model", "fake",
                     "--port", str(self.port), "--embedding-model", "none",
                     "--log-level", "warning", *SERVER_FLAGS, *flags, *extra]
         # NOTE: run from the checkout: `python -m` puts the working directory first on the path.

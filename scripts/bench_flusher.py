@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batcher.flusher import Batcher, Overloaded
+from batcher.flusher.flusher import Batcher, Overloaded
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = (
@@ -174,7 +174,7 @@ def corpus(n: int, seed: int = 0) -> list[str]:
 async def part_c(
     dtypes: list[str], settings: list[tuple[int, float]], duration: float, rate: float
 ) -> list[Row]:
-    from batcher.embeddings import EmbeddingModel, make_embedding_batcher
+    from batcher.flusher.embeddings import EmbeddingModel, make_embedding_batcher
 
     texts = corpus(2000)
     rows = []

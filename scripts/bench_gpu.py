@@ -7,7 +7,7 @@ the engine against `transformers` static batching on the same device, dtype, wei
     python scripts/bench_gpu.py --device cpu --model tiny --dtype float32 --requests 4 \\
         --max-tokens 8 --batches 2 --ctx 32 --hf-batches 2 --no-append   # a smoke run, no GPU
 
-The engine is built as `batcher serve` builds it at its default flags (`batcher.serve.
+The engine is built as `batcher serve` builds it at its default flags (`batcher.app.serve.
 build_engine`). The baseline is `transformers`' LlamaForCausalLM holding our model's weights (so a
 random-weight `--load-format dummy` model has a twin too), fed the same token ids left-padded in
 static batches in arrival order; each batch decodes to its longest member with EOS suppressed
@@ -33,9 +33,9 @@ from bench_common import append_rows, left_padded, load_workload, pct
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.loader import load_model
-from batcher.request import Request
+from batcher.core.request import Request
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 # Peak memory bandwidth by device name (the vendors' figures, bytes/s), most specific first.
 BANDWIDTH = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H800", 3.35e12),
@@ -135,9 +135,9 @@ def run_decode(args: argparse.Namespace, bw: float) -> list[dict]:
 
 def engine_for(args: argparse.Namespace):
     """The engine `batcher serve` builds at its default flags for this model and device."""
-    from batcher.metrics import Metrics
-    from batcher.serve import build_engine
-    from batcher.serve_args import add_serve_args
+    from batcher.engine.metrics import Metrics
+    from batcher.app.serve import build_engine
+    from batcher.flags.serve import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)

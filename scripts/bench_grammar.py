@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from batcher.tokenizer import load_tokenizer
+from batcher.tokenizer.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},

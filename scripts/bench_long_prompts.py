@@ -163,7 +163,7 @@ def serve(checkout: Path, port: int, fake: bool) -> subprocess.Popen:
     """`batcher serve` at its defaults (what ./scripts/serve starts), on `port`."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     extra = FAKE_CPU if fake else []
-    return subprocess.Popen([sys.executable, "-m", "batcher.cli", "serve", "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "batcher.app.cli", "serve", "--port", str(port),
                              *extra],
                             cwd=checkout, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

@@ -29,8 +29,8 @@ REQUEST_TIMEOUT_S = 120.0
 BLOCK_SIZE = 16
 PEER_BINARIES = (ROOT / ".cache/peers/llama-server", ROOT / ".cache/peers/build/bin/llama-server")
 # What `batcher serve` imports before it loads anything: its modules and the whole command line.
-IMPORT_SERVER = ("import batcher.serve, batcher.models.loader, batcher.runtime.model_runner, "
-                 "batcher.tokenizer, batcher.cli; batcher.cli.build_parser()")
+IMPORT_SERVER = ("import batcher.app.serve, batcher.models.loader, batcher.runtime.model_runner, "
+                 "batcher.tokenizer.tokenizer, batcher.app.cli; batcher.app.cli.build_parser()")
 
 
 @dataclass(slots=True)
@@ -134,9 +134,9 @@ def main() -> None:
 
     gguf = str(smollm2_gguf_path())
     rows = [measure_import("python -c 'import torch'", "import torch"),
-            measure_import("python -c 'import batcher.serve, ...' (the server's modules)",
+            measure_import("python -c 'import batcher.app.serve, ...' (the server's modules)",
                            IMPORT_SERVER)]
-    serve = [sys.executable, "-m", "batcher.cli", "serve", "--host", "127.0.0.1",
+    serve = [sys.executable, "-m", "batcher.app.cli", "serve", "--host", "127.0.0.1",
              "--log-level", "warning"]
     matched = ["--embedding-model", "none", "--num-blocks", str(a.context // BLOCK_SIZE)]
     configs = [

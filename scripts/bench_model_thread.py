@@ -32,7 +32,7 @@ def _one(mode: str, steps: int, quantization: str) -> float:
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
-    from batcher.sampling import SamplingParams
+    from batcher.core.sampling import SamplingParams
 
     state: dict[str, object] = {}
 

@@ -136,7 +136,7 @@ run_llama() {  # round
 
 run_batcher() {  # round
   # shellcheck disable=SC2086
-  "$PY" -m batcher.cli serve --host 127.0.0.1 --port "$BATCHER_PORT" \
+  "$PY" -m batcher.app.cli serve --host 127.0.0.1 --port "$BATCHER_PORT" \
     ${BATCHER_ARGS:-} >"$OUT/batcher.log" 2>&1 &
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$BATCHER_PORT/ready" "${PIDS[-1]}" 300

@@ -19,7 +19,7 @@ import time
 from batcher.bench.common import append_rows
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.llm import AsyncLLM
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 TEXT = ("The lighthouse keeper climbed the stairs each evening to light the lamp, counting the "
         "steps and listening to the sea below. ") * 20
@@ -53,7 +53,7 @@ async def one_round(llm: AsyncLLM, streams: int, tokens: int, scored: bool, tag:
 def step_cpu(decodes: int, chunk: int, reps: int) -> list[list[str]]:
     """CPU ms of one step of `decodes` decode rows and a `chunk`-token prefill chunk, with the
     chunk's rows scored (5 alternatives) and not, interleaved `reps` times."""
-    from batcher.engine_config import DEFAULT_MODEL
+    from batcher.engine.config import DEFAULT_MODEL
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
 

@@ -59,7 +59,7 @@ def _one(kind: str, steps: int) -> dict[str, float]:
 
 def _steps(runner, steps: int, out: dict[str, float]) -> None:
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-    from batcher.sampling import SamplingParams
+    from batcher.core.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     for batch in BATCHES:

@@ -233,7 +233,7 @@ def main() -> int:
         return 0
     load0 = os.getloadavg()[0]
     rport, xport, bport, sport = free_port(), free_port(), free_port(), free_port()
-    rep = start(["-m", "batcher.cli", "serve", "--model", "fake", "--embedding-model", "none",
+    rep = start(["-m", "batcher.app.cli", "serve", "--model", "fake", "--embedding-model", "none",
                  "--port", str(rport), "--fake-decode-step-ms", "1", "--log-level", "warning"])
     direct = f"http://127.0.0.1:{rport}"
     routed, bare = f"http://127.0.0.1:{xport}", f"http://127.0.0.1:{bport}"

@@ -51,14 +51,14 @@ def bundled_fleet(policy: str, port: int, procs: list[subprocess.Popen]) -> None
     urls = []
     for core in (0, 1):
         rport = free_port()
-        procs.append(start(["taskset", "-c", str(core), sys.executable, "-m", "batcher.cli",
+        procs.append(start(["taskset", "-c", str(core), sys.executable, "-m", "batcher.app.cli",
                             "serve", "--host", "127.0.0.1", "--port", str(rport),
                             "--torch-threads", "1", "--embedding-model", "none"]))
         urls.append(f"http://127.0.0.1:{rport}")
     procs.append(start(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]))
     for url, proc in zip(urls, procs):
         wait_ready(url, proc, 300.0)
-    router = [sys.executable, "-m", "batcher.cli", "router", "--policy", policy,
+    router = [sys.executable, "-m", "batcher.app.cli", "router", "--policy", policy,
               "--host", "127.0.0.1", "--port", str(port)]
     for url in urls:
         router += ["--replica", url]
@@ -73,14 +73,14 @@ def run_one(policy: str, args: argparse.Namespace, out: Path) -> dict:
         if args.bundled:
             bundled_fleet(policy, port, procs)
         else:
-            procs.append(start([sys.executable, "-m", "batcher.cli", "fleet", "--replicas", "3",
+            procs.append(start([sys.executable, "-m", "batcher.app.cli", "fleet", "--replicas", "3",
                                 "--model", "fake", "--slow-replicas", f"1:{args.slowdown:g}",
                                 "--fake-decode-step-ms", "50", "--max-num-seqs", "8",
                                 "--policy", policy, "--host", "127.0.0.1", "--port",
                                 str(port)]))
         wait_ready(url, procs[-1], 120.0)
         label = f"{policy}-{len(list(out.iterdir()))}"
-        cmd = [sys.executable, "-m", "batcher.cli", "bench", "--base-url", url, "--synthetic",
+        cmd = [sys.executable, "-m", "batcher.app.cli", "bench", "--base-url", url, "--synthetic",
                "--input-median", str(args.input_median), "--output-median",
                str(args.output_median), "--arrivals", "poisson",
                "--rate", f"{args.rate:g}", "--duration", f"{args.duration:g}", "--seed",

@@ -25,10 +25,10 @@ import time
 
 from bench_common import append_rows
 
-from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.config import SchedulerConfig
+from batcher.engine.engine import AsyncEngine
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 
 CODE = '''def summarize(orders, tax_rate):
     """Total, average and largest order after tax."""
@@ -66,7 +66,7 @@ async def one(engine: AsyncEngine, rid: str, prompt: list[int], max_tokens: int
 async def run(a: argparse.Namespace) -> None:
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     loaded = await asyncio.to_thread(load_model, "smollm2-135m", dtype=a.dtype, device="cpu",
                                      quantization=a.quantization)
@@ -136,7 +136,7 @@ def numerics() -> None:
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     greedy = SamplingParams(temperature=0.0)

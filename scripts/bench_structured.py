@@ -16,8 +16,8 @@ import time
 
 from batcher.bench.common import append_rows
 from batcher.llm import AsyncLLM
-from batcher.sampling import SamplingParams
-from batcher.structured import json_schema_grammar
+from batcher.core.sampling import SamplingParams
+from batcher.structured.grammars import json_schema_grammar
 
 # A schema no answer can close early (a long required string), so constrained rows decode as
 # many tokens as free ones and the batch keeps its size: the comparison is per step, not per

@@ -195,7 +195,7 @@ def check_serving(b: Check, c: Check, e: Env) -> None:
     port = free_port()
     flags, what = model_flags(e)
     # The embedding model (another ~90 MiB package) is not carried and not part of either load.
-    cmd = [e.py, "-m", "batcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [e.py, "-m", "batcher.app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--embedding-model", "none", *flags]
     if e.device != "cuda":
         cmd += ["--device", e.device]
@@ -358,7 +358,7 @@ def set_up(args: argparse.Namespace, out: Path) -> Env | str:
         paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     code = ("import torch, transformers, aiohttp, orjson, gguf, llguidance, prometheus_client, "
-            "pytest; import batcher.serve; print(torch.__version__, torch.cuda.is_available(), "
+            "pytest; import batcher.app.serve; print(torch.__version__, torch.cuda.is_available(), "
             "torch.cuda.get_device_name() if torch.cuda.is_available() else '')")
     probe = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                            text=True, check=False)

@@ -25,11 +25,11 @@ source scripts/netns_hosts.sh
 three_hosts multihost_cells_demo bmc
 
 cell() {  # NS ADDRESS NAME: a fake replica on the host's loopback, its router on the link
-    ip netns exec "$1" "$PY" -m batcher.cli serve --model fake --embedding-model none \
+    ip netns exec "$1" "$PY" -m batcher.app.cli serve --model fake --embedding-model none \
         --host 127.0.0.1 --port 8100 --num-blocks 128 --fake-decode-step-ms 10 \
         --shutdown-timeout 2 --log-level warning >"$WORK/$3-replica.log" 2>&1 &
     PIDS+=($!)
-    BATCHER_ADMIN_KEY=demo ip netns exec "$1" "$PY" -m batcher.cli router --host "$2" \
+    BATCHER_ADMIN_KEY=demo ip netns exec "$1" "$PY" -m batcher.app.cli router --host "$2" \
         --port 8000 --replica http://127.0.0.1:8100 --shutdown-timeout 2 \
         --log-level warning >"$WORK/$3-router.log" 2>&1 &
     PIDS+=($!)
@@ -39,7 +39,7 @@ cell "$NS_B" 10.200.2.2 cell-b
 
 # The balancer. With two cells, one cell's in-flight work is half of everything: the retry budget
 # must cover it, far above the share sized for many cells.
-ip netns exec "$NS_R" "$PY" -m batcher.cli balancer --host 0.0.0.0 --port 8000 \
+ip netns exec "$NS_R" "$PY" -m batcher.app.cli balancer --host 0.0.0.0 --port 8000 \
     --cell http://10.200.1.2:8000 --cell http://10.200.2.2:8000 --admin-port 8001 \
     --admin-key demo --cell-key demo --retry-ratio 1.0 --shutdown-timeout 2 --log-level warning \
     >"$WORK/balancer.log" 2>&1 &

@@ -31,7 +31,7 @@ three_hosts multihost_demo bmh
 
 # Replicas: the fake engine (real scheduler and KV block pool, simulated model step).
 replica() {  # NS ADDRESS BLOCKS NAME
-    ip netns exec "$1" "$PY" -m batcher.cli serve --model fake --embedding-model none \
+    ip netns exec "$1" "$PY" -m batcher.app.cli serve --model fake --embedding-model none \
         --host "$2" --port 8000 --num-blocks "$3" --fake-decode-step-ms 10 \
         --shutdown-timeout 2 --log-level warning >"$WORK/$4.log" 2>&1 &
     PIDS+=($!)
@@ -43,7 +43,7 @@ printf 'http://10.200.1.2:8000\nhttp://10.200.2.2:8000\n' >"$WORK/replicas.txt"
 # The router. Unique prompts share no prefix, so affinity is off and only free KV decides. The
 # retry budget must cover the largest share of traffic one failure can strand: with two hosts,
 # one host's in-flight work is most of it, far above the 10% default sized for larger fleets.
-ip netns exec "$NS_R" "$PY" -m batcher.cli router --host 0.0.0.0 --port 8000 \
+ip netns exec "$NS_R" "$PY" -m batcher.app.cli router --host 0.0.0.0 --port 8000 \
     --admin-port 8001 --admin-key demo --discover "file:$WORK/replicas.txt" \
     --affinity-chars 0 --retry-ratio 1.0 --shutdown-timeout 2 --log-level warning \
     >"$WORK/router.log" 2>&1 &

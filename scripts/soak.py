@@ -117,7 +117,7 @@ def start_target(args: argparse.Namespace, tmp: Path) -> Target:
         argv = ["serve", *common]
     log_path = tmp / "server.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "batcher.cli", *argv], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "batcher.app.cli", *argv], cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     target = Target(f"http://127.0.0.1:{port}", proc, bool(args.fleet), log_path)

@@ -7,7 +7,7 @@ import torch
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 
 def greedy_generate(runner: ModelRunner, prompts: list[list[int]], new_tokens: int,

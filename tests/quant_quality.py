@@ -9,7 +9,7 @@ import torch
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 from tests.greedy_loop import greedy_generate
 
 # Not in any prompt the tests generate from: a held-out paragraph for perplexity.

@@ -148,7 +148,7 @@ def _start(flags: Sequence[str], num_blocks: int | None, admin_key: str | None,
     """Start the server and wait until it is ready; a fresh port on a lost port race."""
     for attempt in range(attempts):
         port = free_port()
-        cmd = [sys.executable, "-m", "batcher.cli", "serve", "--model", MODEL,
+        cmd = [sys.executable, "-m", "batcher.app.cli", "serve", "--model", MODEL,
                "--embedding-model", "none", "--host", HOST,
                "--port", str(port), "--shutdown-timeout", f"{shutdown_timeout:g}"]
         if num_blocks is not None:  # None: the KV pool sized as `batcher serve` sizes it

@@ -15,9 +15,9 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher.fake_runner import FakeSpeed
+from batcher.engine.fake_runner import FakeSpeed
 from batcher.server.appkeys import GATEWAY
-from batcher.tenants import TenantConfig, hash_key
+from batcher.admission.tenants import TenantConfig, hash_key
 from tests.test_diagnose import fake_app as diagnose_app
 
 C = "/v1/completions"

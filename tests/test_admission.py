@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from batcher.admission import Admission, Rejected, Ticket
-from batcher.request import Priority, Request
-from batcher.sampling import SamplingParams
+from batcher.admission.admission import Admission, Rejected, Ticket
+from batcher.core.request import Priority, Request
+from batcher.core.sampling import SamplingParams
 from batcher.server.auth import Authenticator, AuthError, main
-from batcher.tenants import DEFAULT_TENANT, TenantConfig, hash_key, load_tenants
-from batcher.token_bucket import TokenBucket
-from batcher.backlog import Backlog
-from batcher.ttft_predictor import CORRECTION_MIN, CORRECTION_SAMPLES
+from batcher.admission.tenants import DEFAULT_TENANT, TenantConfig, hash_key, load_tenants
+from batcher.admission.token_bucket import TokenBucket
+from batcher.core.backlog import Backlog
+from batcher.admission.ttft_predictor import CORRECTION_MIN, CORRECTION_SAMPLES
 
 IDLE = Backlog()
 
@@ -502,7 +502,7 @@ def test_slo_flags_are_validated() -> None:
 # -- the SLO share's controller --------------------------------------------------------------------
 
 def test_slo_share_is_cut_once_per_round_and_recovers_fast_then_probes_slowly() -> None:
-    from batcher.slo_limit import CEILING, CUT, FAST_PER_S, FLOOR, SLOW_PER_S, SloLimit
+    from batcher.admission.slo_limit import CEILING, CUT, FAST_PER_S, FLOOR, SLOW_PER_S, SloLimit
 
     lim = SloLimit()
     assert lim.share == CEILING

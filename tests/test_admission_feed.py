@@ -1,17 +1,17 @@
-"""What admission asks of the engine's scheduler and step-time model (`batcher.admission_feed`),
+"""What admission asks of the engine's scheduler and step-time model (`batcher.admission.feed`),
 against the real scheduler on a simulated clock: the chunk a backlog would be read in, and whether
 a step left prompt tokens that were there when it started."""
 
 from __future__ import annotations
 
-from batcher.admission_feed import prefill_left, prefill_step_fn
-from batcher.config import SchedulerConfig
+from batcher.admission.feed import prefill_left, prefill_step_fn
+from batcher.core.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 
 BS = 16
 BUDGET = 320

@@ -19,17 +19,17 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from batcher.admission import Admission
-from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine
-from batcher.metrics import Metrics
+from batcher.admission.admission import Admission
+from batcher.core.config import SchedulerConfig
+from batcher.engine.engine import AsyncEngine
+from batcher.engine.metrics import Metrics
 from batcher.runtime.model_runner import ModelRunner
 from batcher.server.app import create_app
 from batcher.server.auth import Authenticator
 from batcher.server.gateway import Gateway, GatewayConfig
 from batcher.server.responses_store import StoreConfig
-from batcher.tenants import TenantConfig, hash_key
-from batcher.tokenizer import load_tokenizer
+from batcher.admission.tenants import TenantConfig, hash_key
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.fleet.procs import ADMIN_KEY, free_port, router, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),

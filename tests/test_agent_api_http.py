@@ -14,17 +14,17 @@ import orjson
 import pytest
 from aiohttp import web
 
-from batcher.admission import Admission
-from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine
-from batcher.metrics import Metrics
+from batcher.admission.admission import Admission
+from batcher.core.config import SchedulerConfig
+from batcher.engine.engine import AsyncEngine
+from batcher.engine.metrics import Metrics
 from batcher.runtime.model_runner import ModelRunner
 from batcher.server.app import create_app
 from batcher.server.auth import Authenticator
 from batcher.server.gateway import Gateway, GatewayConfig
 from batcher.server.responses_route import RESPONSES
-from batcher.tenants import TenantConfig, hash_key
-from batcher.tokenizer import load_tokenizer
+from batcher.admission.tenants import TenantConfig, hash_key
+from batcher.tokenizer.tokenizer import load_tokenizer
 
 ALICE, BOB, SMALL = "alice-key", "bob-key", "small-key"
 TENANTS = {

@@ -121,7 +121,7 @@ async def client(aiohttp_client, tiny_fp32, tokenizer):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer()
 

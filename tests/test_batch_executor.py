@@ -19,7 +19,7 @@ from batcher.batch.lines import Deferred, LineResult
 from batcher.batch.metrics import BatchMetrics
 from batcher.batch.store import BatchStore
 from batcher.http.errors import error_body
-from batcher.tenants import DEFAULT_TENANT, TenantConfig
+from batcher.admission.tenants import DEFAULT_TENANT, TenantConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from batcher.admission import Admission
+from batcher.admission.admission import Admission
 from batcher.batch.gate import GateConfig, SpareCapacity
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.scheduler import Scheduler
-from batcher.request import Priority, Request
+from batcher.core.request import Priority, Request
 
 
 @dataclass

@@ -6,7 +6,7 @@ requests by design, so they come late against their prediction)."""
 from __future__ import annotations
 
 from batcher.batch.lines import LineRunner
-from batcher.admission_feed import step_observer
+from batcher.admission.feed import step_observer
 from batcher.server.appkeys import GATEWAY
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory, auth, completion, tokenizer
 
@@ -66,7 +66,7 @@ async def test_a_line_uses_the_served_tool_call_format(aiohttp_client, tiny_fp32
     import copy
 
     from batcher.server.tool_parsers import get_parser
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
     from tests.test_tool_parsers import QWEN_LIKE, WEATHER
 
     tok = copy.copy(load_tokenizer())

@@ -19,7 +19,7 @@ def run(tmp: Path, items: list[Any] | bytes, *flags: str, timeout: float = 120
     src = tmp / "in.jsonl"
     src.write_bytes(items if isinstance(items, bytes)
                     else b"".join(orjson.dumps(x) + b"\n" for x in items))
-    proc = subprocess.run([sys.executable, "-m", "batcher.cli", "batch", "run", str(src),
+    proc = subprocess.run([sys.executable, "-m", "batcher.app.cli", "batch", "run", str(src),
                            "--embedding-model", "none", *flags], check=False, cwd=ROOT,
                           capture_output=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)

@@ -45,7 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     port = _free_port()
     log = (d / "server.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batcher.cli", "serve", "--model", "tiny", "--num-blocks", "256",
+        [sys.executable, "-m", "batcher.app.cli", "serve", "--model", "tiny", "--num-blocks", "256",
          "--embedding-model", "none", "--host", "127.0.0.1", "--port", str(port),
          "--tenants", str(tenants), "--log-level", "warning",
          # The report's counts are under test, not admission: a machine slowed by its

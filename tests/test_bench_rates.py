@@ -4,7 +4,7 @@ tokens per second of model time in prefill-only and decode-only steps over the r
 from __future__ import annotations
 
 from batcher.bench.report import _rates, parse_metrics, server_lines
-from batcher.metrics import Metrics
+from batcher.engine.metrics import Metrics
 
 
 def _rates_line_of(rates: dict) -> str:

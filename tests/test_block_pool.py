@@ -7,7 +7,7 @@ import pytest
 from batcher.core import kv_cache_manager
 from batcher.core.block_pool import BlockPool, hash_block_tokens
 from batcher.core.kv_cache_manager import KVCacheManager
-from batcher.request import Request
+from batcher.core.request import Request
 
 
 def _req(rid: str, tokens: list[int]) -> Request:

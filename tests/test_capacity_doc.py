@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from batcher.cli import main
+from batcher.app.cli import main
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "capacity.md"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from batcher.cli import _env_defaults, build_parser, main, package_version
+from batcher.app.cli import _env_defaults, build_parser, main, package_version
 from tests.server_process import serve
 
 

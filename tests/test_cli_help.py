@@ -8,7 +8,7 @@ import argparse
 import re
 from collections.abc import Iterator
 
-from batcher.cli import build_parser
+from batcher.app.cli import build_parser
 
 MAX_HELP_CHARS = 300
 # Benchmark reports name the machine they ran on, or quote a ratio as x0.99 or 3-6x.

@@ -9,7 +9,7 @@ import torch
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.loader import load_model
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCKS = list(range(4))  # 64 tokens of context

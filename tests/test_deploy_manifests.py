@@ -17,7 +17,7 @@ import yaml
 
 from batcher.fleet.cli import add_router_args
 from batcher.fleet.discovery import DnsSource
-from batcher.serve_args import add_serve_args
+from batcher.flags.serve import add_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
@@ -50,7 +50,7 @@ def dockerfile_json(instruction: str) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    """`batcher serve` and `batcher router` exactly as `batcher.cli.main` builds them."""
+    """`batcher serve` and `batcher router` exactly as `batcher.app.cli.main` builds them."""
     p = argparse.ArgumentParser(prog="batcher")
     sub = p.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve"))
@@ -295,7 +295,7 @@ def test_pods_meet_pod_security_restricted():
 
 def test_replica_threads_and_keepalive_come_from_the_manifest():
     """The replica's env sets flags by name (BATCHER_<FLAG>): they must parse as those flags."""
-    from batcher.cli_env import apply_defaults
+    from batcher.app.env import apply_defaults
 
     for d, c in containers():
         env = {e["name"]: e.get("value", "1") for e in c.get("env", [])}
@@ -356,7 +356,7 @@ def exported_names() -> set[str]:
     from batcher.fleet.balancer_app import BalancerContext, create_balancer_app
     from batcher.fleet.context import RouterConfig, RouterContext
     from batcher.fleet.proxy import create_router_app
-    from batcher.metrics import Metrics
+    from batcher.engine.metrics import Metrics
 
     replica = Metrics()
     replica.configure("m", 16, 64, 8)

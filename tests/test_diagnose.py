@@ -13,21 +13,21 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from batcher.admission import Admission
+from batcher.admission.admission import Admission
 from batcher.bench.client import RequestResult
 from batcher.bench.report import phase_lines, summarize
-from batcher.cli import main
-from batcher.config import SchedulerConfig
-from batcher.diagnose import diagnose_url, flatten, from_metrics
-from batcher.engine import AsyncEngine
-from batcher.fake_runner import FakeRunner, FakeSpeed
-from batcher.metrics import Metrics
+from batcher.app.cli import main
+from batcher.core.config import SchedulerConfig
+from batcher.app.diagnose import diagnose_url, flatten, from_metrics
+from batcher.engine.engine import AsyncEngine
+from batcher.engine.fake_runner import FakeRunner, FakeSpeed
+from batcher.engine.metrics import Metrics
 from batcher.server.app import create_app
 from batcher.server.auth import Authenticator
 from batcher.server.gateway import Gateway, GatewayConfig
-from batcher.tenants import TenantConfig
-from batcher.timings import PHASES
-from batcher.tokenizer import load_tokenizer
+from batcher.admission.tenants import TenantConfig
+from batcher.telemetry.timings import PHASES
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.test_gateway_inprocess import ALICE, TENANTS, auth
 
 C = "/v1/completions"
@@ -139,8 +139,8 @@ async def test_real_model_long_answers_are_decode(aiohttp_client) -> None:
     """The bundled SmolLM2 at `batcher serve`'s defaults (the embedding model left out)."""
     import argparse
 
-    from batcher.serve import gateway_factory
-    from batcher.serve_args import add_serve_args
+    from batcher.app.serve import gateway_factory
+    from batcher.flags.serve import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from batcher.diagnose import SHEDDING_SHARE, diagnose_url
-from batcher.fake_runner import FakeSpeed
+from batcher.app.diagnose import SHEDDING_SHARE, diagnose_url
+from batcher.engine.fake_runner import FakeSpeed
 from tests.test_diagnose import ALICE, C, auth, fake_app, send, url
 
 pytestmark = pytest.mark.usefixtures("frozen_gc")

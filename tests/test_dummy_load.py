@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from batcher.cli import _env_defaults, build_parser
-from batcher.engine_config import EngineConfig
+from batcher.app.cli import _env_defaults, build_parser
+from batcher.engine.config import EngineConfig
 from batcher.models import dummy, memory
 from batcher.models.errors import ModelLoadError
 from batcher.models.llama import LlamaConfig, LlamaModel, rope_inv_freq
 from batcher.models.loader import dummy_config, load_model
-from batcher.serve import engine_model_name
+from batcher.app.serve import engine_model_name
 
 TOKENIZER_VOCAB = 49152  # the bundled tokenizer's
 
@@ -121,7 +121,7 @@ def test_random_weights_are_made_in_place_on_the_device_in_the_dtype() -> None:
 
 def test_dummy_generation_yields_only_ids_the_tokenizer_decodes(tiny_config_file: Path) -> None:
     from batcher.llm import LLM
-    from batcher.sampling import SamplingParams
+    from batcher.core.sampling import SamplingParams
 
     config = EngineConfig(load_format="dummy", device="cpu", dtype="float32", max_num_seqs=4,
                           kv_cache_memory="16MiB")

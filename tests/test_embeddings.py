@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from batcher.embeddings import MAX_INPUT_TOKENS, EmbeddingModel, make_embedding_batcher
+from batcher.flusher.embeddings import MAX_INPUT_TOKENS, EmbeddingModel, make_embedding_batcher
 
 FOOD = "A man is eating food."
 BREAD = "A man is eating a piece of bread."

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine
-from batcher.engine_events import EngineError
-from batcher.request import Request
+from batcher.core.config import SchedulerConfig
+from batcher.engine.engine import AsyncEngine
+from batcher.engine.events import EngineError
+from batcher.core.request import Request
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
-from batcher.tokenizer import load_tokenizer
+from batcher.core.sampling import SamplingParams
+from batcher.tokenizer.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.outputs import TokenLogprobs
-from batcher.engine import AsyncEngine
-from batcher.engine_events import EngineEvent
-from batcher.fake_runner import FakeRunner, FakeSpeed
-from batcher.request import Request
-from batcher.sampling import SamplingParams
-from batcher.timings import EngineTimes
-from batcher.tokenizer import load_tokenizer
+from batcher.engine.engine import AsyncEngine
+from batcher.engine.events import EngineEvent
+from batcher.engine.fake_runner import FakeRunner, FakeSpeed
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
+from batcher.telemetry.timings import EngineTimes
+from batcher.tokenizer.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

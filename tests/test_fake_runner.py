@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from batcher.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS
+from batcher.core.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.fake_runner import FAKE_NUM_BLOCKS, FakeRunner, FakeSpeed, build_fake_engine
-from batcher.sampling import SamplingParams
-from batcher.serve_args import add_serve_args
-from batcher.serve_startup import engine_configs
+from batcher.engine.fake_runner import FAKE_NUM_BLOCKS, FakeRunner, FakeSpeed, build_fake_engine
+from batcher.core.sampling import SamplingParams
+from batcher.flags.serve import add_serve_args
+from batcher.app.serve_startup import engine_configs
 
 
 def serve_args(*flags: str) -> argparse.Namespace:
@@ -101,7 +101,7 @@ def test_a_step_without_drafts_gives_what_the_rule_gives() -> None:
 
 
 def test_faults_count_the_steps_of_traffic_not_the_warm_start() -> None:
-    from batcher.warmup import TENANT
+    from batcher.engine.warmup import TENANT
 
     runner = FakeRunner(64, 16, 1000, FakeSpeed(math.inf, 0.0, 0.0), fault="error",
                         fault_after_steps=1)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from batcher.flusher import BatchError, Closed, Flusher, FlusherMetrics, Overloaded
-from batcher.request_registry import DuplicateRequestId
+from batcher.flusher.flusher import BatchError, Closed, Flusher, FlusherMetrics, Overloaded
+from batcher.core.request_registry import DuplicateRequestId
 
 
 class FakeClock:
@@ -354,7 +354,7 @@ def test_bad_settings_are_refused() -> None:
 
 
 def test_documented_import_name_is_the_flusher() -> None:
-    from batcher.flusher import Batcher
+    from batcher.flusher.flusher import Batcher
 
     assert Batcher is Flusher
 

@@ -19,7 +19,7 @@ from batcher.runtime.attention import FusedDecodeStep
 from batcher.runtime.fused_decode import FusedDecode, reference_attention
 from batcher.runtime.token_ops import apply_rope, rms_norm
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
                                 reason="no C compiler")
@@ -183,7 +183,7 @@ def test_bundled_model_decodes_the_same_tokens_fused_and_not(monkeypatch: pytest
 
     loaded = load_model("smollm2-135m", dtype="bfloat16", device="cpu")
     assert loaded.fused is not None
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     prompts = ["The capital of France is", "def fibonacci(n):\n    ",

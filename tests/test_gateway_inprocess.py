@@ -12,18 +12,18 @@ import orjson
 import pytest
 from aiohttp import web
 
-from batcher.admission import Admission
-from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine
-from batcher.engine_state import CONTRACT_KEYS, EngineSnapshot
-from batcher.metrics import Metrics
+from batcher.admission.admission import Admission
+from batcher.core.config import SchedulerConfig
+from batcher.engine.engine import AsyncEngine
+from batcher.engine.state import CONTRACT_KEYS, EngineSnapshot
+from batcher.engine.metrics import Metrics
 from batcher.runtime.model_runner import ModelRunner
 from batcher.server.admin import create_admin_app
 from batcher.server.app import create_app
 from batcher.server.auth import Authenticator
 from batcher.server.gateway import Gateway, GatewayConfig
-from batcher.tenants import TenantConfig, hash_key
-from batcher.tokenizer import load_tokenizer
+from batcher.admission.tenants import TenantConfig, hash_key
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.server_process import DONE, assert_error_shape, sse_events
 
 C = "/v1/completions"
@@ -214,8 +214,8 @@ async def test_real_model_default_settings_cancel_and_snapshot(aiohttp_client) -
     out): the snapshot on the wire and the abort rule on a real stream."""
     import argparse
 
-    from batcher.serve import gateway_factory
-    from batcher.serve_args import add_serve_args
+    from batcher.app.serve import gateway_factory
+    from batcher.flags.serve import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from batcher.engine_config import EngineConfig
+from batcher.engine.config import EngineConfig
 from batcher.models.errors import ModelLoadError
 from batcher.models.gguf_file import GGUFFile, StringArray
 from batcher.models.llama import LlamaModel
@@ -20,7 +20,7 @@ from batcher.models import load_settings
 from batcher.models.load_settings import resolve_quantization
 from batcher.models.loader import load_model
 from batcher.runtime.quant import Int8Embedding, PackedLinear
-from batcher.serve_args import add_serve_args
+from batcher.flags.serve import add_serve_args
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 4500
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher.fake_runner import FakeSpeed
+from batcher.engine.fake_runner import FakeSpeed
 from batcher.server.appkeys import GATEWAY
 from tests.test_diagnose import fake_app, send
 

@@ -9,17 +9,17 @@ import asyncio
 
 import pytest
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.outputs import ScheduledSeq
 from batcher.core.stopping import stop_status, suppressed_tokens
-from batcher.engine import AsyncEngine
-from batcher.request import Request, RequestStatus
+from batcher.engine.engine import AsyncEngine
+from batcher.core.request import Request, RequestStatus
 from batcher.runtime import grammar as grammar_masks
 from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
-from batcher.structured import choice_grammar, regex_grammar
-from batcher.tokenizer import load_tokenizer
+from batcher.core.sampling import SamplingParams
+from batcher.structured.grammars import choice_grammar, regex_grammar
+from batcher.tokenizer.tokenizer import load_tokenizer
 
 EOS = 2
 

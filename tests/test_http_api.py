@@ -578,13 +578,13 @@ SERVE_FLAGS = ["--model", "--host", "--port", "--dtype", "--kv-cache-memory", "-
 
 
 def test_serve_help_documents_every_flag() -> None:
-    out = subprocess.run([sys.executable, "-m", "batcher.cli", "serve", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "batcher.app.cli", "serve", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     for flag in SERVE_FLAGS:
         assert flag in out, flag
     import argparse
 
-    from batcher.serve_args import add_serve_args
+    from batcher.flags.serve import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -8,7 +8,7 @@ import pytest
 from batcher.fleet.ratelimit import KeyedRetryBudget
 from batcher.http.errors import MAX_MESSAGE_CHARS, ApiError, error_body
 from batcher.http.text import MAX_FILENAME_CHARS, excerpt, safe_filename
-from batcher.json_limits import MAX_JSON_DEPTH, loads_bounded, too_deep
+from batcher.structured.json_limits import MAX_JSON_DEPTH, loads_bounded, too_deep
 
 
 def test_depth_is_counted_in_lists_and_objects() -> None:
@@ -54,7 +54,7 @@ def test_retry_budget_is_kept_per_caller() -> None:
 
 
 def test_min_tokens_is_a_lower_bound() -> None:
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     for text in ("hello world", "a " * 500, "#" * 400, "\n" + " " * 300, "é" * 100):

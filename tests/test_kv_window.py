@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batcher.core.kv_cache_manager import KVCacheManager
-from batcher.request import Request
+from batcher.core.request import Request
 
 BS = 4
 

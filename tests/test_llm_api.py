@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import batcher
-from batcher.engine_config import EngineConfig
-from batcher.serve_args import add_serve_args
+from batcher.engine.config import EngineConfig
+from batcher.flags.serve import add_serve_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,8 +68,8 @@ def test_example_runs_on_the_bundled_model() -> None:
 
 def test_scheduler_config_defaults_are_the_engine_configs() -> None:
     """Embedding the core scheduler directly gets the same limits as the CLI and `EngineConfig`."""
-    from batcher.config import SchedulerConfig
-    from batcher.engine_config import EngineConfig
+    from batcher.core.config import SchedulerConfig
+    from batcher.engine.config import EngineConfig
 
     core, engine = SchedulerConfig(), EngineConfig()
     assert core.max_model_len == engine.max_model_len

@@ -10,7 +10,7 @@ import urllib.request
 import orjson
 import pytest
 
-from batcher.metrics import BusyWindow, Metrics
+from batcher.engine.metrics import BusyWindow, Metrics
 from tests.server_process import serve
 
 CONTRACT = ("batcher_kv_cache_usage_ratio", "batcher_waiting", "batcher_running",

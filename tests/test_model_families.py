@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.engine import AsyncEngine
+from batcher.engine.engine import AsyncEngine
 from batcher.models.errors import ModelLoadError
 from batcher.models.loader import load_model
-from batcher.request import Request
+from batcher.core.request import Request
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
-from batcher.tokenizer import load_tokenizer
+from batcher.core.sampling import SamplingParams
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.greedy_loop import greedy_generate
 from tests.model_families import (
     GGUF_ARCH,
@@ -176,9 +176,9 @@ def test_unsupported_architecture_fails_in_one_line(tmp_path):
 
 async def test_models_endpoint_reports_architecture_context_and_quantization(
         aiohttp_client, tokenizer, tmp_path):
-    from batcher.admission import Admission
-    from batcher.metrics import Metrics
-    from batcher.serve import model_info
+    from batcher.admission.admission import Admission
+    from batcher.engine.metrics import Metrics
+    from batcher.app.serve import model_info
     from batcher.server.app import create_app
     from batcher.server.auth import Authenticator
     from batcher.server.gateway import Gateway, GatewayConfig

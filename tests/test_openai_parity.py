@@ -23,9 +23,9 @@ from openai import OpenAI
 from batcher.core.outputs import ScheduledSeq
 from batcher.http.errors import ApiError
 from batcher.runtime.sampler import Sampler
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 from batcher.server.protocol import parse_generation
-from batcher.tokenizer import incomplete_utf8_tail, load_tokenizer
+from batcher.tokenizer.tokenizer import incomplete_utf8_tail, load_tokenizer
 from tests.server_process import Server, assert_error_shape, serve
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory
 
@@ -353,7 +353,7 @@ def test_every_grammar_source_compiles() -> None:
 
 def test_grammar_masks_survive_preemption_and_leave_free_rows_alone() -> None:
     from batcher.runtime.grammar import GrammarMasks
-    from batcher.structured import choice_grammar
+    from batcher.structured.grammars import choice_grammar
 
     tok = load_tokenizer()
     masks = GrammarMasks(tok)
@@ -664,11 +664,11 @@ async def test_constrained_rows_survive_preemption(tiny_fp32) -> None:
     """Seeded constrained rows give the same tokens whether or not the KV pool forces
     preemption (each recompute rebuilds the matcher from the output so far), and every answer
     follows its grammar."""
-    from batcher.config import SchedulerConfig
-    from batcher.engine import AsyncEngine
-    from batcher.request import Request
+    from batcher.core.config import SchedulerConfig
+    from batcher.engine.engine import AsyncEngine
+    from batcher.core.request import Request
     from batcher.runtime.model_runner import ModelRunner
-    from batcher.structured import regex_grammar
+    from batcher.structured.grammars import regex_grammar
 
     tok = load_tokenizer()
     grammar = regex_grammar("[a-z]{20,40}( [a-z]{20,40}){3}", "r")

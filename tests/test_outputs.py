@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 
 def seq(rid: str, n: int, start: int) -> ScheduledSeq:

@@ -10,7 +10,7 @@ import torch
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.tiny import tiny_config, tiny_state
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 from tests.hf_reference import hf_model_from_state
 
 BLOCK = 16

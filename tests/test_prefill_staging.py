@@ -13,7 +13,7 @@ from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.tiny import tiny_config, tiny_state
 from batcher.runtime.model_runner import ModelRunner
 from batcher.runtime.prefill_staging import MAX_IDLE_STEPS, PrefillStaging
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 from tests.hf_reference import hf_model_from_state
 
 BLOCK = 16

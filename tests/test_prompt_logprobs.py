@@ -10,13 +10,13 @@ import asyncio
 import pytest
 import torch
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.outputs import TokenLogprobs
-from batcher.engine import AsyncEngine
-from batcher.request import Request
+from batcher.engine.engine import AsyncEngine
+from batcher.core.request import Request
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
-from batcher.tokenizer import load_tokenizer
+from batcher.core.sampling import SamplingParams
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory
 
 AUTH = {"Authorization": f"Bearer {ALICE}"}

@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from batcher.engine_config import EngineConfig
+from batcher.engine.config import EngineConfig
 from batcher.models.errors import ModelLoadError
 from batcher.models.loader import DENSE_ABOVE_ROWS, load_model
 from batcher.runtime.model_runner import ModelRunner
 from batcher.runtime.quant import PackedLinear, dequantize_int4, quantize_int4, quantize_int8
-from batcher.serve_args import add_serve_args
-from batcher.tokenizer import load_tokenizer
+from batcher.flags.serve import add_serve_args
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.quant_quality import perplexity, quality
 
 # Recorded bounds (BENCHMARKS.md has the measured values): how far the held-out perplexity of the
@@ -150,7 +150,7 @@ def test_engine_serves_the_quantized_bundled_model():
     """`quantization` reaches the served model: the engine's greedy tokens are the quantized
     model's own (and the bundled model at default settings otherwise)."""
     from batcher.llm import LLM
-    from batcher.sampling import SamplingParams
+    from batcher.core.sampling import SamplingParams
     from tests.greedy_loop import greedy_generate
 
     llm = LLM("smollm2-135m", EngineConfig(quantization="int4", num_blocks=64))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batcher.engine_events import EngineEvent
+from batcher.engine.events import EngineEvent
 from batcher.http.errors import ApiError
 from batcher.server.choice_tally import Choice
 from batcher.server.openai_routes import GenerationHandler
@@ -51,7 +51,7 @@ def test_unknown_parser_is_refused_and_none_is_off() -> None:
     assert get_reasoning_parser(None) is None and get_reasoning_parser("none") is None
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
         get_reasoning_parser("o1")
-    from batcher.serve_args import add_serve_args
+    from batcher.flags.serve import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
@@ -101,7 +101,7 @@ def test_streamed_chat_deltas_carry_reasoning_content() -> None:
 
 
 def test_chat_template_kwargs_reach_the_template() -> None:
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     body = {"messages": [{"role": "user", "content": "hi"}],

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from batcher.request_registry import (
+from batcher.core.request_registry import (
     STREAM_END,
     DuplicateRequestId,
     RequestRegistry,

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 
-from batcher.diagnose import review_url
+from batcher.app.diagnose import review_url
 from batcher.fleet.admin import create_admin_app as router_admin
 from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.review import review
+from batcher.app.review import review
 from batcher.server.admin import create_admin_app
-from batcher.tokenizer import load_tokenizer
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.test_gateway_inprocess import ADMIN_KEY, TENANTS, app_factory
 
 GOOD = {"kind": "replica", "default_max_tokens": 1024, "deep_probe": True,

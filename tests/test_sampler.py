@@ -9,7 +9,7 @@ import torch
 
 from batcher.core.outputs import ScheduledSeq
 from batcher.runtime.sampler import Sampler, row_seed
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core import kv_cache_manager
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_updates import RequestUpdate
-from batcher.request import Priority, Request, RequestStatus
-from batcher.sampling import SamplingParams
+from batcher.core.request import Priority, Request, RequestStatus
+from batcher.core.sampling import SamplingParams
 
 Runner = Callable[[SchedulerOutput], RunnerOutput]
 MASK = (1 << 64) - 1

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.scheduler import Scheduler
 from batcher.fleet.policy import Candidate
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 from batcher.sim.calibrate import Point, build_step
 from batcher.sim.engine_sim import SimReplica, run_alone
 from batcher.sim.fleet_sim import Failure, FleetConfig, FleetSim

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from batcher.request import Request
-from batcher.sampling import SamplingParams
-from batcher.serve_args import add_serve_args
-from batcher.serve_startup import engine_configs
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
+from batcher.flags.serve import add_serve_args
+from batcher.app.serve_startup import engine_configs
 from batcher.sim.capacity import capacity_replica, replica_capacity
 from batcher.sim.cli import add_sim_args, fleet_from_args
 from batcher.sim.engine_sim import SimReplica, run_alone
@@ -78,7 +78,7 @@ def test_streams_keep_their_target_beside_a_prompt_too_long_for_the_slo() -> Non
     8 streams decode, a 2,000-token prompt arrives. It cannot be read within 2 s even at the
     whole budget, so it is read beside the streams at their target (steps within ~1.5x their
     decode-only step), whereas a 1,000-token prompt, which can, is read at the whole budget."""
-    from batcher.config import SchedulerConfig
+    from batcher.core.config import SchedulerConfig
     from batcher.core.step_time import StepShape
 
     cfg, model, _, _ = sim_args("--replicas 1")
@@ -109,7 +109,7 @@ def test_a_late_prompt_yields_only_to_one_still_on_time() -> None:
     TTFT SLO. Each alone could be read within it, not both: once the first is late it takes
     the streams' target and the second is read at once, on time; then nothing else can be on
     time and the first is read at the whole budget (a backlog), not a few tokens a step."""
-    from batcher.config import SchedulerConfig
+    from batcher.core.config import SchedulerConfig
     from tests.test_step_budget import Sim, prefill_of
 
     sim = Sim(SchedulerConfig(64, 320, 4096, slo_ttft_s=1.0))

@@ -8,14 +8,14 @@ import asyncio
 
 import pytest
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.ngram_proposer import NgramProposer, can_speculate
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.spec_verify import accepted, collapse, run_by_rule, verify_rows
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 
 # -- the proposer -----------------------------------------------------------------------------
 
@@ -224,13 +224,13 @@ def test_speculation_settings_are_validated() -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer()
 
 
 def tiny_engine(loaded, tokenizer, speculative: str):
-    from batcher.engine import AsyncEngine
+    from batcher.engine.engine import AsyncEngine
     from batcher.runtime.model_runner import ModelRunner
 
     runner = ModelRunner(loaded, num_blocks=128, block_size=16)
@@ -299,7 +299,7 @@ class CopyModel(CycleModel):
 
 
 async def copy_engine_run(tokenizer, prompt, speculative: str, sp: SamplingParams, stop):
-    from batcher.engine import AsyncEngine
+    from batcher.engine.engine import AsyncEngine
 
     engine = AsyncEngine(CopyModel(prompt), tokenizer,
                          SchedulerConfig(speculative=speculative), debug_checks=True)

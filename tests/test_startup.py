@@ -20,7 +20,7 @@ TIMEOUT_S = 60.0
 
 def _start(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("BATCHER_")}
-    return subprocess.Popen([sys.executable, "-m", "batcher.cli", "serve", *flags], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "batcher.app.cli", "serve", *flags], cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**clean, **(env or {})})
@@ -98,8 +98,8 @@ def test_preflight_binds_and_reads_keys() -> None:
     server already listens on."""
     import argparse
 
-    from batcher.serve_args import add_serve_args
-    from batcher.serve_startup import StartupError, preflight
+    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_startup import StartupError, preflight
 
     p = argparse.ArgumentParser()
     add_serve_args(p)

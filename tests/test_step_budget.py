@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_budget import PrefillAllowance
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
-from batcher.request import Priority, Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Priority, Request
+from batcher.core.sampling import SamplingParams
 
 BS = 16
 
@@ -243,9 +243,9 @@ def test_bad_budget_settings_are_refused(bad: dict) -> None:
 
 
 async def test_engine_feeds_its_model_every_step_and_the_scheduler_reads_it(tiny_fp32) -> None:
-    from batcher.engine import AsyncEngine
+    from batcher.engine.engine import AsyncEngine
     from batcher.runtime.model_runner import ModelRunner
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=BS)
     engine = AsyncEngine(runner, load_tokenizer(), SchedulerConfig(8, 64, 512),
@@ -268,9 +268,9 @@ async def test_engine_feeds_its_model_every_step_and_the_scheduler_reads_it(tiny
 def test_serve_flags_reach_the_scheduler() -> None:
     import argparse
 
-    from batcher.metrics import Metrics
-    from batcher.serve import build_engine
-    from batcher.serve_args import add_serve_args
+    from batcher.engine.metrics import Metrics
+    from batcher.app.serve import build_engine
+    from batcher.flags.serve import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.prefill_pacing import LONG_CATCH_UP, LONG_READ_PACE
 from tests.test_step_budget import Sim, prefill_of
 

@@ -16,7 +16,7 @@ from batcher.core.step_time import (
     StepShape,
     StepTimePrior,
 )
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from batcher.threads import cpu_quota_threads, quota_cpus
+from batcher.system.threads import cpu_quota_threads, quota_cpus
 
 USABLE = len(os.sched_getaffinity(0))
 
@@ -41,7 +41,7 @@ def test_cgroup_v1_quota(tmp_path: Path) -> None:
 _POOL_CHILD = """
 import os, sys, threading, time
 import torch
-from batcher import threads
+from batcher.system import threads
 torch.set_num_threads(2)
 counts = []
 def tasks():

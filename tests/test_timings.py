@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher.access_log import JsonFormatter
-from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine
-from batcher.fake_runner import FakeRunner, FakeSpeed
-from batcher.request import Request
-from batcher.sampling import SamplingParams
-from batcher.timings import PHASES, EngineTimes, PhaseClock, Timings, split
+from batcher.telemetry.access_log import JsonFormatter
+from batcher.core.config import SchedulerConfig
+from batcher.engine.engine import AsyncEngine
+from batcher.engine.fake_runner import FakeRunner, FakeSpeed
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
+from batcher.telemetry.timings import PHASES, EngineTimes, PhaseClock, Timings, split
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory, auth, completion
 
 
@@ -102,7 +102,7 @@ async def test_engine_times_count_requeue_after_preemption(tokenizer) -> None:
 
 @pytest.fixture
 def tokenizer():
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
     return load_tokenizer()
 
 
@@ -177,7 +177,7 @@ async def test_answers_carry_phases_that_add_up(aiohttp_client, tiny_fp32, token
 
 
 def test_log_format_json_is_one_object_per_line(capsys) -> None:
-    from batcher.access_log import configure, log_access
+    from batcher.telemetry.access_log import configure, log_access
 
     root = logging.getLogger()
     saved, level = root.handlers[:], root.level

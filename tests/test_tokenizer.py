@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batcher.bundled import smollm2_gguf_path
-from batcher.detokenizer import IncrementalDetokenizer, byte_level_table
-from batcher.tokenizer import Tokenizer, load_tokenizer
+from batcher.engine.detokenizer import IncrementalDetokenizer, byte_level_table
+from batcher.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 MIXED_TEXT = "Café naïve façade — 😀🎉 日本語のテキスト, 한국어 👩‍👩‍👧 ñ ü ß Ω"
 

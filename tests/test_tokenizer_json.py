@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from batcher.bundled import smollm2_gguf_path
-from batcher.detokenizer import IncrementalDetokenizer
-from batcher.tokenizer import Tokenizer, load_tokenizer
-from batcher.tokenizer_json import JsonTokenizer, can_load
+from batcher.engine.detokenizer import IncrementalDetokenizer
+from batcher.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from batcher.tokenizer.tokenizer_json import JsonTokenizer, can_load
 from tests.test_tool_parsers import QWEN_LIKE, WEATHER
 
 TEXTS = [
@@ -123,9 +123,9 @@ def test_serving_imports_no_transformers(pair: tuple[Tokenizer, Tokenizer], tmp_
     """The server's modules and a warm-cache tokenizer load leave transformers unimported."""
     cache = tmp_path / "cache"
     load_tokenizer(smollm2_gguf_path(), cache_dir=cache)  # warm it
-    code = ("import sys; import batcher.serve, batcher.models.loader, "
+    code = ("import sys; import batcher.app.serve, batcher.models.loader, "
             "batcher.runtime.model_runner, batcher.runtime.grammar\n"
-            "from pathlib import Path\nfrom batcher.tokenizer import load_tokenizer\n"
+            "from pathlib import Path\nfrom batcher.tokenizer.tokenizer import load_tokenizer\n"
             f"tok = load_tokenizer(cache_dir=Path({str(cache)!r}))\n"
             "assert tok.encode('hi') and tok.apply_chat_template([{'role': 'user', "
             "'content': 'hi'}])\nprint(sorted(m for m in sys.modules if m.startswith('transformers')))")

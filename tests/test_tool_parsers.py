@@ -12,7 +12,7 @@ import pytest
 
 from batcher.server.protocol import parse_generation
 from batcher.server.tool_parsers import PARSERS, get_parser, parse_tools
-from batcher.tokenizer import load_tokenizer
+from batcher.tokenizer.tokenizer import load_tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {
@@ -218,7 +218,7 @@ def test_a_native_template_receives_tools_and_earlier_calls() -> None:
 def test_the_serve_flag_takes_the_registry_names(capsys) -> None:
     import argparse
 
-    from batcher.serve_args import add_serve_args
+    from batcher.flags.serve import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)

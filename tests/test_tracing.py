@@ -16,12 +16,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
 
-from batcher import tracing
-from batcher.cli import main
+from batcher.telemetry import tracing
+from batcher.app.cli import main
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import create_router_app
-from batcher.timings import PHASES
-from batcher.tokenizer import load_tokenizer
+from batcher.telemetry.timings import PHASES
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory, auth, completion
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -53,7 +53,7 @@ async def test_one_trace_spans_client_router_and_replica(aiohttp_client, tiny_fp
     assert r.status == 200, await r.text()
     timings = (await r.json())["timings"]
     done = {s.name: s for s in spans.get_finished_spans()}
-    routed, request = done["batcher.router"], done["batcher.request"]
+    routed, request = done["batcher.router"], done["batcher.core.request"]
     assert {f"{s.context.trace_id:032x}" for s in done.values()} == {TRACE_ID}
     assert f"{routed.parent.span_id:016x}" == CLIENT_SPAN
     assert request.parent.span_id == routed.context.span_id

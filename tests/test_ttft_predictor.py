@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from batcher.admission import Admission, Rejected
-from batcher.config import SchedulerConfig
+from batcher.admission.admission import Admission, Rejected
+from batcher.core.config import SchedulerConfig
 from batcher.core.outputs import SchedulerOutput
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 from batcher.sim.engine_sim import SimReplica, Timing
 from batcher.sim.stepmodel import composition
 
@@ -183,7 +183,7 @@ def test_admission_reopens_after_a_transient_slowdown(scale: float) -> None:
 
 
 def test_the_deep_probe_is_not_in_the_queue_tenants_are_bounded_by() -> None:
-    from batcher.backlog import Backlog
+    from batcher.core.backlog import Backlog
 
     probe = Request("probe-1", [1], SamplingParams(max_tokens=1), tenant="__probe__",
                     priority=-1)

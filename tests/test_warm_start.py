@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from batcher.admission import Rejected
-from batcher.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS, SchedulerConfig
+from batcher.admission.admission import Rejected
+from batcher.core.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS, SchedulerConfig
 from batcher.core.calibration import Plan, calibration_plan, warmup_plan
 from batcher.core.outputs import SchedulerOutput
 from batcher.core.stalls import StallDetector, StallLog
 from batcher.core.step_time import StepShape
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 from batcher.sim.engine_sim import SimReplica, Timing
 from batcher.sim.warm_sim import run_plan
-from batcher.slo_limit import SloLimit
+from batcher.admission.slo_limit import SloLimit
 
 SLO_S = 2.0
 CHAT64 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat64.json"
@@ -37,7 +37,7 @@ if not CHAT64.is_file():
 
 @dataclass(slots=True)
 class FakeDevice:
-    """The fake model's step time (`batcher.fake_runner.FakeRunner.step_seconds`)."""
+    """The fake model's step time (`batcher.engine.fake_runner.FakeRunner.step_seconds`)."""
 
     decode_step_s: float = 0.003
     per_seq_s: float = 0.0002

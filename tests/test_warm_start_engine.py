@@ -12,18 +12,18 @@ import re
 import aiohttp
 import pytest
 
-from batcher.config import SchedulerConfig
-from batcher.engine import AsyncEngine
-from batcher.request import Request
-from batcher.sampling import SamplingParams
-from batcher.tokenizer import load_tokenizer
-from batcher.warmup import warm_start
+from batcher.core.config import SchedulerConfig
+from batcher.engine.engine import AsyncEngine
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
+from batcher.tokenizer.tokenizer import load_tokenizer
+from batcher.engine.warmup import warm_start
 from tests.server_process import serve
 from tests.test_warm_start import CHAT64
 
 
 def _engine(lm, **kw) -> AsyncEngine:
-    from batcher.config import CacheConfig
+    from batcher.core.config import CacheConfig
 
     return AsyncEngine.from_loaded(lm, load_tokenizer(), SchedulerConfig(16, 128, 1024),
                                    CacheConfig(num_blocks=256), **kw)

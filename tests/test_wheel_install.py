@@ -56,7 +56,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
     work = tmp_path / "elsewhere"
     work.mkdir()
     batcher = str(venv / "bin" / "batcher")
-    where = _run([str(vpy), "-c", "import batcher.resources as r; print(r.WORKLOADS)"], work,
+    where = _run([str(vpy), "-c", "import batcher.workloads as r; print(r.WORKLOADS)"], work,
                  env).stdout.strip()
     assert where.startswith(site), where  # the wheel's copy, not the checkout's
     assert _run([batcher, "--version"], work, env).stdout.startswith("batcher ")

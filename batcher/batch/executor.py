@@ -36,7 +36,7 @@ from batcher.batch.output_files import write_outputs
 from batcher.batch.records import BatchRecord, PendingLine, new_id
 from batcher.batch.store import BatchStore
 from batcher.http.errors import error_body
-from batcher.tenants import TenantConfig
+from batcher.admission.tenants import TenantConfig
 
 log = logging.getLogger(__name__)
 

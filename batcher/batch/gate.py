@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batcher.admission import Admission
-from batcher.backlog import Backlog
-from batcher.engine import AsyncEngine
-from batcher.request import Priority
-from batcher.slo_limit import CEILING
+from batcher.admission.admission import Admission
+from batcher.core.backlog import Backlog
+from batcher.engine.engine import AsyncEngine
+from batcher.core.request import Priority
+from batcher.admission.slo_limit import CEILING
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import orjson
 
-from batcher.json_limits import MAX_JSON_DEPTH, too_deep
+from batcher.structured.json_limits import MAX_JSON_DEPTH, too_deep
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_LINES = 50_000

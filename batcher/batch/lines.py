@@ -20,7 +20,7 @@ from batcher.http.errors import ApiError
 from batcher.server.gateway import Gateway, Job
 from batcher.server.openai_routes import GenerationHandler
 from batcher.server.protocol import parse_generation
-from batcher.tenants import TenantConfig
+from batcher.admission.tenants import TenantConfig
 
 # Statuses that mean "not now" rather than "never": the line is retried, not answered.
 TRANSIENT = frozenset({409, 429, 503})
@@ -140,7 +140,7 @@ class LineRunner:
 
     async def _embed(self, tenant: TenantConfig, body: dict[str, Any], rid: str
                      ) -> LineResult:
-        from batcher.flusher import Closed, Overloaded
+        from batcher.flusher.flusher import Closed, Overloaded
         from batcher.server.embeddings_route import _inputs, embedding_body
 
         gw = self.gw

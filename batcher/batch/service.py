@@ -25,7 +25,7 @@ from batcher.batch.validate import LineCheck
 from batcher.http.listener import expect_continue
 from batcher.server.app import BODY_LIMIT, GATEWAY
 from batcher.server.gateway import Gateway
-from batcher.tenants import DEFAULT_TENANT, TenantConfig
+from batcher.admission.tenants import DEFAULT_TENANT, TenantConfig
 
 log = logging.getLogger("batcher.batch")
 

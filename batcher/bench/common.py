@@ -12,8 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from batcher.cpuinfo import cpuinfo_field
-from batcher.resources import DEFAULT_WORKLOAD
+from batcher.system.cpuinfo import cpuinfo_field
+from batcher.workloads import DEFAULT_WORKLOAD
 
 # The repository root when run from a checkout (installed, the folder above the package).
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batcher.bench.client import RequestResult
 from batcher.bench.common import pct
-from batcher.timings import ROUTER_PHASES
+from batcher.telemetry.timings import ROUTER_PHASES
 
 # Series kept from each scrape (histograms keep their _sum, _count and _bucket samples).
 SCRAPED = ("batcher_kv_blocks_used", "batcher_kv_blocks_total", "batcher_running",

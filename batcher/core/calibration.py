@@ -13,7 +13,7 @@ is admitted by what this device does.
 
 A plan is a list of waves. Each wave's `first` requests start together; its `late` requests start
 once every one of the first has its first token (so they are read beside streams that decode).
-Pure Python: the engine (`batcher.warmup`) and the simulator drive the same plans.
+Pure Python: the engine (`batcher.engine.warmup`) and the simulator drive the same plans.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from batcher.core.block_pool import (
     hash_block_tokens,
     scope_root,
 )
-from batcher.request import Request
+from batcher.core.request import Request
 
 PREFIX_CACHE_SCOPES = ("tenant", "global")
 

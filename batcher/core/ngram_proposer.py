@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 
 @dataclass(slots=True, frozen=True)

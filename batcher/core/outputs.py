@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 
 @dataclass(slots=True)

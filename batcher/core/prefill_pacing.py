@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.step_budget import PrefillAllowance, deadline_chunk, step_target
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
-from batcher.request import Request
+from batcher.core.request import Request
 
 # Fewer requests arriving together are not a burst: a pair's second prompt read at the whole
 # budget would stall the first stream for as long, for nothing a batch gains.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from batcher.core.outputs import ScheduledSeq
 from batcher.core.stopping import suppressed_tokens
-from batcher.request import Request
+from batcher.core.request import Request
 
 
 def decode_row(req: Request) -> ScheduledSeq:

@@ -15,7 +15,7 @@ import bisect
 import time
 from collections.abc import Callable
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.ngram_proposer import NgramProposer, can_speculate
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
@@ -26,7 +26,7 @@ from batcher.core.step_budget import PrefillAllowance
 from batcher.core.step_time import OnlineStepTimeModel
 from batcher.core.step_updates import RequestUpdate, SchedulerStats
 from batcher.core.stopping import stop_status
-from batcher.request import Request, RequestStatus
+from batcher.core.request import Request, RequestStatus
 
 # Prompt positions one request scores (prompt logprobs) per step, at most.
 MAX_SCORED_CHUNK = 512

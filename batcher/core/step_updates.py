@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batcher.core.outputs import TokenLogprobs
-from batcher.request import RequestStatus
+from batcher.core.request import RequestStatus
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@ limits. Pure functions of the request, shared by plain and speculative decoding.
 
 from __future__ import annotations
 
-from batcher.request import Request, RequestStatus
+from batcher.core.request import Request, RequestStatus
 
 
 def suppressed_tokens(req: Request) -> tuple[int, ...]:

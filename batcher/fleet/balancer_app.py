@@ -28,7 +28,7 @@ from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from batcher.engine_state import EngineSnapshot
+from batcher.engine.state import EngineSnapshot
 from batcher.fleet.admin import create_admin_app
 from batcher.fleet.balancer import (
     BalancerConfig,

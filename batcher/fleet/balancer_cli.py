@@ -66,7 +66,7 @@ def balancer_configs(args: argparse.Namespace, cell_key: str | None
 async def run_balancer(args: argparse.Namespace) -> int:
     from batcher.fleet.balancer_app import BalancerContext, serve_balancer
     from batcher.fleet.launcher import wait_for_signal
-    from batcher.heap import freeze_startup_heap
+    from batcher.system.heap import freeze_startup_heap
 
     cfg, bcfg = balancer_configs(args, args.cell_key or os.environ.get("BATCHER_CELL_KEY"))
     ctx = BalancerContext(cfg, bcfg)
@@ -98,7 +98,7 @@ async def run_cells(args: argparse.Namespace, flags: list[str]) -> int:
     specs = []
     for i in range(args.cells):
         port = free_port()
-        argv = [sys.executable, "-m", "batcher.cli", "fleet", *flags,
+        argv = [sys.executable, "-m", "batcher.app.cli", "fleet", *flags,
                 "--cells", "1", "--replicas", str(args.replicas), "--port", str(port),
                 "--log-level", args.log_level, "--max-attempts", str(args.max_attempts)]
         if args.restart:

@@ -1,6 +1,6 @@
 """`batcher router` and `batcher fleet`: argument builders and the coroutines that run them.
 
-Hooks for `batcher/cli.py`: `add_router_args(parser)` / `add_fleet_args(parser)` fill a
+Hooks for `batcher/app/cli.py`: `add_router_args(parser)` / `add_fleet_args(parser)` fill a
 subparser; `await run_router(args)` / `await run_fleet(args)` run until SIGTERM or SIGINT and
 return an exit code. `python -m batcher.fleet.cli router|fleet ...` runs them standalone.
 """
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batcher.cli_types import port
+from batcher.flags.types import port
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.discovery import Discovery, HttpProber, Source, parse_source
 from batcher.fleet.policy import POLICIES, PolicyConfig
@@ -108,7 +108,7 @@ def _source(spec: str) -> Source:
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     """`batcher serve`'s flags (passed on to every replica; --host/--port/--admin-* are the
     router's) plus the fleet's own."""
-    from batcher.serve_args import add_serve_args
+    from batcher.flags.serve import add_serve_args
 
     add_serve_args(p)
     g = p.add_argument_group("fleet")
@@ -175,7 +175,7 @@ def ensure_fleet_key(cfg: RouterConfig, internal_host: str) -> None:
 
 async def run_router(args: argparse.Namespace) -> int:
     from batcher.fleet.launcher import serve_router, wait_for_signal
-    from batcher.heap import freeze_startup_heap
+    from batcher.system.heap import freeze_startup_heap
 
     cfg = router_config(args)
     if args.internal_port:
@@ -215,7 +215,7 @@ async def run_router(args: argparse.Namespace) -> int:
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
     """The `batcher serve` flags of `args` that differ from their defaults, as argv."""
-    from batcher.serve_args import add_serve_args
+    from batcher.flags.serve import add_serve_args
 
     p = argparse.ArgumentParser(add_help=False)
     add_serve_args(p)

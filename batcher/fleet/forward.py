@@ -41,7 +41,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from batcher.access_log import LOGGED, log_access, outcome_of
+from batcher.telemetry.access_log import LOGGED, log_access, outcome_of
 from batcher.fleet.context import Attempt, RouterContext
 from batcher.fleet.registry import Replica
 from batcher.fleet.request_estimates import (
@@ -59,8 +59,8 @@ from batcher.fleet.stream_ledger import RESPONSES_PATH, StreamLedger
 from batcher.http.errors import ApiError
 from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER
 from batcher.http.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
-from batcher.tracing import current as current_tracer
-from batcher.tracing import forward_headers
+from batcher.telemetry.tracing import current as current_tracer
+from batcher.telemetry.tracing import forward_headers
 
 RETRYABLE = frozenset({500, 502, 503})
 PASS_HEADERS = ("Authorization", "x-api-key")

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from batcher.engine_state import EngineSnapshot
+from batcher.engine.state import EngineSnapshot
 
 log = logging.getLogger("batcher.fleet.heartbeat")
 

@@ -255,7 +255,7 @@ def replica_specs(n: int, serve_flags: list[str], router_urls: list[str],
         else:
             port, admin = free_port(host), free_port(host)
         rid = f"r{i}"
-        argv = [python, "-m", "batcher.cli", "serve", *serve_flags, "--host", host,
+        argv = [python, "-m", "batcher.app.cli", "serve", *serve_flags, "--host", host,
                 "--port", str(port), "--admin-port", str(admin), "--replica-id", rid]
         if versions:
             argv += ["--deployment-version", versions[i % len(versions)]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from batcher.timings import ROUTER_PHASES, Timings
+from batcher.telemetry.timings import ROUTER_PHASES, Timings
 
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
                  20, 40, 80, 160)
@@ -49,7 +49,7 @@ class RouterMetrics:
         self.replicas = Gauge("batcher_router_replicas", "Replicas by router view",
                               ["view"], registry=r)
         # The latency anatomy as the router's clients see it: its own `route` phase and the
-        # replicas' phases it forwarded (see batcher.timings).
+        # replicas' phases it forwarded (see batcher.telemetry.timings).
         self.phases = {p: Histogram(f"batcher_router_request_{p}_seconds",
                                     f"Time in the {p} phase, through the router",
                                     buckets=PHASE_BUCKETS, registry=r) for p in ROUTER_PHASES}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from batcher.fleet.retry_budget import RetryBudget
-from batcher.token_bucket import TokenBucket
+from batcher.admission.token_bucket import TokenBucket
 
 
 class SourceLimiter:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Protocol
 
-from batcher.cli_types import non_negative_float, non_negative_int, positive_float, positive_int
+from batcher.flags.types import non_negative_float, non_negative_int, positive_float, positive_int
 from batcher.fleet.context import RouterConfig
 from batcher.fleet.health import HealthConfig
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import orjson
 
-from batcher.timings import Timings
+from batcher.telemetry.timings import Timings
 
 _MARK = b'"timings"'
 _LAST = b',"timings":{'

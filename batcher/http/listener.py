@@ -29,7 +29,7 @@ from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from batcher.http.errors import ApiError, invalid
-from batcher.json_limits import MAX_JSON_DEPTH, too_deep
+from batcher.structured.json_limits import MAX_JSON_DEPTH, too_deep
 
 # Connections the kernel queues for a listener before it accepts them: a burst of a thousand
 # clients connects at once, and with aiohttp's default (128) the excess SYNs are dropped and

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from batcher.access_log import LOGGED, log_refusal
+from batcher.telemetry.access_log import LOGGED, log_refusal
 from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
 from batcher.http.keys import OPEN_PATHS, AuthError, bearer_matches

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from batcher.http.errors import invalid
-from batcher.request_registry import new_request_id
+from batcher.core.request_registry import new_request_id
 
 __all__ = ["HEADER", "REQUEST_ID_PATTERN", "client_request_id", "is_valid_request_id",
            "new_request_id", "request_id_or_new"]

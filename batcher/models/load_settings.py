@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from batcher.bundled import smollm2_gguf_path
-from batcher.cpuinfo import CPUINFO, cpuinfo_field
-from batcher.engine_config import DEFAULT_MODEL
+from batcher.system.cpuinfo import CPUINFO, cpuinfo_field
+from batcher.engine.config import DEFAULT_MODEL
 from batcher.models import gguf_weights
 from batcher.models.errors import ModelLoadError
 

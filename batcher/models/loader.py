@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from batcher.bundled import smollm2_gguf_path
-from batcher.engine_config import DEFAULT_MODEL, LOAD_FORMATS
+from batcher.engine.config import DEFAULT_MODEL, LOAD_FORMATS
 from batcher.models import dummy, gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.glibc_heap import (
@@ -52,7 +52,7 @@ from batcher.runtime.quant import (
     attach_unpacker,
     quantize_model,
 )
-from batcher.threads import release_openmp_pool
+from batcher.system.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 

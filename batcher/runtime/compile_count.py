@@ -1,6 +1,6 @@
 """How many kernels and graphs the process has compiled so far: Triton JIT variants of the
 project's kernels and torch.compile graphs. A warm server compiles nothing while it serves; the
-warm start (`batcher.warmup`) and its tests compare this count before and after traffic."""
+warm start (`batcher.engine.warmup`) and its tests compare this count before and after traffic."""
 
 from __future__ import annotations
 

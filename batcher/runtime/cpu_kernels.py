@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from batcher.cpuinfo import cpuinfo_field
+from batcher.system.cpuinfo import cpuinfo_field
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Reassociation lets the compiler vectorize the dot products and sums; no kernel here handles

@@ -13,7 +13,7 @@ request was preempted and recomputed, or this is its first sample), so preemptio
 cache need nothing else.
 
 A grammar's cost is bounded. Building a matcher is bounded by llguidance's limits
-(`batcher.structured.grammar_limits`, also checked when the request arrives); each step, a
+(`batcher.structured.grammars.grammar_limits`, also checked when the request arrives); each step, a
 row's mask and the consumption of its token are timed, and a request whose rows took more than
 `ROW_BUDGET_S` over its last `BUDGET_STEPS` steps (a grammar so ambiguous that each token costs
 milliseconds, which every other request in the step would wait for) is cut: `take_cut` names
@@ -37,7 +37,7 @@ import llguidance
 import torch
 
 from batcher.core.outputs import ScheduledSeq
-from batcher.structured import GRAMMAR_TOO_COSTLY, grammar_limits
+from batcher.structured.grammars import GRAMMAR_TOO_COSTLY, grammar_limits
 
 # A constrained request may spend this much of the steps' time on its masks and token
 # consumption over its last BUDGET_STEPS steps (2.5 ms a token on average; on the 2-core CPU a

@@ -23,7 +23,7 @@ from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
 from batcher.runtime.prefill_staging import PrefillStaging
 from batcher.runtime.sampler import Sampler
 from batcher.runtime.thread_tuner import ThreadTuner
-from batcher.threads import release_openmp_pool
+from batcher.system.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class ModelRunner:
 
     @property
     def warm_up_kind(self) -> str:
-        """What a warm start must run (`batcher.warmup`): every shape where kernels compile or
+        """What a warm start must run (`batcher.engine.warmup`): every shape where kernels compile or
         graphs capture per shape ("full": CUDA, torch.compile), else a few eager steps."""
         full = self.device.type != "cpu" or self.compiled is not None or self.graphs is not None
         return "full" if full else "light"

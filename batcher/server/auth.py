@@ -1,4 +1,4 @@
-"""API-key authentication: map a presented key to its tenant (see `batcher.tenants`).
+"""API-key authentication: map a presented key to its tenant (see `batcher.admission.tenants`).
 
 Contracts:
 - `Authenticator.authenticate` hashes the presented key once and compares it with every stored hash
@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 from batcher.http.keys import AuthError, Headers, bearer_token, single_header
-from batcher.tenants import DEFAULT_TENANT, TenantConfig, hash_key
+from batcher.admission.tenants import DEFAULT_TENANT, TenantConfig, hash_key
 
 __all__ = ["AuthError", "Authenticator", "hash_key", "main"]
 

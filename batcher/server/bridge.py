@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from batcher.http.errors import ApiError, invalid
-from batcher.json_limits import loads_bounded
+from batcher.structured.json_limits import loads_bounded
 from batcher.server.openai_routes import GenerationHandler
 from batcher.server.timing import RequestTiming
 

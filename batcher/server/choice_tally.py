@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from batcher.core.outputs import TokenLogprobs
-from batcher.engine_events import EngineEvent
+from batcher.engine.events import EngineEvent
 from batcher.server.protocol import usage
 
 

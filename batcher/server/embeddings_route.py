@@ -10,11 +10,11 @@ from typing import Any
 
 from aiohttp import web
 
-from batcher.flusher import Closed, Overloaded
+from batcher.flusher.flusher import Closed, Overloaded
 from batcher.http.errors import ApiError, invalid
 from batcher.http.listener import read_json
 from batcher.http.responses import json_response
-from batcher.request_registry import DuplicateRequestId
+from batcher.core.request_registry import DuplicateRequestId
 from batcher.server.appkeys import GATEWAY
 
 MAX_INPUTS = 2048

@@ -12,21 +12,21 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from batcher.admission import Admission, Rejected, Ticket
+from batcher.admission.admission import Admission, Rejected, Ticket
 from batcher.core.refusals import Refused
-from batcher.engine import AsyncEngine
-from batcher.engine_events import EngineEvent
-from batcher.engine_state import EngineSnapshot
+from batcher.engine.engine import AsyncEngine
+from batcher.engine.events import EngineEvent
+from batcher.engine.state import EngineSnapshot
 from batcher.http.errors import ApiError, invalid
-from batcher.metrics import Metrics
-from batcher.request import Priority, Request
+from batcher.engine.metrics import Metrics
+from batcher.core.request import Priority, Request
 from batcher.server.auth import Authenticator
 from batcher.server.grammar_cooldown import GrammarCooldown
 from batcher.server.protocol import GenerationSpec
 from batcher.server.reasoning import get_reasoning_parser
 from batcher.server.tool_parsers import get_parser
-from batcher.tenants import TenantConfig
-from batcher.tokenizer import message_chars
+from batcher.admission.tenants import TenantConfig
+from batcher.tokenizer.tokenizer import message_chars
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -4,10 +4,10 @@ failure on its last event, its deadline passing."""
 from __future__ import annotations
 
 from batcher.core.refusals import DuplicateRequestId, Refused
-from batcher.engine_events import EngineEvent
+from batcher.engine.events import EngineEvent
 from batcher.http.errors import ApiError, invalid
 from batcher.server.protocol import GenerationSpec
-from batcher.structured import GRAMMAR_TOO_COSTLY
+from batcher.structured.grammars import GRAMMAR_TOO_COSTLY
 
 
 def engine_refusal(exc: Exception) -> ApiError:

@@ -26,7 +26,7 @@ COOLDOWN_S = 10.0
 MAX_TENANTS = 10_000
 
 
-# Request fields that ask for a grammar (`batcher.structured`), looked at before the body is
+# Request fields that ask for a grammar (`batcher.structured.grammars`), looked at before the body is
 # parsed: a tenant cooling down is refused before its grammar is compiled.
 GRAMMAR_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from batcher.core.outputs import TokenLogprobs
-from batcher.tokenizer import Tokenizer
+from batcher.tokenizer.tokenizer import Tokenizer
 
 
 def chat_logprobs(tokenizer: Tokenizer, tokens: list[int], lps: list[TokenLogprobs | None]

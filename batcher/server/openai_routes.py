@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from batcher.core.outputs import TokenLogprobs
-from batcher.engine_events import EngineError, EngineEvent
+from batcher.engine.events import EngineError, EngineEvent
 from batcher.http.errors import ApiError, invalid
 from batcher.http.listener import read_json
 from batcher.http.sse import SEP, SSE_HEADERS

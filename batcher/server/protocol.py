@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.http.errors import bool_field, invalid
-from batcher.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from batcher.core.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from batcher.server.tool_parsers import ToolParser, ToolSpec, get_parser, parse_tools
 from batcher.server.unsupported import refuse_unsupported
-from batcher.structured import GUIDED, request_grammar
-from batcher.tenants import PRIORITY_NAMES
+from batcher.structured.grammars import GUIDED, request_grammar
+from batcher.admission.tenants import PRIORITY_NAMES
 
 MAX_N = 16
 MAX_STOP = 4

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from batcher import tracing
-from batcher.access_log import LOGGED, log_access
-from batcher.metrics import Metrics, priority_label
-from batcher.timings import EngineTimes, PhaseClock, Timings, split
+from batcher.telemetry import tracing
+from batcher.telemetry.access_log import LOGGED, log_access
+from batcher.engine.metrics import Metrics, priority_label
+from batcher.telemetry.timings import EngineTimes, PhaseClock, Timings, split
 
 if TYPE_CHECKING:
-    from batcher.engine import AsyncEngine
-    from batcher.engine_events import EngineEvent
+    from batcher.engine.engine import AsyncEngine
+    from batcher.engine.events import EngineEvent
     from batcher.server.gateway import Job
 
 
@@ -122,7 +122,7 @@ class RequestTiming:
                    error_code=error_code, outcome=self.outcome)
         tracer = tracing.current()
         if tracer is not None:
-            tracer.record("batcher.request", self.request.headers, t, {
+            tracer.record("batcher.core.request", self.request.headers, t, {
                 "batcher.request_id": rid, "batcher.tenant": tenant,
                 "http.route": self.request.path, "http.status_code": status,
                 "batcher.priority": priority_label(prio), "batcher.bottleneck": t.bottleneck,

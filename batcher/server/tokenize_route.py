@@ -23,8 +23,8 @@ from batcher.http.listener import read_json
 from batcher.http.responses import json_response
 from batcher.server.appkeys import GATEWAY
 from batcher.server.gateway import TOKENIZE_OFFLOAD_CHARS, Gateway
-from batcher.tenants import TenantConfig
-from batcher.tokenizer import message_chars
+from batcher.admission.tenants import TenantConfig
+from batcher.tokenizer.tokenizer import message_chars
 
 GENERATION_ROUTES = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
 EMBEDDING_ROUTES = ["/v1/embeddings"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.core.step_time import StepShape
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 from batcher.sim.stepmodel import (
     DEFAULT_KNOT,
     LinearStepModel,

@@ -11,8 +11,8 @@ ramp-up, no lone tail).
 
 from __future__ import annotations
 
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 from batcher.sim.engine_sim import SimReplica, Timing
 from batcher.sim.fleet_types import FleetConfig
 from batcher.sim.stepmodel import StepModel

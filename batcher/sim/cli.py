@@ -1,5 +1,5 @@
 """`batcher plan` and `batcher sim {calibrate,run,validate,study}` argument parsing and entry
-points. `batcher/cli.py` hooks them in with `add_plan_args` / `run_plan` and `add_sim_args` /
+points. `batcher/app/cli.py` hooks them in with `add_plan_args` / `run_plan` and `add_sim_args` /
 `run_sim`; `python -m batcher.sim.cli plan|sim ...` runs them standalone."""
 
 from __future__ import annotations

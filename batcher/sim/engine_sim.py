@@ -18,17 +18,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batcher.admission import Admission, Ticket
-from batcher.admission_feed import decode_step_fn, prefill_step_fn, step_observer
-from batcher.backlog import Backlog
-from batcher.config import SchedulerConfig
+from batcher.admission.admission import Admission, Ticket
+from batcher.admission.feed import decode_step_fn, prefill_step_fn, step_observer
+from batcher.core.backlog import Backlog
+from batcher.core.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.step_time import CPU_PRIOR, OnlineStepTimeModel, StepShape
-from batcher.request import Priority, Request, RequestStatus
+from batcher.core.request import Priority, Request, RequestStatus
 from batcher.sim.stepmodel import LinearStepModel, StepModel
-from batcher.tenants import DEFAULT_TENANT
+from batcher.admission.tenants import DEFAULT_TENANT
 
 SYNTHETIC_TOKEN = 7  # any id works: the simulator never stops on EOS
 

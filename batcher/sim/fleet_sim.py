@@ -40,10 +40,10 @@ import random
 import time
 from collections.abc import Callable
 
-from batcher.admission import Rejected
+from batcher.admission.admission import Rejected
 from batcher.fleet.retry_budget import RetryBudget
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 from batcher.sim.engine_sim import SYNTHETIC_TOKEN, SimReplica, Timing
 from batcher.sim.fleet_types import Failure, FleetConfig, LiveView, Record, SimClock, View
 from batcher.sim.metrics import Collector, FleetResult

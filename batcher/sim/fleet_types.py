@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from batcher.config import SchedulerConfig
+from batcher.core.config import SchedulerConfig
 from batcher.fleet.load import ReplicaLoad
 from batcher.sim.engine_sim import SimReplica
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batcher.fleet.retry_flags import add_retry_budget_args
-from batcher.resources import DEFAULT_STEP_MODEL as PACKAGED_STEP_MODEL
+from batcher.workloads import DEFAULT_STEP_MODEL as PACKAGED_STEP_MODEL
 from batcher.sim.hetero import parse_pair, parse_stall
 
 DEFAULT_STEP_MODEL = str(PACKAGED_STEP_MODEL)  # the calibrated CPU model, shipped in the package

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 
 from batcher.bench.common import load_workload, pct
-from batcher.config import SchedulerConfig
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.config import SchedulerConfig
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 from batcher.sim.engine_sim import SimReplica, run_alone
 from batcher.sim.stepmodel import StepModel
 
@@ -68,8 +68,8 @@ def simulate(work: list[dict], times: list[float], model: StepModel, sched: Sche
 
 async def _real(loaded, tok, work: list[dict], times: list[float], sched: SchedulerConfig,
                 num_blocks: int, model: StepModel) -> RunStats:
-    from batcher.config import CacheConfig
-    from batcher.engine import AsyncEngine
+    from batcher.core.config import CacheConfig
+    from batcher.engine.engine import AsyncEngine
 
     engine = AsyncEngine.from_loaded(loaded, tok, sched, CacheConfig(num_blocks=num_blocks))
     steps: list[tuple[float, float]] = []
@@ -117,7 +117,7 @@ def measure_real(work: list[dict], times: list[float], sched: SchedulerConfig, n
                  model: StepModel, runs: int = 1, dtype: str = "bfloat16") -> list[RunStats]:
     """The workload through the real engine `runs` times (loads the bundled model once)."""
     from batcher.models.loader import load_model
-    from batcher.tokenizer import load_tokenizer
+    from batcher.tokenizer.tokenizer import load_tokenizer
 
     loaded = load_model("smollm2-135m", dtype=dtype, device="cpu")
     tok = load_tokenizer(loaded.tokenizer_source)

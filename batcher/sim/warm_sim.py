@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 
 from batcher.core.calibration import Plan, synthetic_prompt
-from batcher.request import Request
-from batcher.sampling import SamplingParams
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
 from batcher.sim.engine_sim import SimReplica, Timing
 
 # The simulated replica keeps no tokenizer: prompts draw from this many ids.
@@ -31,7 +31,7 @@ def run_plan(replica: SimReplica, plan: Plan, now: float = 0.0) -> float:
     replica.step_time_model.start_recording()
     refit = True
     for wave in plan.waves:
-        if refit and wave.late:  # as the engine's warm start does (`batcher.warmup`)
+        if refit and wave.late:  # as the engine's warm start does (`batcher.engine.warmup`)
             replica.step_time_model.refit_recorded(keep=True)
             refit = False
         first = [add(g.prompt_tokens, g.max_tokens, now) for g in wave.first

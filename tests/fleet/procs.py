@@ -112,7 +112,7 @@ def replica(name: str, *flags: str, port: int | None = None, router: str | None 
             decode_ms: float = 5.0, num_blocks: int = 512, admin: bool = True) -> Proc:
     port = port or free_port()
     admin_port = free_port() if admin else None
-    argv = ["-m", "batcher.cli", "serve", *FAKE, "--port", str(port), "--num-blocks",
+    argv = ["-m", "batcher.app.cli", "serve", *FAKE, "--port", str(port), "--num-blocks",
             str(num_blocks), "--fake-decode-step-ms", str(decode_ms), "--replica-id", name,
             "--shutdown-timeout", "3", *flags]
     if admin_port:

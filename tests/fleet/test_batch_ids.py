@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from batcher.engine_state import EngineSnapshot
+from batcher.engine.state import EngineSnapshot
 from batcher.fleet import batch_ids
 from batcher.fleet.batch_replicas import BatchProxy
 from batcher.fleet.context import RouterConfig, RouterContext

@@ -22,7 +22,7 @@ from batcher.fleet import batch_ids
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import create_router_app
 from batcher.http.middleware import answer_errors
-from batcher.tenants import TenantConfig
+from batcher.admission.tenants import TenantConfig
 from tests.fleet.procs import free_port
 
 KEY = {"Authorization": "Bearer some-key"}

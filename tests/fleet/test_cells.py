@@ -36,7 +36,7 @@ TOKENS = 30
 
 def cells_fleet() -> Proc:
     port, admin_port = free_port(), free_port()
-    argv = ["-m", "batcher.cli", "fleet", "--cells", "2", "--replicas", "2", *FAKE,
+    argv = ["-m", "batcher.app.cli", "fleet", "--cells", "2", "--replicas", "2", *FAKE,
             "--fake-decode-step-ms", "10", "--port", str(port), "--admin-port",
             str(admin_port), "--admin-key", ADMIN_KEY, "--shutdown-timeout", "3",
             # A cell's death moves its share of the requests in flight at once: the budget
@@ -119,11 +119,11 @@ async def test_balancer_over_two_routers_on_the_bundled_model():
     """`batcher balancer --cell URL` at default settings on the bundled model: two cell routers
     (here sharing one replica, so one model load) behind one balancer."""
     rport = free_port()
-    rep = Proc(["-m", "batcher.cli", "serve", "--embedding-model", "none", "--port", str(rport),
+    rep = Proc(["-m", "batcher.app.cli", "serve", "--embedding-model", "none", "--port", str(rport),
                 "--log-level", "warning", "--shutdown-timeout", "3"], rport, "bundled")
     cells = [router(replicas=(rep,)) for _ in range(2)]
     port, admin_port = free_port(), free_port()
-    top = Proc(["-m", "batcher.cli", "balancer", *(f"--cell={c.url}" for c in cells),
+    top = Proc(["-m", "batcher.app.cli", "balancer", *(f"--cell={c.url}" for c in cells),
                 "--cell-key", ADMIN_KEY, "--port", str(port), "--admin-port", str(admin_port),
                 "--admin-key", ADMIN_KEY, "--log-level", "warning"], port, "balancer",
                admin_port)

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from batcher.engine_state import EngineSnapshot
+from batcher.engine.state import EngineSnapshot
 from batcher.fleet.discovery import (
     Discovery,
     DnsSource,

@@ -9,11 +9,11 @@ import orjson
 import pytest
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.fake_runner import FakeRunner, FakeSpeed
+from batcher.engine.fake_runner import FakeRunner, FakeSpeed
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.load import EWMA_ALPHA, SAMPLE_CLAMP, STALL_STEPS, ReplicaLoad
 from batcher.fleet.policy import Candidate, choose_round_robin
-from batcher.sampling import SamplingParams
+from batcher.core.sampling import SamplingParams
 
 
 def test_prefill_tokens_rate_and_step_follow_the_attempts() -> None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from batcher.engine_state import EngineSnapshot
+from batcher.engine.state import EngineSnapshot
 from batcher.fleet.registry import BeatRefused, Registry, replica_id_for
 
 

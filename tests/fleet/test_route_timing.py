@@ -12,8 +12,8 @@ import pytest
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import create_router_app
 from batcher.fleet.route_timing import RouteClock
-from batcher.timings import PHASES, ROUTER_PHASES
-from batcher.tokenizer import load_tokenizer
+from batcher.telemetry.timings import PHASES, ROUTER_PHASES
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory, auth, completion
 
 
@@ -91,7 +91,7 @@ async def test_diagnose_through_a_router_names_route(aiohttp_client, tiny_fp32) 
 
     from aiohttp import web
 
-    from batcher.diagnose import diagnose_url
+    from batcher.app.diagnose import diagnose_url
 
     replica = await aiohttp_client(app_factory(tiny_fp32, load_tokenizer(), TENANTS)())
 

@@ -11,13 +11,13 @@ import asyncio
 import pytest
 import torch
 
-from batcher.config import CacheConfig, SchedulerConfig
-from batcher.engine import AsyncEngine
+from batcher.core.config import CacheConfig, SchedulerConfig
+from batcher.engine.engine import AsyncEngine
 from batcher.models.loader import load_model
-from batcher.request import Request
+from batcher.core.request import Request
 from batcher.runtime.model_runner import ModelRunner
-from batcher.sampling import SamplingParams
-from batcher.tokenizer import load_tokenizer
+from batcher.core.sampling import SamplingParams
+from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.gpu.conftest import bundled_weights_missing
 from tests.greedy_loop import greedy_generate
 from tests.test_smollm_reference import CHAT_PROMPTS, NEW_TOKENS, chat_ids

@@ -8,15 +8,15 @@ import asyncio
 
 import pytest
 
-from batcher.config import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, SchedulerConfig
+from batcher.core.config import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, SchedulerConfig
 from batcher.core.step_time import CPU_PRIOR, StepShape
-from batcher.engine import AsyncEngine
+from batcher.engine.engine import AsyncEngine
 from batcher.models.loader import load_model
-from batcher.request import Request
+from batcher.core.request import Request
 from batcher.runtime.compile_count import compilations
-from batcher.sampling import SamplingParams
-from batcher.tokenizer import load_tokenizer
-from batcher.warmup import warm_start
+from batcher.core.sampling import SamplingParams
+from batcher.tokenizer.tokenizer import load_tokenizer
+from batcher.engine.warmup import warm_start
 
 pytestmark = pytest.mark.gpu
 

@@ -40,7 +40,7 @@ async def _target(handler: web.RequestHandler) -> tuple[web.AppRunner, str]:
 async def _diagnose(url: str) -> tuple[int, str, float]:
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "batcher.cli", "diagnose", url, "--window", "0", "--timeout", "1",
+        sys.executable, "-m", "batcher.app.cli", "diagnose", url, "--window", "0", "--timeout", "1",
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     return proc.returncode or 0, err.decode(errors="replace"), time.monotonic() - start

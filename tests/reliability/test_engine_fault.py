@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from batcher.engine import STOP_GRACE_SECONDS
+from batcher.engine.engine import STOP_GRACE_SECONDS
 from tests.reliability.conftest import FAKE, stream_request
 from tests.server_process import assert_error_shape, get_state, serve, wait_state
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from batcher.engine_state import CONTRACT_KEYS
+from batcher.engine.state import CONTRACT_KEYS
 from batcher.fleet.context import RouterConfig, RouterContext
 from batcher.fleet.proxy import create_router_app
 from tests.fleet.procs import (

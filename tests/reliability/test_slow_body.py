@@ -34,7 +34,7 @@ def fleet() -> Iterator[tuple[Server, Proc, Proc]]:
     with serve(*FAKE, admin_key=ADMIN_KEY, env=ENV) as rep:
         rt = router("--log-level", "info", replicas=(f"{rep.url},{rep.admin_url}",), env=ENV)
         port = free_port()
-        top = Proc(["-m", "batcher.cli", "balancer", f"--cell={rt.url}", "--cell-key",
+        top = Proc(["-m", "batcher.app.cli", "balancer", f"--cell={rt.url}", "--cell-key",
                     ADMIN_KEY, "--port", str(port), "--log-level", "info"], port, "balancer",
                    env=ENV)
         with running(top, rt):

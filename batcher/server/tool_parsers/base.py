@@ -14,7 +14,7 @@ from batcher.server.tool_parsers.spec import (
     openai_call,
 )
 from batcher.server.tool_parsers.stream import ToolStream, collect_calls
-from batcher.structured import lark_grammar
+from batcher.structured.grammars import lark_grammar
 
 
 class ToolParser:

@@ -18,7 +18,7 @@ from typing import Any
 from batcher.http.errors import invalid
 from batcher.server.tool_parsers.base import ToolParser, as_call
 from batcher.server.tool_parsers.spec import ToolSpec, call_arguments
-from batcher.structured import MAX_GRAMMAR_CHARS, json_schema_grammar, lark_grammar
+from batcher.structured.grammars import MAX_GRAMMAR_CHARS, json_schema_grammar, lark_grammar
 
 INSTRUCTIONS = (
     "You can call these tools. To call one, answer with only a JSON object "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.http.errors import invalid
-from batcher.json_limits import loads_bounded
+from batcher.structured.json_limits import loads_bounded
 
 MAX_TOOLS = 64
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
