@@ -166,8 +166,8 @@ def socket_forwarder(port: int, upstream: str) -> None:
 def decision_context(replicas: int, choices: int, streams: int = 3) -> Any:
     """A router context whose registry holds `replicas` reporting replicas, each with `streams`
     of the router's own streams in flight (so the load account has something to read)."""
-    from batcher.fleet.context import RouterConfig, RouterContext
-    from batcher.fleet.policy import PolicyConfig
+    from batcher.fleet.router.context import RouterConfig, RouterContext
+    from batcher.fleet.router.policy import PolicyConfig
 
     now = [100.0]
     ctx = RouterContext(RouterConfig(policy=PolicyConfig(choices=choices)),

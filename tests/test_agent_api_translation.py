@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from batcher.fleet.stream_ledger import StreamLedger
+from batcher.fleet.router.stream_ledger import StreamLedger
 from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError
 from batcher.server.bridge import read_chunk, renamed

@@ -20,7 +20,7 @@ from batcher.bench.report import (
     table_row,
 )
 from batcher.bench.workload import BenchRequest
-from batcher.fleet.metrics import RouterMetrics
+from batcher.fleet.router.metrics import RouterMetrics
 from batcher.http.errors import ApiError
 
 

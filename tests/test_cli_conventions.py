@@ -144,8 +144,8 @@ def test_retry_and_health_flags_mean_the_same_everywhere() -> None:
     """router, fleet and balancer share one set of retry and health flags with the router's
     configured defaults (docs/capacity.md: 10% of the last 10 s of requests, a floor of 3), and
     `sim run` the same retry budget, where `none` is no budget."""
-    from batcher.fleet.context import RouterConfig
-    from batcher.fleet.health import HealthConfig
+    from batcher.fleet.router.context import RouterConfig
+    from batcher.fleet.router.health import HealthConfig
 
     r, h = RouterConfig(), HealthConfig()
     expected = {"max_attempts": r.max_attempts, "retry_ratio": r.retry_ratio,

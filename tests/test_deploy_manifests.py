@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from batcher.fleet.cli import add_router_args
-from batcher.fleet.discovery import DnsSource
+from batcher.fleet.router.discovery import DnsSource
 from batcher.flags.serve import add_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,8 +92,8 @@ def routes(command: str) -> set[tuple[str, str]]:
 
         app = create_app(never, 1024)
     else:
-        from batcher.fleet.context import RouterConfig, RouterContext
-        from batcher.fleet.proxy import create_router_app
+        from batcher.fleet.router.context import RouterConfig, RouterContext
+        from batcher.fleet.router.proxy import create_router_app
 
         app = create_router_app(RouterContext(RouterConfig()))
     return {(r.method, r.resource.canonical) for r in app.router.routes()
@@ -353,9 +353,9 @@ def registry_names(registry: Any) -> set[str]:
 
 def exported_names() -> set[str]:
     """What replicas, routers and the balancer export on /metrics."""
-    from batcher.fleet.balancer_app import BalancerContext, create_balancer_app
-    from batcher.fleet.context import RouterConfig, RouterContext
-    from batcher.fleet.proxy import create_router_app
+    from batcher.fleet.balancer.app import BalancerContext, create_balancer_app
+    from batcher.fleet.router.context import RouterConfig, RouterContext
+    from batcher.fleet.router.proxy import create_router_app
     from batcher.engine.metrics import Metrics
 
     replica = Metrics()

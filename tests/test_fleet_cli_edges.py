@@ -9,7 +9,7 @@ import asyncio
 from batcher.engine.state import EngineSnapshot
 from batcher.fleet.cli import announce_ready
 from batcher.fleet.launcher import replica_specs
-from batcher.fleet.registry import Registry
+from batcher.fleet.router.registry import Registry
 
 
 def test_replica_ports_follow_the_base_port() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from batcher.fleet.ratelimit import KeyedRetryBudget
+from batcher.fleet.router.ratelimit import KeyedRetryBudget
 from batcher.http.errors import MAX_MESSAGE_CHARS, ApiError, error_body
 from batcher.http.text import MAX_FILENAME_CHARS, excerpt, safe_filename
 from batcher.structured.json_limits import MAX_JSON_DEPTH, loads_bounded, too_deep

@@ -637,8 +637,8 @@ def test_bundled_model_prompt_logprobs(real: Server) -> None:
 
 
 async def test_tokenize_and_models_through_the_router(aiohttp_client, tiny_fp32) -> None:
-    from batcher.fleet.context import RouterConfig, RouterContext
-    from batcher.fleet.proxy import create_router_app
+    from batcher.fleet.router.context import RouterConfig, RouterContext
+    from batcher.fleet.router.proxy import create_router_app
 
     replica = await aiohttp_client(app_factory(tiny_fp32, load_tokenizer(), TENANTS)())
     ctx = RouterContext(RouterConfig())

@@ -8,8 +8,8 @@ import copy
 import pytest
 
 from batcher.app.diagnose import review_url
-from batcher.fleet.admin import create_admin_app as router_admin
-from batcher.fleet.context import RouterConfig, RouterContext
+from batcher.fleet.router.admin import create_admin_app as router_admin
+from batcher.fleet.router.context import RouterConfig, RouterContext
 from batcher.app.review import review
 from batcher.server.admin import create_admin_app
 from batcher.tokenizer.tokenizer import load_tokenizer

@@ -11,9 +11,9 @@ import signal
 
 import pytest
 
-from batcher.fleet.health import HealthChecker, HealthConfig
+from batcher.fleet.router.health import HealthChecker, HealthConfig
 from batcher.fleet.launcher import wait_for_signal
-from batcher.fleet.registry import Registry
+from batcher.fleet.router.registry import Registry
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -10,7 +10,7 @@ import pytest
 
 from batcher.core.config import SchedulerConfig
 from batcher.core.scheduler import Scheduler
-from batcher.fleet.policy import Candidate
+from batcher.fleet.router.policy import Candidate
 from batcher.core.request import Request
 from batcher.core.sampling import SamplingParams
 from batcher.sim.calibrate import Point, build_step
@@ -247,8 +247,7 @@ def test_validation_simulates_the_workload_file() -> None:
 
 
 def test_the_fleet_routers_own_policy_runs_through_the_adapter() -> None:
-    from batcher.fleet import policy as router
-
+    from batcher.fleet.router import policy as router
     pol = FleetPolicyAdapter(router.choose, router.Candidate, router.PolicyConfig().validate(),
                              seed=1)
     cfg = FleetConfig(replicas=4, zones=2, duration=10.0, seed=1)

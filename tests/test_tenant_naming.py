@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import create_router_app
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.proxy import create_router_app
 from batcher.http.keys import TENANT_HEADER
 from tests.test_access_outcomes import ALICE, body, fake_app, key
 

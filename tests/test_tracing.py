@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 
 from batcher.telemetry import tracing
 from batcher.app.cli import main
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import create_router_app
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.proxy import create_router_app
 from batcher.telemetry.timings import PHASES
 from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory, auth, completion

@@ -68,7 +68,7 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     add_bench_args(sub.add_parser("bench"))
     add_fleet_args(sub.add_parser("fleet"))
     add_router_args(sub.add_parser("router"))
-    from batcher.fleet.balancer_cli import add_balancer_args
+    from batcher.fleet.balancer.cli import add_balancer_args
 
     add_balancer_args(sub.add_parser("balancer"))
     add_plan_args(sub.add_parser("plan"))
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return _run(run_fleet(args) if args.command == "fleet" else run_router(args))
     if args.command == "balancer":
-        from batcher.fleet.balancer_cli import run_balancer
+        from batcher.fleet.balancer.cli import run_balancer
 
         return _run(run_balancer(args))
     if args.command == "plan":

@@ -1,10 +1,11 @@
 """The fleet: many `batcher serve` replicas behind one router that speaks the replica's API.
 
-Pure parts have no I/O, so the simulator can drive them on a simulated clock: `policy` (which
-replica), `registry` (what the router knows of each), `stream_ledger` (what a relayed stream has
-shown its client), `ratelimit`, `scope`, and the state machines of `health` and `rollout`.
-The router's three listeners: `proxy` (public, with `forward` relaying one request), `internal`
-(heartbeats, fleet key) and `admin` (operators, admin key). `heartbeat` is the replica's side of
-membership, `discovery` finds replicas, `launcher` runs processes. Nothing here imports
-`batcher.server`, `batcher.runtime` or `batcher.models`; the HTTP toolkit (`batcher.http`) is
-shared with the replica."""
+- `router/`: the router (public, internal and admin listeners, routing policy, registry, health,
+  failover, discovery, rollout). Its pure parts have no I/O, so the simulator drives them on a
+  simulated clock.
+- `balancer/`: the global balancer over cells, built on the router's machinery.
+- `launcher`: processes (serve a router, supervise local replicas); `cli`: `batcher router` and
+  `batcher fleet`; `heartbeat`: the replica's side of membership.
+
+Nothing here imports `batcher.server`, `batcher.runtime` or `batcher.models`; the HTTP toolkit
+(`batcher.http`) is shared with the replica."""

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batcher.flags.types import port
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.discovery import Discovery, HttpProber, Source, parse_source
-from batcher.fleet.policy import POLICIES, PolicyConfig
-from batcher.fleet.registry import Registry
-from batcher.fleet.retry_flags import add_retry_health_args, health_config, retry_settings
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.discovery import Discovery, HttpProber, Source, parse_source
+from batcher.fleet.router.policy import POLICIES, PolicyConfig
+from batcher.fleet.router.registry import Registry
+from batcher.fleet.router.retry_flags import add_retry_health_args, health_config, retry_settings
 
 if TYPE_CHECKING:
     from batcher.fleet.launcher import ReplicaSpec
@@ -125,7 +125,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cells", type=int, default=1, help="cells, each its own router over "
                    "--replicas replicas, behind one balancer on --port (default: %(default)s)")
     _policy_args(p)
-    from batcher.fleet.balancer_cli import add_cell_policy_args
+    from batcher.fleet.balancer.cli import add_cell_policy_args
 
     add_cell_policy_args(p)
 
@@ -271,7 +271,7 @@ async def run_fleet(args: argparse.Namespace) -> int:
     if args.cells < 1:
         raise SystemExit("--cells must be >= 1")
     if args.cells > 1:
-        from batcher.fleet.balancer_cli import run_cells
+        from batcher.fleet.balancer.cli import run_cells
 
         return await run_cells(args, serve_flags(args))
     cfg = router_config(args)

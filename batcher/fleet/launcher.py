@@ -31,10 +31,10 @@ from typing import Any
 
 from aiohttp import web
 
-from batcher.fleet.admin import create_admin_app
-from batcher.fleet.context import RouterContext
-from batcher.fleet.internal import create_internal_app
-from batcher.fleet.proxy import create_router_app
+from batcher.fleet.router.admin import create_admin_app
+from batcher.fleet.router.context import RouterContext
+from batcher.fleet.router.internal import create_internal_app
+from batcher.fleet.router.proxy import create_router_app
 from batcher.http.listener import LISTEN_BACKLOG, keepalive_timeout, on_stop_signal, server_log
 
 log = logging.getLogger("batcher.fleet")

@@ -1,7 +1,7 @@
 """Two studies of cells, at the level of cells rather than of engine steps.
 
 `balance`: C cells of R replicas, S sequence slots each, behind a balancer that runs the real
-policy (`batcher.fleet.balancer`: `cell_saturation` on the state each cell publishes every beat,
+policy (`batcher.fleet.balancer.policy`: `cell_saturation` on the state each cell publishes every beat,
 `choose_cell` on it plus the balancer's own requests sent since). A cell is a FIFO queue in front
 of R * S slots; a request holds a slot for an exponential service time (the engine's KV and
 decode slots, folded into one number), and its queue wait stands for its time to first token.
@@ -32,8 +32,8 @@ import sys
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from batcher.fleet.balancer import BalancerConfig, CellView, cell_saturation, choose_cell
-from batcher.fleet.balancer import home_cell as _home
+from batcher.fleet.balancer.policy import BalancerConfig, CellView, cell_saturation, choose_cell
+from batcher.fleet.balancer.policy import home_cell as _home
 
 POLICIES = ("home", "random", "balancer")
 

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 
 from batcher.admission.admission import Rejected
-from batcher.fleet.retry_budget import RetryBudget
+from batcher.fleet.router.retry_budget import RetryBudget
 from batcher.core.request import Request
 from batcher.core.sampling import SamplingParams
 from batcher.sim.engine_sim import SYNTHETIC_TOKEN, SimReplica, Timing

@@ -1,6 +1,6 @@
 """The fleet simulator's configuration and bookkeeping types: what fails or stalls when, the
 knobs, the router's view of a replica and the record of one client request. The retry budget is
-the fleet router's own (`batcher.fleet.retry_budget.RetryBudget`)."""
+the fleet router's own (`batcher.fleet.router.retry_budget.RetryBudget`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from batcher.core.config import SchedulerConfig
-from batcher.fleet.load import ReplicaLoad
+from batcher.fleet.router.load import ReplicaLoad
 from batcher.sim.engine_sim import SimReplica
 
 

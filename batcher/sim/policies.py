@@ -18,7 +18,7 @@ and returns the position of its choice in the views (None: no candidate). A poli
 - `PowerOfTwoFreeKV`: sample two, keep the one with more free KV after reserving this request,
   fewer waiting breaking ties.
 - `FleetPolicyAdapter`: wraps a fleet-style `choose(cands, tokens, key, cfg, rng, weights,
-  exclude) -> candidate | None` with a candidate constructor, so `batcher.fleet.policy`'s
+  exclude) -> candidate | None` with a candidate constructor, so `batcher.fleet.router.policy`'s
   policy runs here (`make_policy("fleet")` imports it only when asked).
 """
 
@@ -158,8 +158,7 @@ class Oracle:
     live = True
 
     def __init__(self, seed: int = 0, cfg: Any = None) -> None:
-        from batcher.fleet import policy
-
+        from batcher.fleet.router import policy
         self.rng = random.Random(seed)
         self._policy = policy
         self.cfg = cfg or policy.PolicyConfig().validate()
@@ -263,8 +262,7 @@ def make_policy(name: str, seed: int = 0, slo_ttft_s: float | None = None) -> Ro
     with its default configuration, through `FleetPolicyAdapter`). `slo_ttft_s` is the
     first-token objective the fleet policy and the oracle route for (default: the router's)."""
     if name in ("fleet", "oracle"):
-        from batcher.fleet import policy as router
-
+        from batcher.fleet.router import policy as router
         cfg = router.PolicyConfig()
         if slo_ttft_s is not None:
             cfg.slo_ttft_s = slo_ttft_s

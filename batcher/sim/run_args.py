@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from batcher.fleet.retry_flags import add_retry_budget_args
+from batcher.fleet.router.retry_flags import add_retry_budget_args
 from batcher.workloads import DEFAULT_STEP_MODEL as PACKAGED_STEP_MODEL
 from batcher.sim.hetero import parse_pair, parse_stall
 

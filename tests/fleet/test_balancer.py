@@ -11,7 +11,7 @@ from collections import Counter
 import orjson
 import pytest
 
-from batcher.fleet.balancer import (
+from batcher.fleet.balancer.policy import (
     BalancerConfig,
     CellView,
     cell_saturation,
@@ -20,10 +20,10 @@ from batcher.fleet.balancer import (
     home_cell,
     retry_after,
 )
-from batcher.fleet.balancer_app import BalancerContext, create_balancer_app
-from batcher.fleet.cell_state import StateHeader
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import create_router_app
+from batcher.fleet.balancer.app import BalancerContext, create_balancer_app
+from batcher.fleet.router.cell_state import StateHeader
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.proxy import create_router_app
 
 CFG = BalancerConfig()
 

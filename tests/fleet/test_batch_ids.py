@@ -9,9 +9,9 @@ import random
 import pytest
 
 from batcher.engine.state import EngineSnapshot
-from batcher.fleet import batch_ids
-from batcher.fleet.batch_replicas import BatchProxy
-from batcher.fleet.context import RouterConfig, RouterContext
+from batcher.fleet.router import batch_ids
+from batcher.fleet.router.batch_replicas import BatchProxy
+from batcher.fleet.router.context import RouterConfig, RouterContext
 
 
 @pytest.mark.parametrize("owner", ["r0", "127.0.0.1:8001", "replica.with.dots", "ü-id"])

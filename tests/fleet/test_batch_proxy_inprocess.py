@@ -18,9 +18,9 @@ from aiohttp.test_utils import TestServer
 from batcher.batch.api_state import BATCH, BatchLimits, BatchService
 from batcher.batch.routes import add_routes
 from batcher.batch.store import BatchStore
-from batcher.fleet import batch_ids
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import create_router_app
+from batcher.fleet.router import batch_ids
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.proxy import create_router_app
 from batcher.http.middleware import answer_errors
 from batcher.admission.tenants import TenantConfig
 from tests.fleet.procs import free_port

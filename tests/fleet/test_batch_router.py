@@ -16,7 +16,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from batcher.fleet import batch_ids
+from batcher.fleet.router import batch_ids
 from tests.fleet.procs import Proc, replica, router, running, wait_http
 from tests.server_process import write_tenants
 

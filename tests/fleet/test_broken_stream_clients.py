@@ -8,7 +8,7 @@ import anthropic
 import openai
 from aiohttp import web
 
-from batcher.fleet.stream_ledger import StreamLedger
+from batcher.fleet.router.stream_ledger import StreamLedger
 from batcher.http.sse import SSE_HEADERS, sse_named
 
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from batcher.engine.state import EngineSnapshot
-from batcher.fleet.discovery import (
+from batcher.fleet.router.discovery import (
     Discovery,
     DnsSource,
     FileSource,
@@ -23,7 +23,7 @@ from batcher.fleet.discovery import (
     parse_source,
     resolve_all,
 )
-from batcher.fleet.registry import Registry
+from batcher.fleet.router.registry import Registry
 from tests.fleet.procs import (
     admin,
     completion,

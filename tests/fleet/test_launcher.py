@@ -116,7 +116,7 @@ def test_a_router_taking_heartbeats_off_loopback_has_a_fleet_key(tmp_path, capsy
     import argparse
 
     from batcher.fleet.cli import add_router_args, ensure_fleet_key, fleet_key, router_config
-    from batcher.fleet.context import RouterContext
+    from batcher.fleet.router.context import RouterContext
     from batcher.fleet.launcher import serve_router
 
     p = argparse.ArgumentParser()

@@ -10,9 +10,9 @@ import pytest
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.engine.fake_runner import FakeRunner, FakeSpeed
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.load import EWMA_ALPHA, SAMPLE_CLAMP, STALL_STEPS, ReplicaLoad
-from batcher.fleet.policy import Candidate, choose_round_robin
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.load import EWMA_ALPHA, SAMPLE_CLAMP, STALL_STEPS, ReplicaLoad
+from batcher.fleet.router.policy import Candidate, choose_round_robin
 from batcher.core.sampling import SamplingParams
 
 
@@ -207,7 +207,7 @@ async def test_the_state_on_an_answer_is_read_as_of_when_it_was_taken(aiohttp_cl
     ended, what the replica reports beyond them is other routers' work: here one sequence."""
     from aiohttp import web
 
-    from batcher.fleet.proxy import create_router_app
+    from batcher.fleet.router.proxy import create_router_app
 
     def state(running: int) -> str:
         return orjson.dumps({"free_blocks": 90, "total_blocks": 100, "block_size": 16,

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from batcher.fleet.health import HealthRecord
-from batcher.fleet.policy import (
+from batcher.fleet.router.health import HealthRecord
+from batcher.fleet.router.policy import (
     Candidate,
     PolicyConfig,
     Priors,
@@ -17,13 +17,13 @@ from batcher.fleet.policy import (
     predicted_wait,
     rendezvous_weight,
 )
-from batcher.fleet.request_estimates import (
+from batcher.fleet.router.request_estimates import (
     affinity_key,
     estimate_prompt_tokens,
     estimate_tokens,
 )
-from batcher.fleet.retry_budget import RetryBudget, backoff
-from batcher.fleet.rollout import Rollout
+from batcher.fleet.router.retry_budget import RetryBudget, backoff
+from batcher.fleet.router.rollout import Rollout
 
 CFG = PolicyConfig()
 
@@ -263,8 +263,8 @@ def test_health_record_evicts_after_failures_and_readmits_after_two_probes():
 def test_a_responses_body_is_estimated_as_its_chat_equivalent():
     from aiohttp.test_utils import make_mocked_request
 
-    from batcher.fleet.context import RouterConfig, RouterContext
-    from batcher.fleet.forward import Relay
+    from batcher.fleet.router.context import RouterConfig, RouterContext
+    from batcher.fleet.router.forward import Relay
 
     long = "You are a careful assistant. " * 40
     chat = {"messages": [{"role": "system", "content": long},

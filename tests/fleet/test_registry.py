@@ -8,7 +8,7 @@ import random
 import pytest
 
 from batcher.engine.state import EngineSnapshot
-from batcher.fleet.registry import BeatRefused, Registry, replica_id_for
+from batcher.fleet.router.registry import BeatRefused, Registry, replica_id_for
 
 
 def beat(rid: str = "a", epoch: int | str = 1, seq: int = 1, **state) -> dict:
@@ -206,8 +206,8 @@ def test_replica_count_is_capped_and_known_replicas_stay():
 def test_forgotten_replicas_leave_no_metric_series(kind: str) -> None:
     """A flood of 300 registrations, each evicted after some traffic and then forgotten: the
     router's (and a balancer's) /metrics keep no series labelled with any of them."""
-    from batcher.fleet.balancer_app import BalancerContext
-    from batcher.fleet.context import RouterConfig, RouterContext
+    from batcher.fleet.balancer.app import BalancerContext
+    from batcher.fleet.router.context import RouterConfig, RouterContext
 
     ctx = (RouterContext(RouterConfig(max_replicas=400)) if kind == "router"
            else BalancerContext(RouterConfig(max_replicas=400)))

@@ -12,9 +12,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from batcher.fleet import batch_ids, responses_proxy
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import ROUTER, create_router_app
+from batcher.fleet.router import batch_ids, responses_proxy
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.proxy import ROUTER, create_router_app
 from tests.fleet.procs import STUB_STATE, free_port
 
 KEY = "the-key"

@@ -9,9 +9,9 @@ import time
 import orjson
 import pytest
 
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import create_router_app
-from batcher.fleet.route_timing import RouteClock
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.proxy import create_router_app
+from batcher.fleet.router.route_timing import RouteClock
 from batcher.telemetry.timings import PHASES, ROUTER_PHASES
 from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.test_gateway_inprocess import ALICE, TENANTS, app_factory, auth, completion

@@ -9,9 +9,9 @@ import asyncio
 import orjson
 import pytest
 
-from batcher.fleet.admin import create_admin_app
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.internal import create_internal_app
+from batcher.fleet.router.admin import create_admin_app
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.internal import create_internal_app
 
 FLEET = "fleet-key-in-process"
 ADMIN = "admin-key-in-process"

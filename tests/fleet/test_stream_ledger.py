@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import orjson
 
-from batcher.fleet import batch_ids
-from batcher.fleet.ratelimit import SourceLimiter
-from batcher.fleet.stream_ledger import StreamLedger
+from batcher.fleet.router import batch_ids
+from batcher.fleet.router.ratelimit import SourceLimiter
+from batcher.fleet.router.stream_ledger import StreamLedger
 
 
 def event(text: str, ids: list[int] | None = None, finish: str | None = None,

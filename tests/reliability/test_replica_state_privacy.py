@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from batcher.engine.state import CONTRACT_KEYS
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import create_router_app
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.proxy import create_router_app
 from tests.fleet.procs import (
     ADMIN_KEY,
     FLEET_KEY,

@@ -9,8 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
-from batcher.fleet import batch_ids
-from batcher.fleet.batch_replicas import (
+from batcher.fleet.router import batch_ids
+from batcher.fleet.router.batch_replicas import (
     KINDS,
     PROXY,
     Unreachable,
@@ -22,7 +22,7 @@ from batcher.fleet.batch_replicas import (
     quoted,
     unavailable,
 )
-from batcher.fleet.registry import Replica
+from batcher.fleet.router.registry import Replica
 from batcher.http.errors import ApiError, invalid
 from batcher.http.responses import json_response
 

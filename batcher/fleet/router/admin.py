@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from batcher.fleet.context import RouterContext
+from batcher.fleet.router.context import RouterContext
 from batcher.http.errors import ApiError, invalid
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
 from batcher.http.middleware import answer_errors, require_bearer

@@ -18,9 +18,9 @@ import logging
 
 from aiohttp import web
 
-from batcher.fleet.context import RouterContext
-from batcher.fleet.ratelimit import SourceLimiter
-from batcher.fleet.registry import BeatRefused
+from batcher.fleet.router.context import RouterContext
+from batcher.fleet.router.ratelimit import SourceLimiter
+from batcher.fleet.router.registry import BeatRefused
 from batcher.http.errors import ApiError
 from batcher.http.keys import bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_json

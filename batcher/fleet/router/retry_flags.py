@@ -9,8 +9,8 @@ import argparse
 from typing import Any, Protocol
 
 from batcher.flags.types import non_negative_float, non_negative_int, positive_float, positive_int
-from batcher.fleet.context import RouterConfig
-from batcher.fleet.health import HealthConfig
+from batcher.fleet.router.context import RouterConfig
+from batcher.fleet.router.health import HealthConfig
 
 _R = RouterConfig()
 _H = HealthConfig()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from batcher.fleet.registry import Registry, Replica
+from batcher.fleet.router.registry import Registry, Replica
 
 log = logging.getLogger("batcher.fleet.health")
 _NOT_ALLOWED = "not allowed"  # the replica refused the probe itself (no key, rate limit)

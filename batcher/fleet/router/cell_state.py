@@ -22,9 +22,9 @@ import orjson
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from batcher.fleet.balancer import BalancerConfig, cell_saturation
-from batcher.fleet.context import RouterContext
-from batcher.fleet.policy import Priors, predicted_wait
+from batcher.fleet.balancer.policy import BalancerConfig, cell_saturation
+from batcher.fleet.router.context import RouterContext
+from batcher.fleet.router.policy import Priors, predicted_wait
 
 REFERENCE_PROMPT_TOKENS = 256  # the request `predicted_wait_s` is quoted for
 

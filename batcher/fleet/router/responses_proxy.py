@@ -34,9 +34,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from batcher.fleet import batch_ids
-from batcher.fleet.context import RouterContext
-from batcher.fleet.registry import Replica
+from batcher.fleet.router import batch_ids
+from batcher.fleet.router.context import RouterContext
+from batcher.fleet.router.registry import Replica
 from batcher.http.errors import ApiError
 
 LOOKUP_TIMEOUT_S = 5.0

@@ -26,14 +26,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from batcher.fleet.batch_proxy import add_batch_routes
-from batcher.fleet.cell_state import CellCollector, StateHeader, aggregate
-from batcher.fleet.context import RouterContext
-from batcher.fleet.forward import PASS_HEADERS, Relay
-from batcher.fleet.health import HealthChecker
-from batcher.fleet.responses_proxy import lookup_route, pin_previous
-from batcher.fleet.scope import tenant_scope
-from batcher.fleet.stream_relay import StreamRelay
+from batcher.fleet.router.batch_proxy import add_batch_routes
+from batcher.fleet.router.cell_state import CellCollector, StateHeader, aggregate
+from batcher.fleet.router.context import RouterContext
+from batcher.fleet.router.forward import PASS_HEADERS, Relay
+from batcher.fleet.router.health import HealthChecker
+from batcher.fleet.router.responses_proxy import lookup_route, pin_previous
+from batcher.fleet.router.scope import tenant_scope
+from batcher.fleet.router.stream_relay import StreamRelay
 from batcher.http.errors import ApiError
 from batcher.http.keys import bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json

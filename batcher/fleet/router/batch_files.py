@@ -12,8 +12,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from batcher.fleet import batch_ids
-from batcher.fleet.batch_replicas import (
+from batcher.fleet.router import batch_ids
+from batcher.fleet.router.batch_replicas import (
     PROXY,
     Unreachable,
     call_headers,

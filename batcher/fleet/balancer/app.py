@@ -29,17 +29,17 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batcher.engine.state import EngineSnapshot
-from batcher.fleet.admin import create_admin_app
-from batcher.fleet.balancer import (
+from batcher.fleet.router.admin import create_admin_app
+from batcher.fleet.balancer.policy import (
     BalancerConfig,
     CellView,
     cell_saturation,
     choose_cell,
     retry_after,
 )
-from batcher.fleet.context import RouterConfig, RouterContext
-from batcher.fleet.proxy import GENERATION_PATHS, create_router_app
-from batcher.fleet.registry import Registry, Replica
+from batcher.fleet.router.context import RouterConfig, RouterContext
+from batcher.fleet.router.proxy import GENERATION_PATHS, create_router_app
+from batcher.fleet.router.registry import Registry, Replica
 from batcher.http.errors import ApiError
 from batcher.http.listener import LISTEN_BACKLOG, keepalive_timeout, server_log
 

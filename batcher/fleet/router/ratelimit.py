@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from batcher.fleet.retry_budget import RetryBudget
+from batcher.fleet.router.retry_budget import RetryBudget
 from batcher.admission.token_bucket import TokenBucket
 
 

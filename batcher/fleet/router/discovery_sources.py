@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from batcher.fleet.registry import replica_id_for
+from batcher.fleet.router.registry import replica_id_for
 
 log = logging.getLogger("batcher.fleet.discovery")
 

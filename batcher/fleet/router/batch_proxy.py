@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from batcher.fleet import batch_ids
-from batcher.fleet.batch_files import file_content, upload_file
-from batcher.fleet.batch_lists import list_batches, list_files
-from batcher.fleet.batch_replicas import (
+from batcher.fleet.router import batch_ids
+from batcher.fleet.router.batch_files import file_content, upload_file
+from batcher.fleet.router.batch_lists import list_batches, list_files
+from batcher.fleet.router.batch_replicas import (
     PROXY,
     BatchProxy,
     Unreachable,
@@ -29,7 +29,7 @@ from batcher.fleet.batch_replicas import (
     passed_on,
     unavailable,
 )
-from batcher.fleet.context import RouterContext
+from batcher.fleet.router.context import RouterContext
 from batcher.http.errors import invalid
 from batcher.http.listener import expect_continue, read_body, read_json
 from batcher.http.responses import json_response

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from batcher.fleet.policy import PolicyConfig
+from batcher.fleet.router.policy import PolicyConfig
 
 
 def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:

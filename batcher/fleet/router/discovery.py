@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 from batcher.engine.state import EngineSnapshot
-from batcher.fleet.discovery_sources import (  # noqa: F401  (re-exported)
+from batcher.fleet.router.discovery_sources import (  # noqa: F401  (re-exported)
     DnsSource,
     FileSource,
     Source,
@@ -47,7 +47,7 @@ from batcher.fleet.discovery_sources import (  # noqa: F401  (re-exported)
     parse_url,
     resolve_all,
 )
-from batcher.fleet.registry import Registry
+from batcher.fleet.router.registry import Registry
 
 log = logging.getLogger("batcher.fleet.discovery")
 

@@ -15,12 +15,12 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from batcher.fleet.discovery import Discovery
-from batcher.fleet.health import HealthChecker, HealthConfig
-from batcher.fleet.load import ReplicaLoad
-from batcher.fleet.metrics import RouterMetrics
-from batcher.fleet.ratelimit import KeyedRetryBudget
-from batcher.fleet.policy import (
+from batcher.fleet.router.discovery import Discovery
+from batcher.fleet.router.health import HealthChecker, HealthConfig
+from batcher.fleet.router.load import ReplicaLoad
+from batcher.fleet.router.metrics import RouterMetrics
+from batcher.fleet.router.ratelimit import KeyedRetryBudget
+from batcher.fleet.router.policy import (
     POLICIES,
     Candidate,
     PolicyConfig,
@@ -28,8 +28,8 @@ from batcher.fleet.policy import (
     choose,
     choose_round_robin,
 )
-from batcher.fleet.registry import Registry, Replica
-from batcher.fleet.rollout import Rollout
+from batcher.fleet.router.registry import Registry, Replica
+from batcher.fleet.router.rollout import Rollout
 from batcher.http.upstream import UpstreamPool
 
 log = logging.getLogger("batcher.fleet.context")

@@ -8,7 +8,7 @@ means every version. `canary(v, w)` sends share `w` to `v` and the rest to the o
 
 from __future__ import annotations
 
-from batcher.fleet.policy import OTHERS
+from batcher.fleet.router.policy import OTHERS
 
 
 class Rollout:

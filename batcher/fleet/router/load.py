@@ -22,7 +22,7 @@ few seconds old. So per replica it keeps (no I/O, every method takes `now`):
   since): other routers' work. Without this a report a second old double counts the router's
   own requests that finished since.
 
-`batcher.fleet.policy.predicted_wait` turns these into a wait; the simulator keeps the same
+`batcher.fleet.router.policy.predicted_wait` turns these into a wait; the simulator keeps the same
 account with the same class.
 """
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from batcher.fleet import batch_ids
+from batcher.fleet.router import batch_ids
 from batcher.http import anthropic_errors
 from batcher.http.errors import error_body
 from batcher.http.sse import DONE, SEP, sse_event, sse_named

@@ -42,9 +42,9 @@ import orjson
 from aiohttp import web
 
 from batcher.telemetry.access_log import LOGGED, log_access, outcome_of
-from batcher.fleet.context import Attempt, RouterContext
-from batcher.fleet.registry import Replica
-from batcher.fleet.request_estimates import (
+from batcher.fleet.router.context import Attempt, RouterContext
+from batcher.fleet.router.registry import Replica
+from batcher.fleet.router.request_estimates import (
     affinity_key,
     choices_count,
     estimate_prompt_tokens,
@@ -52,10 +52,10 @@ from batcher.fleet.request_estimates import (
     responses_as_chat,
     well_formed,
 )
-from batcher.fleet.responses_proxy import tag_body
-from batcher.fleet.retry_budget import backoff
-from batcher.fleet.route_timing import RouteClock
-from batcher.fleet.stream_ledger import RESPONSES_PATH, StreamLedger
+from batcher.fleet.router.responses_proxy import tag_body
+from batcher.fleet.router.retry_budget import backoff
+from batcher.fleet.router.route_timing import RouteClock
+from batcher.fleet.router.stream_ledger import RESPONSES_PATH, StreamLedger
 from batcher.http.errors import ApiError
 from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER
 from batcher.http.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse

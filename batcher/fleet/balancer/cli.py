@@ -13,10 +13,10 @@ import os
 import secrets
 import sys
 
-from batcher.fleet.balancer import BalancerConfig
-from batcher.fleet.context import RouterConfig
-from batcher.fleet.policy import PolicyConfig
-from batcher.fleet.retry_flags import add_retry_health_args, health_config, retry_settings
+from batcher.fleet.balancer.policy import BalancerConfig
+from batcher.fleet.router.context import RouterConfig
+from batcher.fleet.router.policy import PolicyConfig
+from batcher.fleet.router.retry_flags import add_retry_health_args, health_config, retry_settings
 
 
 def add_cell_policy_args(p: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def balancer_configs(args: argparse.Namespace, cell_key: str | None
 
 
 async def run_balancer(args: argparse.Namespace) -> int:
-    from batcher.fleet.balancer_app import BalancerContext, serve_balancer
+    from batcher.fleet.balancer.app import BalancerContext, serve_balancer
     from batcher.fleet.launcher import wait_for_signal
     from batcher.system.heap import freeze_startup_heap
 
@@ -88,7 +88,7 @@ async def run_balancer(args: argparse.Namespace) -> int:
 async def run_cells(args: argparse.Namespace, flags: list[str]) -> int:
     """`batcher fleet --cells C`: C child fleets, one balancer in front. `flags`: the `batcher
     serve` flags every replica gets (`fleet.cli.serve_flags`)."""
-    from batcher.fleet.balancer_app import BalancerContext, serve_balancer
+    from batcher.fleet.balancer.app import BalancerContext, serve_balancer
     from batcher.fleet.launcher import ReplicaSpec, Supervisor, free_port, wait_for_signal
 
     key = secrets.token_hex(16)

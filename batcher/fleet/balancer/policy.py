@@ -32,7 +32,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from batcher.fleet.policy import rendezvous_weight
+from batcher.fleet.router.policy import rendezvous_weight
 
 
 @dataclass(slots=True)

@@ -12,10 +12,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from batcher.fleet import batch_ids
-from batcher.fleet.context import RouterContext
-from batcher.fleet.forward import PASS_HEADERS
-from batcher.fleet.registry import Registry, Replica
+from batcher.fleet.router import batch_ids
+from batcher.fleet.router.context import RouterContext
+from batcher.fleet.router.forward import PASS_HEADERS
+from batcher.fleet.router.registry import Registry, Replica
 from batcher.http.errors import ApiError
 from batcher.http.responses import json_response
 

@@ -10,8 +10,8 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from batcher.fleet.forward import Failure, Relay
-from batcher.fleet.registry import Replica
+from batcher.fleet.router.forward import Failure, Relay
+from batcher.fleet.router.registry import Replica
 from batcher.http.sse import DONE, SSE_HEADERS
 from batcher.http.upstream import UpstreamError
 
