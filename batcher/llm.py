@@ -18,13 +18,12 @@ concurrent `generate` calls share its steps. The engine starts with the first re
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import threading
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -50,34 +49,17 @@ class GenerationError(RuntimeError):
     """The engine failed the request (or stopped before it finished)."""
 
 
-def _serve_namespace(model: str, config: EngineConfig) -> argparse.Namespace:
-    """`config` as the namespace `batcher serve` would parse, so the engine is built by the
-    same code with the same defaults."""
-    from batcher.flags.serve import add_serve_args
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_serve_args(parser)
-    args = parser.parse_args(["--model", model])
-    for f in fields(config):
-        setattr(args, f.name, getattr(config, f.name))
-    args.no_prefix_caching = not config.enable_prefix_caching
-    args.no_cuda_graphs = not config.cuda_graphs
-    return args
-
-
 class AsyncLLM:
     """The engine for asyncio programs. Construction loads the model (blocking; use
     `await AsyncLLM.load(...)` to load in a thread); every method must then run on one event
     loop, the one of the first request."""
 
     def __init__(self, model: str = DEFAULT_MODEL, config: EngineConfig | None = None) -> None:
-        from batcher.engine.metrics import Metrics
-        from batcher.app.serve import build_engine
+        from batcher.engine.factory import build_engine
 
         self.model = model
         self.config = replace(config) if config is not None else EngineConfig()
-        self.config.validate()
-        self._engine = build_engine(_serve_namespace(model, self.config), Metrics())
+        self._engine = build_engine(model, self.config)
         self._closed = False
 
     @classmethod

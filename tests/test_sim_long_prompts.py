@@ -10,8 +10,7 @@ import itertools
 
 from batcher.core.request import Request
 from batcher.core.sampling import SamplingParams
-from batcher.flags.serve import add_serve_args
-from batcher.app.serve_startup import engine_configs
+from batcher.flags.serve import add_serve_args, engine_config_from_args
 from batcher.sim.capacity import capacity_replica, replica_capacity
 from batcher.sim.cli import add_sim_args, fleet_from_args
 from batcher.sim.engine_sim import SimReplica, run_alone
@@ -36,7 +35,7 @@ def test_the_capacity_is_measured_on_the_replicas_scheduler_which_is_serves() ->
     # is also the goodput bound, as serve's --slo-ttft-ms is both.
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    served, _ = engine_configs(p.parse_args([]))
+    served = engine_config_from_args(p.parse_args([])).scheduler_config()
     served.max_model_len = cfg.max_model_len
     served.slo_ttft_s = cfg.slo_ttft
     assert sim.replicas[0].scheduler.config == served

@@ -16,15 +16,12 @@ from aiohttp import web
 
 from batcher.admission.admission import Admission
 from batcher.admission.feed import decode_step_fn, prefill_step_fn, step_observer
-from batcher.core.config import (
-    CUDA_MAX_NUM_BATCHED_TOKENS,
-    CUDA_MAX_NUM_SEQS,
-)
 from batcher.engine.engine import AsyncEngine
 from batcher.system.heap import freeze_startup_heap
 from batcher.http.listener import LISTEN_BACKLOG, on_stop_signal, server_log
 from batcher.engine.metrics import Metrics
-from batcher.app.serve_startup import engine_configs, preflight
+from batcher.app.serve_startup import preflight
+from batcher.flags.serve import engine_config_from_args, fake_device_from_args
 from batcher.server.admin import create_admin_app
 from batcher.server.app import GATEWAY, create_app
 from batcher.server.auth import Authenticator
@@ -32,7 +29,6 @@ from batcher.server.embeddings_route import MAX_INPUTS
 from batcher.server.gateway import Gateway, GatewayConfig
 from batcher.server.responses_store import StoreConfig, retention_from_args
 from batcher.admission.tenants import TenantConfig, load_tenants
-from batcher.system.threads import cpu_quota_threads
 
 log = logging.getLogger("batcher.serve")
 
@@ -46,37 +42,13 @@ EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
 
 
 def build_engine(args: argparse.Namespace, metrics: Metrics) -> AsyncEngine:
-    """The engine for `--model` (blocking: loads weights)."""
-    from batcher.tokenizer.tokenizer import load_tokenizer
+    """The engine for `--model` (blocking: loads weights): the flags converted once to an
+    `EngineConfig`, built by the one factory."""
+    from batcher.engine.factory import build_engine as build
 
-    threads = args.torch_threads or cpu_quota_threads()
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    sched, cache = engine_configs(args)
-    if args.model == "fake":
-        from batcher.engine.fake_runner import build_fake_engine
-
-        return build_fake_engine(args, sched, cache, metrics)
-    from batcher.models.loader import load_model
-
-    lm = load_model(args.model, dtype=args.dtype, device=args.device,
-                    quantization=args.quantization,
-                    dense_above=args.quantized_dense_above or None,
-                    load_format=args.load_format)
-    sched.max_model_len = min(args.max_model_len, lm.config.max_position_embeddings)
-    if lm.device.type == "cuda":  # a GPU step takes far more work than a CPU one
-        sched.max_num_seqs = args.max_num_seqs or CUDA_MAX_NUM_SEQS
-        sched.max_num_batched_tokens = args.max_num_batched_tokens or CUDA_MAX_NUM_BATCHED_TOKENS
-    tok = load_tokenizer(lm.tokenizer_source)
-    log.info("model %s loaded in %.1fs (%s on %s)", lm.name, lm.load_seconds, lm.dtype,
-             lm.device)
-    return AsyncEngine.from_loaded(lm, tok, sched.validate(), cache, metrics=metrics,
-                                   version=args.version,
-                                   attention_backend=args.attention_backend,
-                                   cuda_graphs=not args.no_cuda_graphs,
-                                   compile_decode=args.compile_decode)
+    fake = fake_device_from_args(args) if args.model == "fake" else None
+    return build(args.model, engine_config_from_args(args), metrics=metrics,
+                 version=args.version, fake=fake)
 
 
 def build_embedder(args: argparse.Namespace):

@@ -18,13 +18,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from batcher.core.config import (
-    CPU_MAX_NUM_BATCHED_TOKENS,
-    CPU_MAX_NUM_SEQS,
-    CacheConfig,
-    SchedulerConfig,
-    parse_bytes,
-)
 from batcher.admission.tenants import TenantConfig, load_tenants
 
 
@@ -52,29 +45,6 @@ class Preflight:
         for s in (self.sock, self.admin_sock):
             if s is not None:
                 s.close()
-
-
-def engine_configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConfig]:
-    """The scheduler and cache settings of the flags, as on a CPU (the engine raises the CPU
-    defaults to the CUDA ones once it knows the device). Not yet validated."""
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs or CPU_MAX_NUM_SEQS,
-                            max_num_batched_tokens=args.max_num_batched_tokens
-                            or CPU_MAX_NUM_BATCHED_TOKENS,
-                            max_model_len=args.max_model_len,
-                            prefill_budget=args.prefill_budget,
-                            slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
-                            slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
-                            max_step_slowdown=args.max_step_slowdown,
-                            burst_window_s=args.burst_window_ms / 1000,
-                            min_prefill_chunk=args.min_prefill_chunk,
-                            speculative=args.speculative,
-                            num_speculative_tokens=args.num_speculative_tokens)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_memory=parse_bytes(args.kv_cache_memory)
-                        if args.kv_cache_memory else None,
-                        enable_prefix_caching=not args.no_prefix_caching,
-                        prefix_cache_scope=args.prefix_cache_scope)
-    return sched, cache
 
 
 def api_key_tenants(keys: list[str]) -> dict[str, TenantConfig]:
@@ -125,10 +95,12 @@ def preflight(args: argparse.Namespace) -> Preflight:
     """Check every setting and bind the listeners; `StartupError` names the first problem."""
     from batcher.batch import service as batch
 
-    sched, cache = engine_configs(args)
+    from batcher.flags.serve import engine_config_from_args
+
+    config = engine_config_from_args(args)
     try:
-        sched.validate()
-        cache.validate()
+        config.scheduler_config().validate()
+        config.cache_config().validate()
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     for flag in ("slo_ttft_ms", "slo_tpot_ms"):
@@ -166,4 +138,4 @@ def _env_keepalive() -> float:
 
 
 __all__ = ["Preflight", "StartupError", "api_key_tenants", "bind",
-           "engine_configs", "preflight"]
+           "preflight"]

@@ -1,11 +1,14 @@
 """`EngineConfig`: every engine setting of `batcher serve` in one object, with the defaults the
-flags show (`batcher.flags.serve` reads its defaults from here, so the two cannot drift)."""
+flags show (`batcher.flags.serve` reads its defaults from here, so the two cannot drift), and the
+one mapping from it to the scheduler's and the KV cache's settings (`batcher.core.config`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from batcher.core.config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
     DEFAULT_MAX_MODEL_LEN,
     PREFILL_BUDGETS,
     SPECULATIVE_METHODS,
@@ -23,6 +26,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # dummy: random weights in the shapes of a config, no weights read (batcher.models.dummy).
 LOAD_FORMATS = ("auto", "dummy")
+# Time-to-first-token a server started with no flags admits requests for (see --slo-ttft-ms).
+DEFAULT_SLO_TTFT_MS = 2000.0
 
 
 @dataclass(slots=True)
@@ -44,6 +49,9 @@ class EngineConfig:
     burst_window_ms: float = 1000.0  # requests arriving within it are one burst; 0 = off
     min_prefill_chunk: int = 2  # tokens
     slo_tpot_ms: float | None = None
+    # The first-token goal: admission refuses what it predicts would miss it, and prefill pacing
+    # reads a prompt in time for it. None or 0: no goal (admission by queue length only).
+    slo_ttft_ms: float | None = DEFAULT_SLO_TTFT_MS
     dtype: str = "auto"
     device: str = "auto"
     quantization: str = "auto"
@@ -74,19 +82,34 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
-        if self.slo_tpot_ms is not None and not 0 <= self.slo_tpot_ms < float("inf"):
-            raise ValueError(f"slo_tpot_ms must be >= 0, got {self.slo_tpot_ms}")
-        SchedulerConfig(max_num_seqs=self.max_num_seqs or 1,
-                        max_num_batched_tokens=self.max_num_batched_tokens or 1,
-                        max_model_len=self.max_model_len, prefill_budget=self.prefill_budget,
-                        slo_tpot_s=self.slo_tpot_ms / 1000 if self.slo_tpot_ms else None,
-                        max_step_slowdown=self.max_step_slowdown,
-                        burst_window_s=self.burst_window_ms / 1000,
-                        min_prefill_chunk=self.min_prefill_chunk,
-                        speculative=self.speculative,
-                        num_speculative_tokens=self.num_speculative_tokens).validate()
-        CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
-                    kv_cache_memory=parse_bytes(self.kv_cache_memory)
-                    if self.kv_cache_memory else None,
-                    prefix_cache_scope=self.prefix_cache_scope).validate()
+        for name in ("slo_tpot_ms", "slo_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        self.scheduler_config().validate()
+        self.cache_config().validate()
         return self
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's settings, as on a CPU: the engine raises unset limits to the CUDA
+        defaults once it knows the device. Not yet validated."""
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs or CPU_MAX_NUM_SEQS,
+                               max_num_batched_tokens=self.max_num_batched_tokens
+                               or CPU_MAX_NUM_BATCHED_TOKENS,
+                               max_model_len=self.max_model_len,
+                               prefill_budget=self.prefill_budget,
+                               slo_tpot_s=self.slo_tpot_ms / 1000 if self.slo_tpot_ms else None,
+                               slo_ttft_s=self.slo_ttft_ms / 1000 if self.slo_ttft_ms else None,
+                               max_step_slowdown=self.max_step_slowdown,
+                               burst_window_s=self.burst_window_ms / 1000,
+                               min_prefill_chunk=self.min_prefill_chunk,
+                               speculative=self.speculative,
+                               num_speculative_tokens=self.num_speculative_tokens)
+
+    def cache_config(self) -> CacheConfig:
+        """The KV cache's settings. Not yet validated."""
+        return CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
+                           kv_cache_memory=parse_bytes(self.kv_cache_memory)
+                           if self.kv_cache_memory else None,
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           prefix_cache_scope=self.prefix_cache_scope)

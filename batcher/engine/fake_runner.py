@@ -40,6 +40,15 @@ class FakeSpeed:
     step_factor: float = 1.0  # every step this many times as long (a slower machine)
 
 
+@dataclass(slots=True)
+class FakeDevice:
+    """The `--fake-*` flags: how fast the simulated device is, and which fault it injects."""
+
+    speed: FakeSpeed
+    fault: str = "none"  # one of FAULTS
+    fault_after_steps: int = 0
+
+
 class FakeRunner:
     """Implements the engine's Runner protocol without a model."""
 
@@ -107,30 +116,24 @@ class FakeRunner:
         return RunnerOutput(ids, tokens)
 
 
-def build_fake_engine(args, sched, cache, metrics):
-    """The real AsyncEngine over a FakeRunner (for `batcher serve --model fake`)."""
+def build_fake_engine(device: FakeDevice, config, metrics, version):
+    """The real AsyncEngine over a FakeRunner (`--model fake`), with the settings of `config`
+    (an `EngineConfig`)."""
+    from batcher.engine.detokenizer import byte_level_table
     from batcher.engine.engine import AsyncEngine
     from batcher.tokenizer.tokenizer import load_tokenizer
 
-    from batcher.engine.detokenizer import byte_level_table
-
     tok = load_tokenizer()
     byte_level_table(tok)  # built now, not on the first request (tens of ms)
-    speed = FakeSpeed(prefill_tokens_per_s=args.fake_prefill_rate,
-                      decode_step_s=args.fake_decode_step_ms / 1000,
-                      per_seq_s=getattr(args, "fake_per_seq_ms", 0.2) / 1000,
-                      step_factor=getattr(args, "fake_step_factor", 1.0))
+    sched, cache = config.scheduler_config(), config.cache_config()
     runner = FakeRunner(cache.num_blocks or FAKE_NUM_BLOCKS, cache.block_size, tok.vocab_size,
-                        speed, args.fake_fault, args.fake_fault_after_steps)
-    sched.max_model_len = args.max_model_len
+                        device.speed, device.fault, device.fault_after_steps)
     # NOTE: the fake model stands for a device: the CPU defaults (fitted to the bundled model's
     # cost per row on two cores) would cap it at a quarter of the sequences a GPU runs.
-    if not args.max_num_seqs:
+    if not config.max_num_seqs:
         sched.max_num_seqs = CUDA_MAX_NUM_SEQS
-    if not args.max_num_batched_tokens:
+    if not config.max_num_batched_tokens:
         sched.max_num_batched_tokens = CUDA_MAX_NUM_BATCHED_TOKENS
     return AsyncEngine(runner, tok, sched.validate(), cache.enable_prefix_caching,
                        prefix_cache_scope=cache.prefix_cache_scope,
-                       metrics=metrics, version=args.version)
-
-
+                       metrics=metrics, version=version)

@@ -5,6 +5,7 @@ others to do it."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from batcher.flags.types import (
     DEVICES,
@@ -42,8 +43,6 @@ from batcher.server.tool_parsers import parser_names as tool_parser_names
 
 # The engine settings' defaults, one copy for these flags and the in-process API.
 _E = EngineConfig()
-# Time-to-first-token a server started with no flags admits requests for (see --slo-ttft-ms).
-DEFAULT_SLO_TTFT_MS = 2000.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -170,7 +169,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "unless given")
     a("--admin-host", default="127.0.0.1", help="admin listener address (default: %(default)s)")
     a("--admin-key", default=None, help="admin key (default: env BATCHER_ADMIN_KEY)")
-    a("--slo-ttft-ms", type=non_negative_float, default=DEFAULT_SLO_TTFT_MS,
+    a("--slo-ttft-ms", type=non_negative_float, default=_E.slo_ttft_ms,
       help="time-to-first-token SLO in ms: a request is admitted only when its predicted TTFT "
       "is within 85%% of it (a prompt too long for it: its wait behind others within half), "
       "else 503 + Retry-After at once; prompts are paced to be read within half of it; also the "
@@ -225,3 +224,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                       help=argparse.SUPPRESS)
     fake.add_argument("--fake-fault-after-steps", type=non_negative_int, default=0,
                       help=argparse.SUPPRESS)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings of parsed `batcher serve` flags: the one conversion from flags to an
+    `EngineConfig`. Not yet validated."""
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+              if f.name not in ("enable_prefix_caching", "cuda_graphs")}
+    return EngineConfig(**values, enable_prefix_caching=not args.no_prefix_caching,
+                        cuda_graphs=not args.no_cuda_graphs)
+
+
+def fake_device_from_args(args: argparse.Namespace):
+    """The simulated device of `--model fake`'s flags (`batcher.engine.fake_runner.FakeDevice`)."""
+    from batcher.engine.fake_runner import FakeDevice, FakeSpeed
+
+    speed = FakeSpeed(prefill_tokens_per_s=args.fake_prefill_rate,
+                      decode_step_s=args.fake_decode_step_ms / 1000,
+                      per_seq_s=args.fake_per_seq_ms / 1000,
+                      step_factor=args.fake_step_factor)
+    return FakeDevice(speed, args.fake_fault, args.fake_fault_after_steps)

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from batcher.bench.load import process_cpu_seconds
-from batcher.flags.serve import DEFAULT_SLO_TTFT_MS
+from batcher.engine.config import DEFAULT_SLO_TTFT_MS
 from tests.reliability.conftest import (
     FAKE,
     Outcome,
