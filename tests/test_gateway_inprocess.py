@@ -215,7 +215,7 @@ async def test_real_model_default_settings_cancel_and_snapshot(aiohttp_client) -
     import argparse
 
     from batcher.app.serve import gateway_factory
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

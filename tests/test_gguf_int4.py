@@ -20,7 +20,7 @@ from batcher.models import load_settings
 from batcher.models.load_settings import resolve_quantization
 from batcher.models.loader import load_model
 from batcher.runtime.quant import Int8Embedding, PackedLinear
-from batcher.flags.serve import add_serve_args
+from batcher.app.serve_flags import add_serve_args
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 4500
 

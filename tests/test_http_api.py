@@ -584,7 +584,7 @@ def test_serve_help_documents_every_flag() -> None:
         assert flag in out, flag
     import argparse
 
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -14,7 +14,7 @@ import pytest
 
 import batcher
 from batcher.engine.config import EngineConfig
-from batcher.flags.serve import add_serve_args
+from batcher.app.serve_flags import add_serve_args
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ from batcher.models.errors import ModelLoadError
 from batcher.models.loader import DENSE_ABOVE_ROWS, load_model
 from batcher.runtime.model_runner import ModelRunner
 from batcher.runtime.quant import PackedLinear, dequantize_int4, quantize_int4, quantize_int8
-from batcher.flags.serve import add_serve_args
+from batcher.app.serve_flags import add_serve_args
 from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.quant_quality import perplexity, quality
 

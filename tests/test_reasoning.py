@@ -51,7 +51,7 @@ def test_unknown_parser_is_refused_and_none_is_off() -> None:
     assert get_reasoning_parser(None) is None and get_reasoning_parser("none") is None
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
         get_reasoning_parser("o1")
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)

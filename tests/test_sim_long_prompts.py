@@ -10,7 +10,7 @@ import itertools
 
 from batcher.core.request import Request
 from batcher.core.sampling import SamplingParams
-from batcher.flags.serve import add_serve_args, engine_config_from_args
+from batcher.app.serve_flags import add_serve_args, engine_config_from_args
 from batcher.sim.capacity import capacity_replica, replica_capacity
 from batcher.sim.cli import add_sim_args, fleet_from_args
 from batcher.sim.engine_sim import SimReplica, run_alone

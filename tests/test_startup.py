@@ -98,7 +98,7 @@ def test_preflight_binds_and_reads_keys() -> None:
     server already listens on."""
     import argparse
 
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
     from batcher.app.serve_startup import StartupError, preflight
 
     p = argparse.ArgumentParser()

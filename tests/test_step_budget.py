@@ -270,7 +270,7 @@ def test_serve_flags_reach_the_scheduler() -> None:
 
     from batcher.engine.metrics import Metrics
     from batcher.app.serve import build_engine
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

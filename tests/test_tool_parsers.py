@@ -218,7 +218,7 @@ def test_a_native_template_receives_tools_and_earlier_calls() -> None:
 def test_the_serve_flag_takes_the_registry_names(capsys) -> None:
     import argparse
 
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)

@@ -24,7 +24,7 @@ MAX_DEFERRALS = 50
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     sub = p.add_subparsers(dest="batch_command", required=True)
     run = sub.add_parser("run", help="run a batch input file offline (no server)")

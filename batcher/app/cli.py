@@ -28,7 +28,7 @@ from typing import NoReturn
 from batcher.telemetry.access_log import LOG_FORMATS
 from batcher.telemetry.access_log import configure as configure_logging
 from batcher.app.env import add_config_arg, apply_defaults
-from batcher.flags.serve import add_serve_args
+from batcher.app.serve_flags import add_serve_args
 from batcher.telemetry.tracing import configure as configure_tracing
 
 
@@ -62,13 +62,13 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     add_serve_args(serve)
     add_config_arg(serve)
     from batcher.bench.cli import add_bench_args
-    from batcher.fleet.cli import add_fleet_args, add_router_args
+    from batcher.app.fleet_cli import add_fleet_args, add_router_args
     from batcher.sim.cli import add_plan_args, add_sim_args
 
     add_bench_args(sub.add_parser("bench"))
     add_fleet_args(sub.add_parser("fleet"))
     add_router_args(sub.add_parser("router"))
-    from batcher.fleet.balancer.cli import add_balancer_args
+    from batcher.app.balancer_cli import add_balancer_args
 
     add_balancer_args(sub.add_parser("balancer"))
     add_plan_args(sub.add_parser("plan"))
@@ -111,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args)
     if args.command in ("fleet", "router"):
-        from batcher.fleet.cli import run_fleet, run_router
+        from batcher.app.fleet_cli import run_fleet, run_router
 
         return _run(run_fleet(args) if args.command == "fleet" else run_router(args))
     if args.command == "balancer":
-        from batcher.fleet.balancer.cli import run_balancer
+        from batcher.app.balancer_cli import run_balancer
 
         return _run(run_balancer(args))
     if args.command == "plan":

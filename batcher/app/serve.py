@@ -21,7 +21,7 @@ from batcher.system.heap import freeze_startup_heap
 from batcher.http.listener import LISTEN_BACKLOG, on_stop_signal, server_log
 from batcher.engine.metrics import Metrics
 from batcher.app.serve_startup import preflight
-from batcher.flags.serve import engine_config_from_args, fake_device_from_args
+from batcher.app.serve_flags import engine_config_from_args, fake_device_from_args
 from batcher.server.admin import create_admin_app
 from batcher.server.app import GATEWAY, create_app
 from batcher.server.auth import Authenticator

@@ -95,7 +95,7 @@ def preflight(args: argparse.Namespace) -> Preflight:
     """Check every setting and bind the listeners; `StartupError` names the first problem."""
     from batcher.batch import service as batch
 
-    from batcher.flags.serve import engine_config_from_args
+    from batcher.app.serve_flags import engine_config_from_args
 
     config = engine_config_from_args(args)
     try:

@@ -15,6 +15,14 @@ MAX_DEFAULT_BLOCKS = 65536
 DEFAULT_MAX_MODEL_LEN = 8192
 PREFILL_BUDGETS = ("time", "fixed")
 SPECULATIVE_METHODS = ("none", "ngram")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Weight-only, CPU (batcher.runtime.quant); auto: int4 for a Q4_1 GGUF in native bf16, else
+# none (batcher.models.load_settings.resolve_quantization).
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# dummy: random weights in the shapes of a config, no weights read (batcher.models.dummy).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(slots=True)

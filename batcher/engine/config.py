@@ -1,31 +1,28 @@
 """`EngineConfig`: every engine setting of `batcher serve` in one object, with the defaults the
-flags show (`batcher.flags.serve` reads its defaults from here, so the two cannot drift), and the
+flags show (`batcher.app.serve_flags` reads its defaults from here, so the two cannot drift), and the
 one mapping from it to the scheduler's and the KV cache's settings (`batcher.core.config`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batcher.bundled import DEFAULT_MODEL
 from batcher.core.config import (
+    ATTENTION_BACKENDS,
     CPU_MAX_NUM_BATCHED_TOKENS,
     CPU_MAX_NUM_SEQS,
     DEFAULT_MAX_MODEL_LEN,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
     PREFILL_BUDGETS,
+    QUANTIZATIONS,
     SPECULATIVE_METHODS,
     CacheConfig,
     SchedulerConfig,
     parse_bytes,
 )
 
-DEFAULT_MODEL = "smollm2-135m"  # bundled
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# Weight-only, CPU (batcher.runtime.quant); auto: int4 for a Q4_1 GGUF in native bf16, else
-# none (batcher.models.load_settings.resolve_quantization).
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
-# dummy: random weights in the shapes of a config, no weights read (batcher.models.dummy).
-LOAD_FORMATS = ("auto", "dummy")
 # Time-to-first-token a server started with no flags admits requests for (see --slo-ttft-ms).
 DEFAULT_SLO_TTFT_MS = 2000.0
 

@@ -1,5 +1,5 @@
 """The one way to build an engine: `build_engine(model, EngineConfig)`. The command line converts
-its flags to an `EngineConfig` once (`batcher.flags.serve.engine_config_from_args`); the library
+its flags to an `EngineConfig` once (`batcher.app.serve_flags.engine_config_from_args`); the library
 API (`batcher.llm`), the offline batch job, the benchmarks and the tests call this."""
 
 from __future__ import annotations

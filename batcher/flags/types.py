@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 
 from batcher.core.config import parse_bytes
-from batcher.engine.config import DEVICES, DTYPES
+from batcher.core.config import DEVICES, DTYPES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 __all__ = ["DEVICES", "DTYPES", "LOG_LEVELS"]

@@ -9,7 +9,7 @@ import torch
 
 from batcher.bundled import smollm2_gguf_path
 from batcher.system.cpuinfo import CPUINFO, cpuinfo_field
-from batcher.engine.config import DEFAULT_MODEL
+from batcher.bundled import DEFAULT_MODEL
 from batcher.models import gguf_weights
 from batcher.models.errors import ModelLoadError
 

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from batcher.bundled import smollm2_gguf_path
-from batcher.engine.config import DEFAULT_MODEL, LOAD_FORMATS
+from batcher.bundled import DEFAULT_MODEL
+from batcher.core.config import LOAD_FORMATS
 from batcher.models import dummy, gguf_weights
 from batcher.models.errors import ModelLoadError
 from batcher.models.glibc_heap import (

@@ -126,7 +126,7 @@ def router(*flags: str, replicas: tuple[Proc | str, ...] = (), port: int | None 
            env: dict[str, str] | None = None) -> Proc:
     port = port or free_port()
     admin_port, internal_port = free_port(), free_port()
-    argv = ["-m", "batcher.fleet.cli", "router", "--port", str(port), "--admin-port",
+    argv = ["-m", "batcher.app.fleet_cli", "router", "--port", str(port), "--admin-port",
             str(admin_port), "--admin-key", ADMIN_KEY, "--replica-admin-key", ADMIN_KEY,
             "--internal-port", str(internal_port), "--log-level", "warning",
             "--shutdown-timeout", "2", *flags]

@@ -101,7 +101,7 @@ def test_uploads_go_to_the_most_headroom_or_the_pool() -> None:
 
 
 def test_fleet_replicas_get_their_own_batch_directories() -> None:
-    from batcher.fleet.cli import _own_batch_dirs
+    from batcher.app.fleet_cli import _own_batch_dirs
     from batcher.fleet.launcher import replica_specs
 
     specs = replica_specs(2, ["--data-dir", "/srv/batch", "--batch-db", "/db/b.sqlite3"], [])

@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from batcher.fleet.cli import add_fleet_args, serve_flags
+from batcher.app.fleet_cli import add_fleet_args, serve_flags
 from tests.fleet.procs import (
     ADMIN_KEY,
     FAKE,
@@ -48,7 +48,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow
 async def test_fleet_launches_supervises_and_restarts():
     port, admin_port = free_port(), free_port()
-    fleet = Proc(["-m", "batcher.fleet.cli", "fleet", "--replicas", "2", "--restart", *FAKE,
+    fleet = Proc(["-m", "batcher.app.fleet_cli", "fleet", "--replicas", "2", "--restart", *FAKE,
                   "--num-blocks", "300", "--fake-decode-step-ms", "5", "--port", str(port),
                   "--admin-port", str(admin_port), "--admin-key", ADMIN_KEY,
                   "--shutdown-timeout", "3"], port, "fleet", admin_port)
@@ -89,7 +89,7 @@ async def test_replicas_die_with_a_killed_launcher():
     """`kill -9` of `batcher fleet` gives it no chance to stop anything: the replicas must still
     go (the kernel signals them), or they would keep heartbeating and holding their memory."""
     port, admin_port = free_port(), free_port()
-    fleet = Proc(["-m", "batcher.fleet.cli", "fleet", "--replicas", "2", *FAKE,
+    fleet = Proc(["-m", "batcher.app.fleet_cli", "fleet", "--replicas", "2", *FAKE,
                   "--num-blocks", "64", "--port", str(port), "--admin-port", str(admin_port),
                   "--admin-key", ADMIN_KEY, "--shutdown-timeout", "2"], port, "fleet",
                  admin_port)
@@ -115,7 +115,7 @@ async def test_replicas_die_with_a_killed_launcher():
 def test_a_router_taking_heartbeats_off_loopback_has_a_fleet_key(tmp_path, capsys):
     import argparse
 
-    from batcher.fleet.cli import add_router_args, ensure_fleet_key, fleet_key, router_config
+    from batcher.app.fleet_cli import add_router_args, ensure_fleet_key, fleet_key, router_config
     from batcher.fleet.router.context import RouterContext
     from batcher.fleet.launcher import serve_router
 

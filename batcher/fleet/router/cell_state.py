@@ -3,7 +3,7 @@
 replica.
 
 The `/v1/state` contract keys are sums over the routable replicas (`healthy` when any is); the
-additions are `saturation` in [0, 1] (`balancer.cell_saturation`), `predicted_wait_s` (the least
+additions are `saturation` in [0, 1] (`saturation.cell_saturation`), `predicted_wait_s` (the least
 predicted queue wait over the routable replicas for a reference request, the routing policy's
 own estimate minus what the request would take on an idle replica), `healthy_replicas`,
 `waiting_prefill_tokens`, and the router's own `in_flight`. No replica address is named: anyone
@@ -22,7 +22,7 @@ import orjson
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from batcher.fleet.balancer.policy import BalancerConfig, cell_saturation
+from batcher.fleet.router.saturation import BalancerConfig, cell_saturation
 from batcher.fleet.router.context import RouterContext
 from batcher.fleet.router.policy import Priors, predicted_wait
 

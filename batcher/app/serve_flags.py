@@ -22,21 +22,19 @@ from batcher.flags.types import (
     positive_rate,
     power_of_two,
 )
+from batcher.bundled import DEFAULT_MODEL
 from batcher.core.config import (
+    ATTENTION_BACKENDS,
     CPU_MAX_NUM_BATCHED_TOKENS,
     CPU_MAX_NUM_SEQS,
     CUDA_MAX_NUM_BATCHED_TOKENS,
     CUDA_MAX_NUM_SEQS,
+    LOAD_FORMATS,
     PREFILL_BUDGETS,
+    QUANTIZATIONS,
     SPECULATIVE_METHODS,
 )
-from batcher.engine.config import (
-    ATTENTION_BACKENDS,
-    DEFAULT_MODEL,
-    LOAD_FORMATS,
-    QUANTIZATIONS,
-    EngineConfig,
-)
+from batcher.engine.config import EngineConfig
 from batcher.server.reasoning import reasoning_parser_names
 from batcher.server.tool_parsers import DEFAULT as TOOL_PARSER_DEFAULT
 from batcher.server.tool_parsers import parser_names as tool_parser_names

@@ -2,7 +2,7 @@
 
 Hooks for `batcher/app/cli.py`: `add_router_args(parser)` / `add_fleet_args(parser)` fill a
 subparser; `await run_router(args)` / `await run_fleet(args)` run until SIGTERM or SIGINT and
-return an exit code. `python -m batcher.fleet.cli router|fleet ...` runs them standalone.
+return an exit code. `python -m batcher.app.fleet_cli router|fleet ...` runs them standalone.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _source(spec: str) -> Source:
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     """`batcher serve`'s flags (passed on to every replica; --host/--port/--admin-* are the
     router's) plus the fleet's own."""
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     add_serve_args(p)
     g = p.add_argument_group("fleet")
@@ -125,7 +125,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cells", type=int, default=1, help="cells, each its own router over "
                    "--replicas replicas, behind one balancer on --port (default: %(default)s)")
     _policy_args(p)
-    from batcher.fleet.balancer.cli import add_cell_policy_args
+    from batcher.app.balancer_cli import add_cell_policy_args
 
     add_cell_policy_args(p)
 
@@ -215,7 +215,7 @@ async def run_router(args: argparse.Namespace) -> int:
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
     """The `batcher serve` flags of `args` that differ from their defaults, as argv."""
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
 
     p = argparse.ArgumentParser(add_help=False)
     add_serve_args(p)
@@ -271,7 +271,7 @@ async def run_fleet(args: argparse.Namespace) -> int:
     if args.cells < 1:
         raise SystemExit("--cells must be >= 1")
     if args.cells > 1:
-        from batcher.fleet.balancer.cli import run_cells
+        from batcher.app.balancer_cli import run_cells
 
         return await run_cells(args, serve_flags(args))
     cfg = router_config(args)
@@ -327,7 +327,7 @@ async def announce_ready(registry: Registry, n: int, url: str, interval: float =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batcher.fleet.cli", description=__doc__)
+    parser = argparse.ArgumentParser(prog="batcher.app.fleet_cli", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_router_args(sub.add_parser("router", help="route over replicas"))
     add_fleet_args(sub.add_parser("fleet", help="start replicas and a router"))
