@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.app.fleet_cli import announce_ready
 from batcher.fleet.launcher import replica_specs
 from batcher.fleet.router.registry import Registry

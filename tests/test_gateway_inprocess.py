@@ -15,7 +15,7 @@ from aiohttp import web
 from batcher.admission.admission import Admission
 from batcher.core.config import SchedulerConfig
 from batcher.engine.engine import AsyncEngine
-from batcher.engine.state import CONTRACT_KEYS, EngineSnapshot
+from batcher.engine.snapshot import CONTRACT_KEYS, EngineSnapshot
 from batcher.engine.metrics import Metrics
 from batcher.runtime.model_runner import ModelRunner
 from batcher.server.admin import create_admin_app

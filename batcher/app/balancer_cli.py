@@ -66,7 +66,7 @@ def balancer_configs(args: argparse.Namespace, cell_key: str | None
 async def run_balancer(args: argparse.Namespace) -> int:
     from batcher.fleet.balancer.app import BalancerContext, serve_balancer
     from batcher.fleet.launcher import wait_for_signal
-    from batcher.system.heap import freeze_startup_heap
+    from batcher.system.gc_freeze import freeze_startup_heap
 
     cfg, bcfg = balancer_configs(args, args.cell_key or os.environ.get("BATCHER_CELL_KEY"))
     ctx = BalancerContext(cfg, bcfg)

@@ -19,7 +19,6 @@ line wins over both. `batcher COMMAND --help` lists a command's flags with their
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 import traceback
@@ -29,6 +28,7 @@ from batcher.telemetry.access_log import LOG_FORMATS
 from batcher.telemetry.access_log import configure as configure_logging
 from batcher.app.env import add_config_arg, apply_defaults
 from batcher.app.serve_flags import add_serve_args
+from batcher.http.listener import run_event_loop
 from batcher.telemetry.tracing import configure as configure_tracing
 
 
@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("fleet", "router"):
         from batcher.app.fleet_cli import run_fleet, run_router
 
-        return _run(run_fleet(args) if args.command == "fleet" else run_router(args))
+        return run_event_loop(run_fleet(args) if args.command == "fleet" else run_router(args))
     if args.command == "balancer":
         from batcher.app.balancer_cli import run_balancer
 
-        return _run(run_balancer(args))
+        return run_event_loop(run_balancer(args))
     if args.command == "plan":
         from batcher.sim.cli import run_plan
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "batch":
         from batcher.app.batch_run import run_offline
 
-        return _run(run_offline(args))
+        return run_event_loop(run_offline(args))
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -162,7 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
     from batcher.app.serve_startup import StartupError
 
     try:
-        return _run(run_server(args))
+        return run_event_loop(run_server(args))
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signal (still starting)
         logging.getLogger("batcher.serve").info("received SIGINT while starting: exiting")
         return 130
@@ -182,16 +182,6 @@ def _serve(args: argparse.Namespace) -> int:
         traceback.print_exception(failure)
     print(f"batcher serve: error: {message}", file=sys.stderr, flush=True)
     return 2
-
-
-def _run(coro) -> int:
-    # NOTE: only uvloop's own import may fall back to asyncio: an ImportError raised inside the
-    # server must reach the operator as it is, not as a second run of an awaited coroutine.
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def ensure_fleet_key(cfg: RouterConfig, internal_host: str) -> None:
 
 async def run_router(args: argparse.Namespace) -> int:
     from batcher.fleet.launcher import serve_router, wait_for_signal
-    from batcher.system.heap import freeze_startup_heap
+    from batcher.system.gc_freeze import freeze_startup_heap
 
     cfg = router_config(args)
     if args.internal_port:
@@ -334,12 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    coro = run_router(args) if args.command == "router" else run_fleet(args)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+    from batcher.http.listener import run_event_loop
+
+    return run_event_loop(run_router(args) if args.command == "router" else run_fleet(args))
 
 
 if __name__ == "__main__":

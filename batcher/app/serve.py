@@ -17,7 +17,7 @@ from aiohttp import web
 from batcher.admission.admission import Admission
 from batcher.admission.feed import decode_step_fn, prefill_step_fn, step_observer
 from batcher.engine.engine import AsyncEngine
-from batcher.system.heap import freeze_startup_heap
+from batcher.system.gc_freeze import freeze_startup_heap
 from batcher.http.listener import LISTEN_BACKLOG, on_stop_signal, server_log
 from batcher.engine.metrics import Metrics
 from batcher.app.serve_startup import preflight

@@ -25,7 +25,7 @@ from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.core.step_updates import RequestUpdate
 from batcher.engine.detokenizer import IncrementalDetokenizer
 from batcher.engine.events import EngineError, EngineEvent
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.engine.live_request import LiveRequest
 from batcher.engine.model_thread import ModelThread
 from batcher.core.request import Request, RequestStatus

@@ -20,7 +20,7 @@ from prometheus_client import (
 
 from batcher.core.outputs import SchedulerOutput
 from batcher.core.step_updates import SchedulerStats
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.core.request import Priority
 from batcher.telemetry.timings import PHASES, Timings
 

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 
 log = logging.getLogger("batcher.fleet.heartbeat")
 

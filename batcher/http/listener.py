@@ -211,3 +211,13 @@ def on_stop_signal(sig: int, stop: asyncio.Event, logger: logging.Logger, then: 
     if not stop.is_set():
         logger.info("received %s: %s", signal.Signals(sig).name, then)
     stop.set()
+
+def run_event_loop(coro: Any) -> Any:
+    """Run a server's main coroutine on uvloop where it is installed, else on asyncio's loop."""
+    # NOTE: only uvloop's own import may fall back to asyncio: an ImportError raised inside the
+    # server must reach the operator as it is, not as a second run of an awaited coroutine.
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

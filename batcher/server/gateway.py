@@ -16,7 +16,7 @@ from batcher.admission.admission import Admission, Rejected, Ticket
 from batcher.core.refusals import Refused
 from batcher.engine.engine import AsyncEngine
 from batcher.engine.events import EngineEvent
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.http.errors import ApiError, invalid
 from batcher.engine.metrics import Metrics
 from batcher.core.request import Priority, Request

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.fleet.router import batch_ids
 from batcher.fleet.router.batch_replicas import BatchProxy
 from batcher.fleet.router.context import RouterConfig, RouterContext

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.fleet.router.discovery import (
     Discovery,
     DnsSource,

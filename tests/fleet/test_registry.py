@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.fleet.router.registry import BeatRefused, Registry, replica_id_for
 
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from batcher.engine.state import CONTRACT_KEYS
+from batcher.engine.snapshot import CONTRACT_KEYS
 from batcher.fleet.router.context import RouterConfig, RouterContext
 from batcher.fleet.router.proxy import create_router_app
 from tests.fleet.procs import (

@@ -28,7 +28,7 @@ from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.fleet.router.admin import create_admin_app
 from batcher.fleet.balancer.policy import (
     BalancerConfig,

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 from batcher.fleet.router.discovery_sources import (  # noqa: F401  (re-exported)
     DnsSource,
     FileSource,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from batcher.engine.state import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot
 
 _RETIRED_EPOCHS = 8  # string epochs remembered per replica, so a replayed old start is refused
 MAX_REPLICAS = 256

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from batcher.system.heap import freeze_startup_heap
+from batcher.system.gc_freeze import freeze_startup_heap
 
 
 class Cycle:

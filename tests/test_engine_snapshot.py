@@ -8,7 +8,7 @@ import dataclasses
 import orjson
 import pytest
 
-from batcher.engine.state import CONTRACT_KEYS, EngineSnapshot
+from batcher.engine.snapshot import CONTRACT_KEYS, EngineSnapshot
 
 SNAP = EngineSnapshot(free_blocks=10, total_blocks=16, block_size=16, running=2, waiting=3,
                       version="v1", draining=False, healthy=True, waiting_prefill_tokens=300,
