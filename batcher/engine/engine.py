@@ -25,7 +25,7 @@ from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.core.step_updates import RequestUpdate
 from batcher.engine.detokenizer import IncrementalDetokenizer
 from batcher.engine.events import EngineError, EngineEvent
-from batcher.engine.snapshot import EngineSnapshot
+from batcher.engine.snapshot import EngineSnapshot, scheduler_snapshot
 from batcher.engine.live_request import LiveRequest
 from batcher.engine.model_thread import ModelThread
 from batcher.core.request import Request, RequestStatus
@@ -255,28 +255,11 @@ class AsyncEngine:
         it knows: whether it is draining and how many client requests it holds."""
         now = self.clock()
         stalled = self.busy_since is not None and now - self.last_step_end > STALL_SECONDS
-        sched = self.scheduler
-        st = sched.stats
-        return EngineSnapshot(
-            free_blocks=self.kv.num_free_blocks,
-            total_blocks=self.kv.num_total_blocks,
-            block_size=self.kv.block_size,
-            running=sched.num_running,
-            waiting=sched.num_waiting,
-            version=self.version,
-            draining=draining,
-            healthy=self.healthy and not stalled,
-            waiting_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens
-                                       for r in sched.waiting),
-            running_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                                       for r in sched.running),
-            in_flight=in_flight,
+        return scheduler_snapshot(
+            self.scheduler, self.kv, version=self.version, draining=draining,
+            healthy=self.healthy and not stalled, in_flight=in_flight,
             error=self._error or ("engine loop stalled" if stalled else None),
-            steps=self.steps,
-            last_step_age=round(now - self.last_step_end, 3),
-            preemptions=st.preemptions,
-            prefix_hit_tokens=st.prefix_hit_tokens,
-        )
+            steps=self.steps, last_step_age=now - self.last_step_end)
 
     # the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:

@@ -121,3 +121,29 @@ class EngineSnapshot:
 
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EngineSnapshot))
 _INT_FIELDS = frozenset(EngineSnapshot._INTS)
+
+
+def scheduler_snapshot(sched: Any, kv: Any, *, version: str, draining: bool, healthy: bool,
+                       in_flight: int, error: str | None, steps: int,
+                       last_step_age: float) -> EngineSnapshot:
+    """The snapshot of a scheduler (`batcher.core.scheduler.Scheduler`) and its KV manager,
+    with what only the engine and the gateway know passed in."""
+    return EngineSnapshot(
+        free_blocks=kv.num_free_blocks,
+        total_blocks=kv.num_total_blocks,
+        block_size=kv.block_size,
+        running=sched.num_running,
+        waiting=sched.num_waiting,
+        version=version,
+        draining=draining,
+        healthy=healthy,
+        waiting_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+        running_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                   for r in sched.running),
+        in_flight=in_flight,
+        error=error,
+        steps=steps,
+        last_step_age=round(last_step_age, 3),
+        preemptions=sched.stats.preemptions,
+        prefix_hit_tokens=sched.stats.prefix_hit_tokens,
+    )
