@@ -535,6 +535,27 @@ def test_gpu_probes_wait_for_load_and_warm_up() -> None:
         pause + args.shutdown_timeout)
 
 
+def test_the_download_has_a_bound_the_rollout_allows_for() -> None:
+    # Kubernetes bounds no init container and starts the startup probe only after it: the
+    # download bounds itself, and the Deployment's progress deadline covers download + start.
+    (dep,) = gpu_kind("Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (c,) = pod["containers"]
+    limit = int({e["name"]: e.get("value") for e in init["env"]}["FETCH_TIMEOUT_S"])
+    script = init["args"][0]
+    assert 'os.environ.get("FETCH_TIMEOUT_S"' in script and "signal.alarm(limit)" in script
+    assert 'os.access("/models", os.W_OK)' in script  # a volume it cannot write: one clear line
+    start = c["startupProbe"]
+    assert dep["spec"]["progressDeadlineSeconds"] >= limit + (
+        start["periodSeconds"] * start["failureThreshold"])
+    assert "activeDeadlineSeconds" not in pod  # it would end a serving pod
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    assert "FETCH_TIMEOUT_S" in docs and "Who may write the model volume" in docs
+    # The Hub's command line as huggingface_hub ships it now (`huggingface-cli` left in 1.0).
+    assert "hf download " in docs and "\n   huggingface-cli download" not in docs
+
+
 def test_images_name_a_registry_the_docs_explain() -> None:
     docs = (ROOT / "docs" / "deploy.md").read_text()
     images = {c["image"] for doc in [*DOCS, *GPU_DOCS] if doc["kind"] == "Deployment"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -57,6 +58,23 @@ def log_error_answer(request: web.Request, rid: str, status: int, code: str | No
         return
     log_refusal(request_id=rid, tenant=tenant, route=route_of(request), status=status,
                 error_code=code)
+
+
+def error_code_of(resp: web.StreamResponse) -> str | None:
+    """The code of an error answer another server made (a router relays a replica's): its
+    `X-Reject-Reason`, else its body's `error.code` (OpenAI's shape); None below 400, or when it
+    names none (Anthropic's shape carries no code)."""
+    if resp.status < 400:
+        return None
+    code: object = resp.headers.get("X-Reject-Reason")
+    if not code and isinstance(resp, web.Response) and isinstance(resp.body, bytes):
+        try:
+            err = orjson.loads(resp.body).get("error")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        code = err.get("code") if isinstance(err, dict) else None
+    # Another process's word: bounded and escaped like anything else a line echoes.
+    return excerpt(code, 64) if isinstance(code, str) and code else None
 
 
 def route_of(request: web.Request) -> str:

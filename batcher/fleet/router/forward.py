@@ -30,11 +30,16 @@ Contract:
   (`batcher_retries`, `batcher_failovers{kind}`).
 - A client disconnect cancels the handler; leaving the upstream request closes its connection,
   and the replica aborts the request and frees its KV.
+- The access line says what the client got, as a replica's does: the `outcome`, the error code
+  of an error answer (the replica's `X-Reject-Reason` or `error.code`, relayed, or the router's
+  own), the last `finish_reason` relayed, and for a stream cut before its usage chunk the tokens
+  relayed (`route_timing.RelayedTimings`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,16 +59,30 @@ from batcher.fleet.router.request_estimates import (
 )
 from batcher.fleet.router.responses_proxy import tag_body
 from batcher.fleet.router.retry_budget import backoff
-from batcher.fleet.router.route_timing import RouteClock
+from batcher.fleet.router.route_timing import RelayedTimings, RouteClock
 from batcher.fleet.router.stream_ledger import RESPONSES_PATH, StreamLedger
 from batcher.http.errors import ApiError
 from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER
+from batcher.http.middleware import error_code_of
 from batcher.http.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
+from batcher.telemetry.timings import Timings
 from batcher.telemetry.tracing import current as current_tracer
 from batcher.telemetry.tracing import forward_headers
 
 RETRYABLE = frozenset({500, 502, 503})
 PASS_HEADERS = ("Authorization", "x-api-key")
+# A replica writes compact JSON; `null` (a chunk before the last) does not match. The key cannot
+# occur inside a JSON string, whose quotes are escaped.
+_FINISH_MARK = b'"finish_reason":"'
+_FINISH = re.compile(rb'"finish_reason":"([a-z_]{1,32})"')
+
+
+def finish_reason_in(data: bytes) -> str | None:
+    """The last finish reason a whole answer or a run of stream events names, or None."""
+    if _FINISH_MARK not in data:
+        return None
+    found = _FINISH.findall(data)
+    return found[-1].decode() if found else None
 
 
 @dataclass(slots=True)
@@ -109,6 +128,8 @@ class Relay:
         self.last: Failure | None = None
         self.client: web.StreamResponse | None = None
         self.budget_refused = False
+        self.gone = False  # the client left: the handler was cancelled or a write failed
+        self.finish_reason: str | None = None  # the last one relayed, for the access line
         # Token ids make a resume exact (the prompt's ids + the ids streamed so far, instead of
         # re-tokenized text): ask the replica for them.
         strip = bool(body.get("failover") == "resume" and body.get("stream") and not chat
@@ -190,6 +211,9 @@ class Relay:
         h = {"X-Request-Id": self.rid, "X-Attempt": str(self.attempts)}
         if (ra := up.headers.get("Retry-After")) is not None:
             h["Retry-After"] = ra
+        # Why a replica refused, for the client and for the router's own access line.
+        if (why := up.headers.get("X-Reject-Reason")) is not None:
+            h["X-Reject-Reason"] = why
         # The replica knows whether its answer is worth a client's retry (OpenAI's SDKs obey it).
         if (retry := up.headers.get("x-should-retry")) is not None:
             h["x-should-retry"] = retry
@@ -245,14 +269,32 @@ class Relay:
         try:
             resp = await self._whole()
             return resp
+        except asyncio.CancelledError:  # the client went away
+            self.gone = True
+            raise
         finally:
             self._done(resp)
 
     def _done(self, resp: web.StreamResponse | None) -> None:
+        """The access line, as the answer leaves: the status the client got (499 when it left
+        before any; 500 when the relay failed), and how the request ended."""
         self.request[LOGGED] = True  # the line is this relay's, with its phases
-        self.ctx.later(self._record, 499 if resp is None else resp.status)
+        status = resp.status if resp is not None else 499 if self.gone else 500
+        code = None if resp is None else error_code_of(resp)
+        if self.gone:
+            outcome = "client_disconnect"
+        elif self.ledger.broke:  # the stream ended with the explicit error event
+            outcome, code = "error", code or "upstream_failed"
+        else:
+            outcome = outcome_of(status)
+        timings = self.route.timings
+        if timings is None and self.ledger.generated:  # a stream ended before its usage chunk
+            timings = RelayedTimings(total_ms=self.route.elapsed_ms(),
+                                     completion_tokens=self.ledger.generated)
+        self.ctx.later(self._record, status, code, outcome, timings)
 
-    def _record(self, status: int) -> None:
+    def _record(self, status: int, code: str | None, outcome: str,
+                timings: Timings | None) -> None:
         """The trace span ends and the access line is written (no prompt, no key: the caller
         appears as the tenant its replica named, else as its credential's digest)."""
         if self.span is not None:
@@ -260,8 +302,8 @@ class Relay:
             self.span.set_attribute("batcher.attempts", self.attempts)
             self.span.end()
         log_access(request_id=self.rid, tenant=self.tenant or self.rkey[0],
-                   route=self.request.path, status=status, timings=self.route.timings,
-                   outcome=outcome_of(status))
+                   route=self.request.path, status=status, timings=timings,
+                   finish_reason=self.finish_reason, error_code=code, outcome=outcome)
 
     async def _whole(self) -> web.StreamResponse:
         while True:
@@ -295,6 +337,7 @@ class Relay:
             if self.tag_responses:
                 data = tag_body(data, rep.replica_id)
             data = self.route.whole(data, headers)
+            self.finish_reason = finish_reason_in(data)
             return web.Response(body=data, headers=headers, content_type="application/json")
         except asyncio.CancelledError:
             outcome = "cancelled"

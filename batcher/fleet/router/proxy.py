@@ -37,9 +37,10 @@ from batcher.fleet.router.stream_relay import StreamRelay
 from batcher.http.errors import ApiError
 from batcher.http.keys import bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
-from batcher.http.middleware import api_middleware
+from batcher.http.middleware import api_middleware, error_code_of, log_error_answer
 from batcher.http.responses import json_response
 from batcher.http.upstream import UpstreamPool
+from batcher.telemetry.access_log import LOGGED
 
 log = logging.getLogger("batcher.fleet.proxy")
 
@@ -177,11 +178,21 @@ async def models(request: web.Request) -> web.Response:
                 if isinstance(m, dict) and isinstance(m.get("id"), str):
                     merged.setdefault(m["id"], m)
     if not merged and refusal is not None:
-        return web.Response(status=refusal[0], body=refusal[1],
-                            content_type="application/json")
+        return relayed_refusal(request, web.Response(status=refusal[0], body=refusal[1],
+                                                     content_type="application/json"))
     if not reps:
         raise ApiError(503, "no replica is ready to serve", code="no_replica", retry_after=1)
     return json_response({"object": "list", "data": list(merged.values())})
+
+
+def relayed_refusal(request: web.Request, resp: web.Response) -> web.Response:
+    """A replica's answer relayed as it came; an error among them gets the access line the
+    middleware writes for the router's own, with the replica's error code."""
+    if resp.status >= 400:
+        log_error_answer(request, request["request_id"], resp.status, error_code_of(resp),
+                         caller_scope(request))
+        request[LOGGED] = True
+    return resp
 
 
 def _auth(request: web.Request) -> dict[str, str]:
@@ -225,8 +236,8 @@ async def cancel(request: web.Request) -> web.StreamResponse:
                                       timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
             if resp.status == 200 and rkey in ctx.owners:
                 ctx.cancelled.add(rkey)  # its error is the answer, not a reason to fail over
-            return web.Response(status=resp.status, body=await resp.read(),
-                                content_type=resp.content_type)
+            return relayed_refusal(request, web.Response(
+                status=resp.status, body=await resp.read(), content_type=resp.content_type))
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise ApiError(503, f"the cancel failed: {type(exc).__name__}", code="cancel_failed",
                        retry_after=1) from None

@@ -1,12 +1,15 @@
 """The router's share of a request's latency: its `route` phase (choosing a replica, connecting,
 retries, relaying) added in front of the replica's own phases, on whole answers (body and
 `Server-Timing`) and on a stream's usage chunk. The router's clock starts when its handler
-does; the replica's phases are forwarded unchanged."""
+does; the replica's phases are forwarded unchanged. A stream that ends before its usage chunk
+(its client left, or it broke) has only what the router saw: `RelayedTimings`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -14,6 +17,17 @@ from batcher.telemetry.timings import Timings
 
 _MARK = b'"timings"'
 _LAST = b',"timings":{'
+
+
+@dataclass(slots=True)
+class RelayedTimings(Timings):
+    """The access line's timings of a stream that ended before the replica's usage chunk: the
+    router's total and the completion tokens it relayed (`StreamLedger.generated`). The
+    replica's phases never reached the router (the replica's own line for the same request id
+    has them), so none is written, and no bottleneck is blamed."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total_ms": round(self.total_ms, 3), "completion_tokens": self.completion_tokens}
 
 
 class RouteClock:

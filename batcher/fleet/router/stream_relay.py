@@ -10,7 +10,7 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from batcher.fleet.router.forward import Failure, Relay
+from batcher.fleet.router.forward import Failure, Relay, finish_reason_in
 from batcher.fleet.router.registry import Replica
 from batcher.http.sse import DONE, SSE_HEADERS
 from batcher.http.upstream import UpstreamError
@@ -28,6 +28,9 @@ class StreamRelay(Relay):
         try:
             resp = await self._stream()
             return resp
+        except asyncio.CancelledError:  # the client went away
+            self.gone = True
+            raise
         finally:
             self._done(resp)
 
@@ -51,6 +54,7 @@ class StreamRelay(Relay):
                 if not await self.prepare_resume():
                     return self.client
         except ClientGone:
+            self.gone = True
             return self.client  # type: ignore[return-value]
 
     async def _stream_attempt(self, rep: Replica) -> Failure | web.StreamResponse | None:
@@ -104,6 +108,8 @@ class StreamRelay(Relay):
 
     async def write(self, data: bytes, eof: bool = False) -> None:
         """To the client; commits the stream on the first write. ClientGone if it left."""
+        if data and (reason := finish_reason_in(data)) is not None:
+            self.finish_reason = reason
         try:
             if self.client is None:
                 self.client = web.StreamResponse(headers={
