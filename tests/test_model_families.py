@@ -1,7 +1,7 @@
 """Every supported architecture against transformers: a tiny random model built with its own
 classes, saved as a Hugging Face folder and written as a GGUF file, loaded by us; the paged
-mixed-batch forward gives the reference's logits, and greedy decoding its tokens (through the
-engine, with chunked prefill, preemption and a prefix-cache hit, for the folders)."""
+mixed-batch forward gives the reference's logits, and greedy decoding through the engine (chunked
+prefill, preemption and a prefix-cache hit) its tokens, from the folders and the files."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from tests.model_families import (
     write_gguf,
 )
 
-FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "phi3", "mixtral",
-            "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "phi3",
+            "mixtral", "qwen2_moe", "qwen3_moe"]
 BLOCK = 16
 NEW_TOKENS = 8
 
@@ -86,15 +86,16 @@ def test_paged_mixed_batch_logits_equal_transformers(family, fold_gqa):
     _check_mixed_batch(hf, loaded, fold_gqa)
 
 
-def test_gguf_logits_and_greedy_equal_transformers(gguf_family):
+def test_gguf_logits_equal_transformers(gguf_family):
     name, hf, loaded = gguf_family
     assert loaded.config.architecture == type(hf).__name__
     _check_mixed_batch(hf, loaded)
-    prompts = [[(5 * i + 11 * j) % (VOCAB - 3) + 3 for j in range(n)]
-               for i, n in enumerate((7, 30, 19))]
-    runner = ModelRunner(loaded, num_blocks=12, block_size=BLOCK)
-    got = greedy_generate(runner, prompts, NEW_TOKENS)
-    assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+async def test_gguf_engine_greedy_equals_transformers(gguf_family, tokenizer):
+    """The GGUF file through the engine, as the folders go: chunked prefill, preemption and a
+    prefix-cache hit."""
+    await _check_engine(*gguf_family, tokenizer)
 
 
 def _check_mixed_batch(hf, loaded, fold_gqa: bool = False) -> None:
@@ -130,10 +131,13 @@ async def _generate(engine: AsyncEngine, rid: str, prompt: list[int]) -> list[in
 
 
 async def test_engine_greedy_equals_transformers(family, tokenizer):
+    await _check_engine(*family, tokenizer)
+
+
+async def _check_engine(name: str, hf, loaded, tokenizer) -> None:
     """A prompt sharing two full blocks with an earlier one (a prefix-cache hit), then four
     prompts at once in 4 blocks (they need 9: preemption), in 24-token steps (chunked
-    prefill)."""
-    name, hf, loaded = family
+    prefill): every request's greedy tokens are transformers'."""
     prompts = [[(7 * i + 13 * j) % (VOCAB - 3) + 3 for j in range(n)]
                for i, n in enumerate((15, 30, 14, 40))]
     prompts.append(prompts[3][:32] + [5, 6, 7])

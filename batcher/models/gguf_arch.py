@@ -1,7 +1,8 @@
 """A GGUF file's architecture: its header's `{arch}.*` keys as our config, and its tensor names as
 Hugging Face's. The names and conventions are llama.cpp's (`gguf`'s constants):
 
-- `llama` (and Mixtral, a `llama` file with experts): Q and K rows permuted per head for
+- `llama` (and Mixtral, a `llama` file with experts; Mistral, one with
+  `llama.attention.sliding_window`): Q and K rows permuted per head for
   llama.cpp's rotary layout (undone on reading); every other architecture keeps them as stored;
 - `qwen2`, `qwen3` (Q/K norms), `phi3` (fused `attn_qkv`, and `ffn_up` holding gate then up;
   LongRoPE factors as tensors `rope_factors_short`/`rope_factors_long`);
@@ -71,6 +72,7 @@ def config(reader: GGUFFile) -> LlamaConfig:
     max_pos = int(get("context_length", 2048))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     experts = int(get("expert_count", 0) or 0)
+    window = int(get("attention.sliding_window", 0) or 0)
     cfg = LlamaConfig(
         vocab_size=int(get("vocab_size", 0) or 0) or (len(tokens) if tokens is not None else 0),
         hidden_size=hidden, intermediate_size=int(get("feed_forward_length", 0) or 0),
@@ -83,11 +85,9 @@ def config(reader: GGUFFile) -> LlamaConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
-        architecture=("MixtralForCausalLM" if arch == "llama" and experts
-                      else ARCHITECTURES[arch]),
+        architecture=_architecture(arch, experts, window),
         qk_norm="blk.0.attn_q_norm.weight" in names,
     )
-    window = int(get("attention.sliding_window", 0) or 0)
     if arch in ("gemma2", "gemma3"):
         cfg.hidden_act = "gelu_pytorch_tanh"
         cfg.embed_scale = hidden ** 0.5
@@ -121,6 +121,15 @@ def config(reader: GGUFFile) -> LlamaConfig:
         cfg.moe_layers = tuple(i for i in range(layers)
                                if f"blk.{i}.ffn_gate_inp.weight" in names)
     return cfg
+
+
+def _architecture(arch: str, experts: int, window: int) -> str:
+    """llama.cpp writes Mixtral as `llama` with experts, Mistral as `llama` (with its window)."""
+    if arch != "llama":
+        return ARCHITECTURES[arch]
+    if experts:
+        return "MixtralForCausalLM"
+    return "MistralForCausalLM" if window else ARCHITECTURES[arch]
 
 
 def _rope_scaling(reader: GGUFFile, arch: str, get, need, max_pos: int) -> dict | None:
