@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,9 +266,15 @@ class Relay:
         return resp
 
     async def whole(self) -> web.StreamResponse:
+        return await self._logged(self._whole)
+
+    async def _logged(self, relay: Callable[[], Awaitable[web.StreamResponse]]
+                      ) -> web.StreamResponse:
+        """Run one of the relay's entry points (`_whole`, `_stream`) and write its access line
+        as the answer leaves, however it ends."""
         resp: web.StreamResponse | None = None
         try:
-            resp = await self._whole()
+            resp = await relay()
             return resp
         except asyncio.CancelledError:  # the client went away
             self.gone = True

@@ -24,15 +24,7 @@ class StreamRelay(Relay):
     """One streamed client request across its attempts."""
 
     async def stream(self) -> web.StreamResponse:
-        resp: web.StreamResponse | None = None
-        try:
-            resp = await self._stream()
-            return resp
-        except asyncio.CancelledError:  # the client went away
-            self.gone = True
-            raise
-        finally:
-            self._done(resp)
+        return await self._logged(self._stream)
 
     async def _stream(self) -> web.StreamResponse:
         try:
