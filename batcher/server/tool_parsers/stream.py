@@ -98,9 +98,16 @@ class _Call:
         """The index just past the object that opens `buf` once it closed, else None; the
         scan resumes where the previous feed stopped, so a long object is read once in all,
         not once per token."""
-        buf = self.buf
-        for j in range(self.scanned, len(buf)):
-            ch = buf[j]
+        end = self._close(self.buf, self.scanned)
+        if end is None:
+            self.scanned = len(self.buf)
+        return end
+
+    def _close(self, text: str, start: int) -> int | None:
+        """The index just past the bracket in `text` (from `start`) that brings the depth back
+        to 0, else None; brackets inside JSON strings do not count."""
+        for j in range(start, len(text)):
+            ch = text[j]
             if self._in_string(ch):
                 continue
             if ch in "{[":
@@ -109,7 +116,6 @@ class _Call:
                 self.depth -= 1
                 if self.depth == 0:
                     return j + 1
-        self.scanned = len(buf)
         return None
 
     def _in_string(self, ch: str) -> bool:
@@ -162,17 +168,11 @@ class _Call:
         return text, None
 
     def _tail(self, text: str) -> str | None:
-        for j, ch in enumerate(text):
-            if self._in_string(ch):
-                continue
-            if ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.state = "done"
-                    return text[j + 1:]
-        return None
+        end = self._close(text, 0)
+        if end is None:
+            return None
+        self.state = "done"
+        return text[end:]
 
 
 class ToolStream:
