@@ -4,18 +4,22 @@ One call per layer covers the whole flattened batch: decode rows (one query toke
 batched SDPA over their gathered blocks; then prefill chunks, one SDPA per sequence (causal, aligned
 to the bottom right when a chunk continues an earlier one). Everything that does not depend on the
 layer (block tables, masks, slot mapping, the gather workspace) is built once per step in
-`AttentionMetadata`; a fused kernel can take the same metadata later.
+`AttentionMetadata`; a fused kernel can take the same metadata later. On the triton backend
+(CUDA) decode rows run `triton_attention` and all prefill chunks one `triton_prefill` launch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from batcher.runtime.prefill_staging import StagedKV
+
+if TYPE_CHECKING:
+    from batcher.runtime.triton_prefill import VarlenPrefill
 
 
 @dataclass(slots=True)
@@ -87,6 +91,11 @@ class AttentionMetadata:
     # Fused path (CUDA + Triton): a kernel reads blocks in place, no gather; set both or neither.
     decode_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     decode_lens: torch.Tensor | None = None  # [num_decodes] int32
+    # Prefill chunks in one varlen Triton launch (`triton_prefill`): None follows the decode
+    # switch (`decode_tables` set, on CUDA), so a mixed step takes it; a prefill-only step has
+    # no decode tables, so the triton backend's runner must set True there.
+    triton_prefill: bool | None = None
+    _varlen: VarlenPrefill | None = None  # the kernel's chunk layout, built by the first layer
     # Fold GQA into the query length for decode rows: one-token `enable_gqa` SDPA takes a much
     # slower kernel path on CPU in bf16; in fp32 `enable_gqa` is as fast or faster.
     fold_gqa: bool = True
@@ -227,6 +236,15 @@ def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     return out[0].transpose(0, 1).reshape(n, heads * hd)
 
 
+def _prefill_in_kernel(meta: AttentionMetadata, q: torch.Tensor) -> bool:
+    # The kernel does everything this path does for a plain layer (variant layers run
+    # `variant_attention`) except reading a CPU prompt's staged K/V; the CPU keeps this path.
+    on = meta.triton_prefill
+    if on is None:
+        on = meta.decode_tables is not None and q.device.type == "cuda"
+    return on and bool(meta.prefills) and all(c.stage is None for c in meta.prefills)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor],
                     meta: AttentionMetadata | OneGroupDecode) -> torch.Tensor:
@@ -243,6 +261,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     nd = meta.num_decodes
     if nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, meta)
+    if _prefill_in_kernel(meta, q):
+        from batcher.runtime.triton_prefill import VarlenPrefill, paged_prefill_attention
+
+        if meta._varlen is None:
+            meta._varlen = VarlenPrefill.build(meta.prefills, q.device)
+        return paged_prefill_attention(q, k, v, *kv_cache, meta._varlen, out)
     for chunk in meta.prefills:
         rows = slice(chunk.row, chunk.row + chunk.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk,

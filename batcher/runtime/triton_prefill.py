@@ -1,0 +1,193 @@
+"""Paged varlen prefill attention as one Triton kernel: every prompt chunk of a step (a mixed
+step's prefill rows included) in one launch, no per-sequence loop, no gather.
+
+Grid (query tile, query head): the host lays each chunk's rows out in tiles of BLOCK_M and
+lists them all (`VarlenPrefill`), so programs never straddle two sequences and no program is
+launched for padding. A program loads its tile of queries and walks its sequence's keys with an
+online softmax (flash-attention): first the cached prefix, read in place through the block table
+(every prefix key precedes every query, so no causal mask), then the chunk's own new keys from
+the step's K/V rows (causal within the chunk), up to the tile's last query. GQA: the program's
+kv head is its query head // group. Scores, softmax and the accumulator are fp32; the matrix
+products take the cache's dtype (fp32 as IEEE, so fp32 results match the torch path tightly).
+Imported only where Triton is available (`attention.paged_attention` dispatches here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from batcher.runtime.attention import PrefillChunk
+
+# Query rows per program: chunks shorter than this get a smaller power of two (>= 16, tl.dot's
+# minimum), so a mixed step's few-token chunks do not compute mostly padding. Keys per inner
+# tile. Not yet tuned by measurement (docs/gpu-kernels.md).
+MAX_BLOCK_M = 64
+BLOCK_N = 64
+_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _online_update(q, k, v, valid, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr,
+                   PRECISION: tl.constexpr, DOT: tl.constexpr):
+    # q: [M, D]; k, v: [N, D]; valid: [M, N] -> the running max, denominator and output.
+    s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION) * scale  # [M, N]
+    if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with no valid key yet keeps m = -inf: subtract 0 instead, so exp gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT), v.to(DOT),
+                                        input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["window", "num_seqs", "stride_bt"])
+def _paged_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, seq_ptr, tile_ptr,
+    scale, softcap, window, num_seqs,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kvh = head // GROUP
+    # seq_ptr: [3, num_seqs] (first row, length, cached prefix); tile_ptr: [2, tiles]
+    # (sequence, first row within the chunk).
+    seq = tl.load(tile_ptr + tile)
+    m0 = tl.load(tile_ptr + tl.num_programs(0) + tile)
+    row0 = tl.load(seq_ptr + seq)
+    n = tl.load(seq_ptr + num_seqs + seq)
+    prefix = tl.load(seq_ptr + 2 * num_seqs + seq)
+
+    m = m0 + tl.arange(0, BLOCK_M)  # [M] query rows within the chunk
+    d = tl.arange(0, DIM_PAD)
+    mmask = m < n
+    dmask = d < HEAD_DIM
+    rows = (row0 + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0).to(kc_ptr.dtype.element_ty)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    j = tl.arange(0, BLOCK_N)
+
+    # 1. The cached prefix, keys [lo, prefix), in place through the block table.
+    lo = 0
+    if HAS_WINDOW:  # query i sees keys j with i - window < j: the tile's first query bounds it
+        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, prefix, BLOCK_N):
+        tok = start + j  # [N] key positions
+        tmask = tok < prefix
+        blk = tl.load(tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=tmask,
+                      other=0).to(tl.int64)
+        offs = (blk[:, None] * stride_cb + (tok % BLOCK_SIZE)[:, None] * stride_cs
+                + kvh * stride_ch + d[None, :])  # [N, D]
+        kvmask = tmask[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + offs, mask=kvmask, other=0.0)
+        v = tl.load(vc_ptr + offs, mask=kvmask, other=0.0)
+        valid = tmask[None, :]
+        if HAS_WINDOW:
+            valid = valid & (tok[None, :] > (prefix + m)[:, None] - window)
+        m_i, l_i, acc = _online_update(q, k, v, valid, m_i, l_i, acc, scale, softcap,
+                                       HAS_SOFTCAP, PRECISION, DOT)
+
+    # 2. The chunk's own keys (rows of the step's K/V), causal: keys [lo, the tile's end).
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):
+        c = start + j  # [N] key rows within the chunk
+        cmask = c < n
+        krows = (row0 + c).to(tl.int64)
+        kvmask = cmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + krows[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                    mask=kvmask, other=0.0)
+        v = tl.load(v_ptr + krows[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                    mask=kvmask, other=0.0)
+        valid = cmask[None, :] & (c[None, :] <= m[:, None])
+        if HAS_WINDOW:
+            valid = valid & (c[None, :] > m[:, None] - window)
+        m_i, l_i, acc = _online_update(q, k, v, valid, m_i, l_i, acc, scale, softcap,
+                                       HAS_SOFTCAP, PRECISION, DOT)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (m >= n) are not stored
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+@dataclass(slots=True)
+class VarlenPrefill:
+    """A step's prefill chunks as the kernel takes them, built once per step (first layer) and
+    shared by every layer: two host-to-device copies (the index arrays, the block tables)."""
+
+    tables: torch.Tensor  # [chunks, max_blocks] int32: each chunk's blocks, zero-padded
+    seqs: torch.Tensor  # [3, chunks] int32: first row in the step, length, cached prefix
+    tiles: torch.Tensor  # [2, tiles] int32: chunk, first row within the chunk
+    block_m: int
+
+    @classmethod
+    def build(cls, chunks: list[PrefillChunk], device: torch.device) -> VarlenPrefill:
+        longest = max(c.length for c in chunks)
+        block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(longest)))
+        tile_seq: list[int] = []
+        tile_row: list[int] = []
+        for i, c in enumerate(chunks):
+            starts = range(0, c.length, block_m)
+            tile_seq.extend([i] * len(starts))
+            tile_row.extend(starts)
+        idx = torch.tensor([c.row for c in chunks] + [c.length for c in chunks]
+                           + [c.start_pos for c in chunks] + tile_seq + tile_row,
+                           dtype=torch.int32).to(device, non_blocking=True)
+        ns = len(chunks)
+        tables = torch.nn.utils.rnn.pad_sequence([c.block_ids for c in chunks],
+                                                 batch_first=True).to(torch.int32)
+        return cls(tables, idx[:3 * ns].view(3, ns), idx[3 * ns:].view(2, -1), block_m)
+
+
+def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, batch: VarlenPrefill,
+                            out: torch.Tensor, *, scale: float | None = None,
+                            window: int | None = None, softcap: float | None = None
+                            ) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim], the step's new K/V (rows as in
+    q); caches: [num_blocks, block_size, kv_heads, head_dim], same dtype as q (fp32, bf16 or
+    fp16), holding each chunk's cached prefix; out: [T, heads * head_dim] (or [T, heads,
+    head_dim]). Writes the rows of `batch`'s chunks into `out` (other rows are left alone) and
+    returns it. Optional: `scale` (default 1/sqrt(head_dim)), a sliding `window` (query i sees
+    keys j with i - window < j <= i) and a tanh `softcap` on the scores."""
+    t, heads, hd = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    assert heads % kvh == 0 and k.shape[1] == kvh and v_cache.stride() == k_cache.stride()
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == 1
+    o = out.view(t, heads, hd)
+    tiles = batch.tiles.shape[1]
+    dim_pad = max(triton.next_power_of_2(hd), 16)
+    # NOTE: Triton 3.9's interpreter (CPU tensors) multiplies bf16 tiles wrongly: there the
+    # products take fp32 inputs (the values rounded to bf16 first, so results stay close).
+    interpreted = q.device.type == "cpu"
+    dot = tl.float32 if interpreted and k_cache.dtype == torch.bfloat16 else _DTYPES[q.dtype]
+    _paged_prefill_kernel[(tiles, heads)](
+        q, k, v, k_cache, v_cache, o, batch.tables, batch.seqs, batch.tiles,
+        hd ** -0.5 if scale is None else scale, 1.0 if softcap is None else softcap,
+        0 if window is None else window, batch.seqs.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1),
+        batch.tables.stride(0),
+        GROUP=heads // kvh, HEAD_DIM=hd, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=batch.block_m, BLOCK_N=BLOCK_N if dim_pad <= 128 else BLOCK_N // 2,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", DOT=dot)
+    return out
