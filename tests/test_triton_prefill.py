@@ -218,3 +218,23 @@ def test_model_mixed_step(kernel, tiny_fp32):
         kv = [(kc.clone(), vc.clone()) for kc, vc in caches]
         logits.append(runner.model(ids, pos, meta, kv, torch.arange(len(ids))))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_self_check_passes_and_refuses_a_wrong_or_failing_kernel(kernel, monkeypatch):
+    """The runner's start-up check: the kernel agrees with torch attention in GQA shapes, and
+    a kernel that computes wrongly or does not compile is named, so the runner keeps torch."""
+    dev = torch.device(DEVICE)
+    assert kernel.self_check(dev, torch.float32, 4, 2, 64, 16) is None
+    assert kernel.self_check(dev, torch.bfloat16, 2, 1, 64, 16) is None
+
+    def wrong(q, k, v, kc, vc, batch, out, **kw):
+        return out.fill_(0.5)
+
+    monkeypatch.setattr(kernel, "paged_prefill_attention", wrong)
+    assert "differs from torch attention" in kernel.self_check(dev, torch.float32, 4, 2, 64, 16)
+
+    def refused(*args, **kw):
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(kernel, "paged_prefill_attention", refused)
+    assert kernel.self_check(dev, torch.float32, 4, 2, 64, 16) == "RuntimeError: cannot compile"

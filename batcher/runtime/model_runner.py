@@ -76,6 +76,7 @@ class ModelRunner:
             log.info("this model's attention runs on the torch path (the %s kernel implements "
                      "plain attention only)", self.backend)
             self.backend = "torch"
+        self.triton_prefill = self._check_triton_prefill(loaded, block_size)
         # CPU, bf16: decode rows attend through a C kernel (`fused_decode`): a decode-only step
         # runs one call per layer from the QKV projection on.
         self.fused = loaded.fused if self.backend == "torch" else None
@@ -125,6 +126,22 @@ class ModelRunner:
         # The KV pool's fill (and compiling) ran parallel work on this thread; the steps run on
         # another.
         release_openmp_pool()
+
+    def _check_triton_prefill(self, loaded: Any, block_size: int) -> bool:
+        """Whether prompt chunks take the varlen Triton kernel: on CUDA with the triton
+        backend, once the kernel has matched torch attention on this device in the model's
+        shapes (`triton_prefill.self_check`); else the torch path."""
+        if self.backend != "triton" or loaded.device.type != "cuda":
+            return False
+        from batcher.runtime.triton_prefill import self_check
+
+        cfg = loaded.config
+        why = self_check(loaded.device, loaded.dtype, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.head_dim, block_size)
+        if why is not None:
+            log.warning("the varlen prefill kernel failed its start-up check (%s): prompt "
+                        "chunks take the torch path", why)
+        return why is None
 
     @property
     def warm_up_kind(self) -> str:
@@ -224,8 +241,11 @@ class ModelRunner:
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             row_of[id(s)] = len(ids) - 1
+        # Prompt chunks go through the varlen paged-prefill kernel on CUDA with the triton
+        # backend: one launch for every chunk of the step (`runtime/triton_prefill.py`).
         meta = AttentionMetadata(block_size=bs, fold_gqa=self.fold_gqa,
-                                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+                                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                                 triton_prefill=self.triton_prefill)
         if decodes:
             # The fused kernel takes the decode rows, except in a step a compiled graph runs (it
             # reads `decode_groups`).

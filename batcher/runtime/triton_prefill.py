@@ -191,3 +191,50 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         PRECISION="ieee" if dot == tl.float32 else "tf32", DOT=dot)
     return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+               head_dim: int, block_size: int) -> str | None:
+    """Run the kernel once on a small synthetic step in the model's shapes and compare it with
+    plain torch attention: None when they agree, else why not. A device whose compiler rejects
+    the kernel, or computes it wrongly, then keeps the torch path (the runner calls this once,
+    before serving) instead of failing requests or answering with wrong tokens."""
+    from batcher.runtime.attention import PrefillChunk
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, prefixes = (5, 19), (0, 21)  # a first chunk, and one after a cached prefix
+    blocks = [-(-(n + p) // block_size) for n, p in zip(lengths, prefixes)]
+    kc = torch.randn(sum(blocks), block_size, kv_heads, head_dim, generator=gen)
+    vc = torch.randn(sum(blocks), block_size, kv_heads, head_dim, generator=gen)
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    chunks, want, row, first = [], [], 0, 0
+    group = heads // kv_heads
+    for n, p, nb in zip(lengths, prefixes, blocks):
+        ids = list(range(first, first + nb))
+        first += nb
+        # The chunk's own K/V in its slots, as write_kv would have put them.
+        slots = torch.tensor([ids[i // block_size] * block_size + i % block_size
+                              for i in range(p, p + n)])
+        kc.view(-1, kv_heads, head_dim)[slots] = k[row:row + n]
+        vc.view(-1, kv_heads, head_dim)[slots] = v[row:row + n]
+        keys = kc[ids].reshape(-1, kv_heads, head_dim)[:p + n].repeat_interleave(group, 1)
+        vals = vc[ids].reshape(-1, kv_heads, head_dim)[:p + n].repeat_interleave(group, 1)
+        mask = torch.arange(p + n) <= torch.arange(p, p + n)[:, None]
+        want.append(torch.nn.functional.scaled_dot_product_attention(
+            q[row:row + n].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+            attn_mask=mask).transpose(0, 1))
+        chunks.append(PrefillChunk(row=row, length=n, start_pos=p, mask=None,
+                                   block_ids=torch.tensor(ids, device=device)))
+        row += n
+    want_out = torch.cat(want).reshape(t, -1)
+    try:
+        to = dict(device=device, dtype=dtype)
+        out = torch.zeros(t, heads * head_dim, **to)
+        got = paged_prefill_attention(q.to(**to), k.to(**to), v.to(**to), kc.to(**to),
+                                      vc.to(**to), VarlenPrefill.build(chunks, device), out)
+        err = (got.float().cpu() - want_out).abs().max().item()
+    except Exception as exc:  # a compiler or driver that refuses the kernel
+        return f"{type(exc).__name__}: {exc}"
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    return None if err <= tol else f"differs from torch attention by {err:.3g} (> {tol})"
