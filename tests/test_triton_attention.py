@@ -4,10 +4,13 @@ CUDA tensors where one is present, else on the CPU through Triton's interpreter
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
@@ -33,23 +36,29 @@ def compiled_already() -> bool:
              ).__name__ != "InterpretedFunction"
 
 
-def test_interpreted_in_a_fresh_process() -> None:
-    if not compiled_already():
-        pytest.skip("the interpreted tests run in this process")
+def run_interpreted(path: str) -> None:
+    """Run the test file at `path` under the interpreter in a fresh process (the tests of a
+    session that imported Triton compiled)."""
     import subprocess
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "BATCHER_TRITON_CHILD": "1"}
     got = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          __file__], env=env, capture_output=True, text=True, timeout=600,
+                          path], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    """The kernel in the mode DEVICE needs. Triton reads TRITON_INTERPRET when `@triton.jit`
-    runs, at the module's import: the module is imported again if it was imported in the other
-    mode, and the variable is restored afterwards."""
+def test_interpreted_in_a_fresh_process() -> None:
+    if not compiled_already():
+        pytest.skip("the interpreted tests run in this process")
+    run_interpreted(__file__)
+
+
+@contextlib.contextmanager
+def kernel_module() -> Iterator[ModuleType]:
+    """The kernels' module in the mode DEVICE needs. Triton reads TRITON_INTERPRET when
+    `@triton.jit` runs, at the module's import: the module is imported again if it was imported
+    in the other mode, and the variable is restored afterwards."""
     if compiled_already():
         pytest.skip("Triton was imported compiled here; test_interpreted_in_a_fresh_process "
                     "runs these")
@@ -61,12 +70,18 @@ def kernel():
         mod = importlib.import_module(MODULE) if mod is None else importlib.reload(mod)
         interpreted = type(mod._paged_decode_kernel).__name__ == "InterpretedFunction"
         assert interpreted == (DEVICE == "cpu"), type(mod._paged_decode_kernel)
-        yield mod.paged_decode_attention
+        yield mod
     finally:
         if before is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = before
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with kernel_module() as mod:
+        yield mod.paged_decode_attention
 
 
 @pytest.fixture(scope="module")
