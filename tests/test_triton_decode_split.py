@@ -147,3 +147,23 @@ def test_split_chooser(mod):
                 capped = s == mod.MAX_SPLITS or (s + 1) * mod.MIN_SPLIT_TOKENS > ctx
                 assert capped or batch * kvh * s >= mod.PROGRAMS_PER_SM * sms
                 assert s == 1 or batch * kvh * (s - 1) < mod.PROGRAMS_PER_SM * sms  # no more
+
+
+def test_self_check_passes_and_refuses_a_wrong_or_failing_kernel(mod, monkeypatch):
+    """The runner's start-up check: the kernel agrees with torch attention in GQA shapes, one
+    split and several; a kernel that computes wrongly or does not compile is named instead."""
+    dev = torch.device(DEVICE)
+    assert mod.self_check(dev, torch.float32, 4, 2, 64, 16) is None
+    assert mod.self_check(dev, torch.bfloat16, 8, 1, 64, 16) is None
+
+    def wrong(q, *args, **kw):
+        return torch.full_like(q, 0.5)
+
+    monkeypatch.setattr(mod, "paged_decode_attention", wrong)
+    assert "differs from torch attention" in mod.self_check(dev, torch.float32, 4, 2, 64, 16)
+
+    def refused(*args, **kw):
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(mod, "paged_decode_attention", refused)
+    assert mod.self_check(dev, torch.float32, 4, 2, 64, 16) == "RuntimeError: cannot compile"

@@ -76,7 +76,7 @@ class ModelRunner:
             log.info("this model's attention runs on the torch path (the %s kernel implements "
                      "plain attention only)", self.backend)
             self.backend = "torch"
-        self.triton_prefill = self._check_triton_prefill(loaded, block_size)
+        self.triton_prefill = self._check_triton_kernels(loaded, block_size)
         # CPU, bf16: decode rows attend through a C kernel (`fused_decode`): a decode-only step
         # runs one call per layer from the QKV projection on.
         self.fused = loaded.fused if self.backend == "torch" else None
@@ -127,17 +127,25 @@ class ModelRunner:
         # another.
         release_openmp_pool()
 
-    def _check_triton_prefill(self, loaded: Any, block_size: int) -> bool:
-        """Whether prompt chunks take the varlen Triton kernel: on CUDA with the triton
-        backend, once the kernel has matched torch attention on this device in the model's
-        shapes (`triton_prefill.self_check`); else the torch path."""
+    def _check_triton_kernels(self, loaded: Any, block_size: int) -> bool:
+        """On CUDA with the triton backend, each kernel first matches torch attention on this
+        device in the model's shapes (their `self_check`): a decode kernel that does not keeps
+        the whole model on the torch path, a prefill kernel that does not keeps prompt chunks
+        there. Returns whether prompt chunks take the varlen prefill kernel."""
         if self.backend != "triton" or loaded.device.type != "cuda":
             return False
-        from batcher.runtime.triton_prefill import self_check
+        from batcher.runtime import triton_attention, triton_prefill
 
         cfg = loaded.config
-        why = self_check(loaded.device, loaded.dtype, cfg.num_heads, cfg.num_kv_heads,
-                         cfg.head_dim, block_size)
+        shape = (loaded.device, loaded.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                 block_size)
+        why = triton_attention.self_check(*shape)
+        if why is not None:
+            log.warning("the paged decode kernel failed its start-up check (%s): attention "
+                        "runs on the torch path", why)
+            self.backend = "torch"
+            return False
+        why = triton_prefill.self_check(*shape)
         if why is not None:
             log.warning("the varlen prefill kernel failed its start-up check (%s): prompt "
                         "chunks take the torch path", why)

@@ -196,3 +196,41 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          HEAD_DIM=hd, DIM_PAD=dim_pad, SPLITS_PAD=MAX_SPLITS,
                                          num_warps=4)
     return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+               head_dim: int, block_size: int) -> str | None:
+    """Run the kernel once on small synthetic decode rows in the model's shapes (one split and
+    several) and compare it with plain torch attention: None when they agree, else why not. The
+    runner calls this once before serving, so a device whose compiler refuses the kernel, or
+    computes it wrongly, keeps the torch path instead of failing or corrupting every decode."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 37, 200]  # one key, a partial block, several splits' worth
+    nblocks = [-(-n // block_size) for n in lens]
+    kc = torch.randn(sum(nblocks), block_size, kv_heads, head_dim, generator=gen)
+    vc = torch.randn(sum(nblocks), block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    tables = torch.zeros(len(lens), max(nblocks), dtype=torch.int32)
+    want, first = [], 0
+    for i, (n, nb) in enumerate(zip(lens, nblocks)):
+        ids = list(range(first, first + nb))
+        first += nb
+        tables[i, :nb] = torch.tensor(ids, dtype=torch.int32)
+        keys = kc[ids].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+        vals = vc[ids].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+        want.append(torch.nn.functional.scaled_dot_product_attention(
+            q[i][:, None], keys.transpose(0, 1), vals.transpose(0, 1))[:, 0])
+    try:
+        to = dict(device=device, dtype=dtype)
+        errs = []
+        for splits in (1, 4):
+            got = paged_decode_attention(q.to(**to), kc.to(**to), vc.to(**to),
+                                         tables.to(device), torch.tensor(lens, dtype=torch.int32,
+                                                                         device=device),
+                                         num_splits=splits)
+            errs.append((got.float().cpu() - torch.stack(want)).abs().max().item())
+    except Exception as exc:  # a compiler or driver that refuses the kernel
+        return f"{type(exc).__name__}: {exc}"
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    err = max(errs)
+    return None if err <= tol else f"differs from torch attention by {err:.3g} (> {tol})"
