@@ -37,7 +37,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a file: its folder is first on the path, and gpu_pack beside it is imported from there.
 from gpu_pack import BUNDLED_FILE, BUNDLED_PACKAGE, CARRY, ROOT, dir_bytes, gguf_tensor_count
 
 BUDGET_S = 460.0  # of the 8 minutes a device call may take, the rest for start-up and transfer
@@ -82,7 +82,7 @@ def checks(small: bool) -> list[Check]:
               "context 2048", "runs; step time / bandwidth floor printed (no ratio target "
               "yet: that belongs to the attention kernel work)", 75),
         Check("e", "chat64 through our engine vs transformers static batching, same GPU, "
-              "dtype and prompts (scripts/bench_gpu.py)", "ours faster than the best "
+              "dtype and prompts (`python -m scripts.bench gpu`)", "ours faster than the best "
               "transformers batch", 120),
     ]
     for c in todo:
@@ -272,9 +272,10 @@ def bench(e: Env, name: str, args: list[str], budget: float) -> dict | None:
 
 
 def bench_gpu(e: Env, name: str, args: list[str], budget: float) -> dict | None:
-    """scripts/bench_gpu.py with `args`; its JSON, or None if it failed."""
+    """The gpu bench scenario (`python -m scripts.bench gpu`, from the root) with `args`; its
+    JSON, or None if it failed."""
     out = e.logs / f"{name}.json"
-    rc = run_logged([e.py, "scripts/bench_gpu.py", "--device", e.device, "--no-append",
+    rc = run_logged([e.py, "-m", "scripts.bench", "gpu", "--device", e.device, "--no-append",
                      "--json", str(out), *args], e.logs / f"{name}.log",
                     min(budget, e.left()), e.env)
     return json.loads(out.read_text()) if rc == 0 and out.is_file() else None

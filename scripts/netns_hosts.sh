@@ -1,8 +1,11 @@
-# Sourced by the multi-host demos: three network namespaces as three hosts, A and B each linked
-# to R by a veth pair (a star; nothing is created in the root namespace; 10.200.0.0/16 exists
-# only inside these namespaces), and a cleanup on exit that stops every process the demo started
-# (PIDS), kills what is left inside the namespaces and deletes them.
-#   three_hosts NAME DEFAULT_ID_PREFIX  -> sets ID, NS_A, NS_B, NS_R, WORK, PIDS, MADE
+# Sourced by the multi-host demos after scripts/lib.sh: three network namespaces as three hosts,
+# A and B each linked to R by a veth pair (a star; nothing is created in the root namespace;
+# 10.200.0.0/16 exists only inside these namespaces), and a cleanup on exit that stops every
+# process the demo started (PIDS, lib.sh's stop_pids), kills what is left inside the namespaces
+# and deletes them.
+#   three_hosts NAME DEFAULT_ID_PREFIX  -> sets ID, NS_A, NS_B, NS_R, WORK, MADE
+#   drive MODE LOG                      -> the demo's traffic and checks (scripts/multihost_driver.py
+#                                          MODE) on host R; exits with its status
 # Host A is 10.200.1.2, host B 10.200.2.2; R is 10.200.1.1 and 10.200.2.1.
 
 three_hosts() {
@@ -10,11 +13,8 @@ three_hosts() {
     ID="${MULTIHOST_ID:-$2$$}"  # unique per run, so parallel runs never share a name
     NS_A="${ID}a" NS_B="${ID}b" NS_R="${ID}r"
     WORK="$(mktemp -d "${TMPDIR:-/tmp}/$DEMO_NAME.XXXXXX")"
-    PIDS=()
     MADE=()
-    trap netns_cleanup EXIT
-    trap 'exit 130' INT
-    trap 'exit 143' TERM
+    on_exit netns_cleanup
     local ns pair
     for ns in "$NS_A" "$NS_B" "$NS_R"; do
         ip netns add "$ns"
@@ -33,17 +33,26 @@ three_hosts() {
     done
 }
 
+drive() {
+    local rc
+    CUT="ip -n $NS_B link set eth0 down" RESTORE="ip -n $NS_B link set eth0 up" \
+        ip netns exec "$NS_R" "$PY" scripts/multihost_driver.py "$1" &
+    PIDS+=($!)
+    set +e
+    wait "${PIDS[-1]}"
+    rc=$?
+    set -e
+    if [ "$rc" != 0 ]; then
+        echo "$DEMO_NAME: FAILED (exit $rc); $(basename "$2" .log) log tail:" >&2
+        tail -n 20 "$2" >&2 || true
+    fi
+    exit "$rc"
+}
+
 netns_cleanup() {
-    local rc=$? pid ns i alive
+    local rc=$? pid ns
     set +eu
-    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
-    for i in $(seq 50); do  # up to 5 s for a graceful exit
-        alive=0
-        for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        [ "$alive" = 0 ] && break
-        sleep 0.1
-    done
-    for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+    stop_pids 5
     for ns in "${MADE[@]}"; do
         # Anything still inside a namespace this run made was started by this run.
         for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null; done

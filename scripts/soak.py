@@ -46,10 +46,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from batcher.server.auth import hash_key
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
+from batcher.server.auth import hash_key
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KEYS = {"steady": "soak-steady-key", "bursty": "soak-bursty-key", "greedy": "soak-greedy-key"}
 MAX_IN_FLIGHT = 256

@@ -1,6 +1,7 @@
-"""scripts/bench_gpu.py runs end to end on the CPU with the tiny model: decode step against the
-floor, the engine built as `batcher serve` builds it, and the transformers baseline on the same
-device and prompts. The script is otherwise run only on a GPU, where a crash costs a whole run."""
+"""The gpu bench scenario (`python -m scripts.bench gpu`) runs end to end on the CPU with the tiny
+model: decode step against the floor, the engine built as `batcher serve` builds it, and the
+transformers baseline on the same device and prompts. The scenario is otherwise run only on a GPU,
+where a crash costs a whole run."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_bench_gpu_runs_on_cpu_with_the_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_gpu.py", "--device", "cpu", "--model", "tiny",
+        [sys.executable, "-m", "scripts.bench", "gpu", "--device", "cpu", "--model", "tiny",
          "--dtype", "float32", "--requests", "3", "--max-tokens", "6", "--batches", "2",
          "--ctx", "32", "--hf-batches", "2", "--no-append", "--json", str(out)],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,7 +1,7 @@
-"""The mixed benchmark (`batcher bench --batch-lines`, `scripts/bench_batch_mixed.py`) against a
-fake replica with the batch API: every phase runs within its bounds, the batch goes through
-/v1/files and /v1/batches and completes, and the report says so. (The measurement itself, on
-the bundled model, is the script's BENCHMARKS.md row.)"""
+"""The mixed benchmark (`batcher bench --batch-lines`, `python -m scripts.bench batch_mixed`)
+against a fake replica with the batch API: every phase runs within its bounds, the batch goes
+through /v1/files and /v1/batches and completes, and the report says so. (The measurement itself,
+on the bundled model, is the scenario's BENCHMARKS.md row.)"""
 
 from __future__ import annotations
 

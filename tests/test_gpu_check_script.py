@@ -18,21 +18,26 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _script():
-    """scripts/gpu_check.py as a module (a script, not part of the package)."""
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check",
-                                                      ROOT / "scripts" / "gpu_check.py")
+def _load(name: str):
+    """scripts/NAME.py as a module (a script, not part of the package), under its own name as
+    running it as a file imports it."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = mod  # dataclasses look their module up there
+        sys.modules[name] = mod  # dataclasses look their module up there
         spec.loader.exec_module(mod)
-    return sys.modules["gpu_check"]
+    return sys.modules[name]
 
 
 def _pack():
     """scripts/gpu_pack.py, which gpu_check imports."""
-    _script()
-    return sys.modules["gpu_pack"]
+    return _load("gpu_pack")
+
+
+def _script():
+    """scripts/gpu_check.py (gpu_pack first: run as a file, it finds it beside itself)."""
+    _pack()
+    return _load("gpu_check")
 
 
 def test_dry_run_lists_every_check_and_its_target() -> None:

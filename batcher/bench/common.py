@@ -53,7 +53,11 @@ def machine() -> str:
 
 
 def command_line() -> str:
+    """This process's command line as a BENCHMARKS.md row shows it: `python -m PACKAGE ...` for a
+    package run with `-m` (the bench scenarios: `python -m scripts.bench NAME ...`)."""
     script = os.path.relpath(sys.argv[0], ROOT) if os.path.isabs(sys.argv[0]) else sys.argv[0]
+    if os.path.basename(script) == "__main__.py":
+        script = "-m " + os.path.dirname(script).replace(os.sep, ".")
     return " ".join(["python", script, *map(shlex.quote, sys.argv[1:])])
 
 

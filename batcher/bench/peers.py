@@ -1,7 +1,8 @@
-"""Side-by-side table of a peer comparison (scripts/bench_peers.sh): both rows per round, the ratios,
-one CDF plot with both servers, appended to BENCHMARKS.md.
+"""Side-by-side table of a peer comparison (`python -m scripts.bench peers`): both rows per round,
+the ratios, one CDF plot with both servers, appended to BENCHMARKS.md.
 
-    python -m batcher.bench.peers bench_out/peers --rounds 1 --command "scripts/bench_peers.sh"
+    python -m batcher.bench.peers bench_out/peers --rounds 1 \\
+        --command "python -m scripts.bench peers"
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("out", type=Path)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--command", default="scripts/bench_peers.sh")
+    p.add_argument("--command", default="python -m scripts.bench peers")
     p.add_argument("--no-append", action="store_true", help="print only")
     p.add_argument("--single", action="store_true", help="a one-stream run: its target is "
                    "0.9x the peer's output tok/s")

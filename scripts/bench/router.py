@@ -1,13 +1,14 @@
-"""Router overhead: the latency a router adds to a request, measured against a direct call to the
-same fake replica, against a bare aiohttp forwarder (one handler: read the body, post it
-upstream on a pooled session, return the answer; the floor of an aiohttp hop on this machine)
-and against a socket forwarder (the same server, the upstream hop hand-written over pooled
-sockets: what aiohttp's client itself costs), all alternated call by call so drift hits all
-alike; and the routing decision alone (`RouterContext.pick`, in-process) on fleets of 1 to 256
-replicas, every candidate scored against a sample of `--choices`, alternated the same way.
-Appends rows to BENCHMARKS.md.
+"""Router overhead: the latency a router adds to a request, and the routing decision's cost.
 
-    python scripts/bench_router.py [--requests 400] [--decisions 2000] [--against REV]
+The latency a router adds is measured against a direct call to the same fake replica, against a bare
+aiohttp forwarder (one handler: read the body, post it upstream on a pooled session, return the
+answer; the floor of an aiohttp hop on this machine) and against a socket forwarder (the same
+server, the upstream hop hand-written over pooled sockets: what aiohttp's client itself costs), all
+alternated call by call so drift hits all alike; and the routing decision alone
+(`RouterContext.pick`, in-process) on fleets of 1 to 256 replicas, every candidate scored against a
+sample of `--choices`, alternated the same way. Appends rows to BENCHMARKS.md.
+
+    python -m scripts.bench router [--requests 400] [--decisions 2000] [--against REV]
                                    [--no-append]
 
 `--against REV` also runs the router of an earlier revision (its `batcher/` from git, in a
@@ -32,15 +33,16 @@ from typing import Any
 import aiohttp
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, append_rows, pct, wait_until_up
+from batcher.bench.common import append_rows, pct, wait_until_up
 from batcher.bench.load import process_cpu_seconds
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
+from scripts.bench._shared import ROOT, parser, rerun, start_checkout
+
+QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "stdin": subprocess.DEVNULL}
 
 
-def start(argv: list[str], cwd: Path = ROOT) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, **QUIET)  # type: ignore[call-overload]
 
 
 def cpu_seconds(proc: subprocess.Popen) -> float | None:
@@ -211,8 +213,8 @@ def decisions(n: int, choices: int) -> list[list[str]]:
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> int:
+    ap = parser(__name__, __doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=400, help="pairs per mode")
     ap.add_argument("--decisions", type=int, default=2000, help="timed picks per fleet size "
                     "and mode (0: skip)")
@@ -224,7 +226,7 @@ def main() -> int:
                     help=argparse.SUPPRESS)  # the reference forwarder's own process
     ap.add_argument("--socket-forwarder", nargs=2, metavar=("PORT", "UPSTREAM"),
                     help=argparse.SUPPRESS)  # the raw-socket reference's own process
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.bare_forwarder:
         bare_forwarder(int(args.bare_forwarder[0]), args.bare_forwarder[1])
         return 0
@@ -233,15 +235,16 @@ def main() -> int:
         return 0
     load0 = os.getloadavg()[0]
     rport, xport, bport, sport = free_port(), free_port(), free_port(), free_port()
-    rep = start(["-m", "batcher.app.cli", "serve", "--model", "fake", "--embedding-model", "none",
-                 "--port", str(rport), "--fake-decode-step-ms", "1", "--log-level", "warning"])
+    rep = start([sys.executable, "-m", "batcher.app.cli", "serve", "--model", "fake",
+                 "--embedding-model", "none", "--port", str(rport), "--fake-decode-step-ms", "1",
+                 "--log-level", "warning"])
     direct = f"http://127.0.0.1:{rport}"
     routed, bare = f"http://127.0.0.1:{xport}", f"http://127.0.0.1:{bport}"
     sock = f"http://127.0.0.1:{sport}"
-    router = start(["-m", "batcher.fleet.cli", "router", "--port", str(xport), "--replica",
-                    direct, "--log-level", "warning"])
-    forwarder = start([__file__, "--bare-forwarder", str(bport), direct])
-    sockfwd = start([__file__, "--socket-forwarder", str(sport), direct])
+    router = start([sys.executable, "-m", "batcher.app.cli", "router", "--port", str(xport),
+                    "--replica", direct, "--log-level", "warning"])
+    forwarder = start(rerun(__name__, "--bare-forwarder", str(bport), direct))
+    sockfwd = start(rerun(__name__, "--socket-forwarder", str(sport), direct))
     procs = [sockfwd, forwarder, router, rep]
     urls = [direct, routed, bare, sock]
     old_tree = tempfile.TemporaryDirectory(prefix="bench-router-") if args.against else None
@@ -249,9 +252,8 @@ def main() -> int:
         if old_tree is not None:
             checkout(args.against, Path(old_tree.name))
             oport = free_port()
-            procs.append(start(["-m", "batcher.fleet.cli", "router", "--port", str(oport),
-                                "--replica", direct, "--log-level", "warning"],
-                               cwd=Path(old_tree.name)))
+            procs.append(start_checkout(Path(old_tree.name), "router", "--port", str(oport),
+                                        "--replica", direct, "--log-level", "warning", **QUIET))
             urls.append(f"http://127.0.0.1:{oport}")
         for url, proc in zip(urls, [rep, router, forwarder, sockfwd, *procs[4:]]):
             wait_up(url + "/ready", proc)
@@ -306,13 +308,10 @@ def main() -> int:
             for row in rs:
                 print(" | ".join(row))
     else:
-        print(append_rows(f"Router overhead (scripts/bench_router.py), {os.cpu_count()} CPUs",
+        print(append_rows(f"Router overhead (scripts/bench/router.py), {os.cpu_count()} CPUs",
                           header, rows, notes))
         if drows:
-            print(append_rows("Routing decision cost by fleet size (scripts/bench_router.py)",
+            print(append_rows("Routing decision cost by fleet size (scripts/bench/router.py)",
                               dheader, drows, dnotes))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The engine loop's own ceiling: `--model fake` at zero cost, so what remains is the host.
 
-    python scripts/bench_engine_ceiling.py [--streams 1,64,256] [--rounds 2]
+    python -m scripts.bench engine_ceiling [--streams 1,64,256] [--rounds 2]
         [--checkout base=../base-checkout] [--append-benchmarks TITLE]
 
 Each run starts a fresh server on 127.0.0.1 whose model costs nothing (`--fake-decode-step-ms 0
@@ -35,11 +35,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batcher.bench.client import ClientConfig, RequestResult, send_request
-from batcher.bench.common import ROOT, append_rows, pct, wait_until_up
+from batcher.bench.common import append_rows, pct, wait_until_up
 from batcher.bench.load import CpuMeter
 from batcher.bench.workload import synthetic
+from scripts.bench._shared import ROOT, cli_module, parser, start_checkout
 
 # Admission's time-to-first-token check predicts from a step-time prior fitted to a real model,
 # which a model that costs nothing does not follow: off, as for any throughput ceiling.
@@ -77,8 +77,8 @@ def free_port() -> int:
 
 def supports_per_seq(path: str) -> bool:
     env = dict(os.environ, PYTHONPATH=path)
-    out = subprocess.run([sys.executable, "-m", "batcher.app.cli", "serve", "--help"], env=env,
-                         cwd=path, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", cli_module(Path(path)), "serve", "--help"],
+                         env=env, cwd=path, capture_output=True, text=True, check=True).stdout
     return "--fake-per-seq-ms" in out
 
 
@@ -89,17 +89,15 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         flags = ZERO_COST if supports_per_seq(path) else OLD_FAKE
-        self.cmd = [sys.executable, "-m", "batcher.app.cli", "serve", "--model", "fake",
-                    "--port", str(self.port), "--embedding-model", "none",
-                    "--log-level", "warning", *SERVER_FLAGS, *flags, *extra]
-        # NOTE: run from the checkout: `python -m` puts the working directory first on the path.
-        self.proc = subprocess.Popen(self.cmd, env=dict(os.environ, PYTHONPATH=path), cwd=path,
-                                     stdout=subprocess.DEVNULL)
+        self.args = ["serve", "--model", "fake", "--port", str(self.port),
+                     "--embedding-model", "none", "--log-level", "warning", *SERVER_FLAGS,
+                     *flags, *extra]
+        self.proc = start_checkout(Path(path), *self.args, stdout=subprocess.DEVNULL)
 
     def __enter__(self) -> Server:
         if not wait_until_up(self.url + "/ready", self.proc, 120.0):
             self.proc.kill()
-            raise RuntimeError(f"the server did not start: {' '.join(self.cmd)}")
+            raise RuntimeError(f"the server did not start: batcher {' '.join(self.args)}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -210,9 +208,8 @@ def run_loop(coro):
     return uvloop.run(coro)  # the client shares the cores: its own overhead low, as a user's
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    p = parser(__name__, __doc__, raw=True)
     p.add_argument("--streams", default="1,64,256", help="requests sent at t=0 per run, "
                    "comma-separated (default: %(default)s)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default: "
@@ -229,7 +226,7 @@ def main() -> int:
                    "--server-arg=--slo-ttft-ms=0)")
     p.add_argument("--append-benchmarks", default=None, metavar="TITLE",
                    help="append the table to BENCHMARKS.md under this title")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     codes = [(args.label, str(ROOT))]
     for spec in args.checkout:
         label, _, path = spec.partition("=")
@@ -260,6 +257,3 @@ def main() -> int:
         append_rows(args.append_benchmarks, HEADER, rows, notes)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

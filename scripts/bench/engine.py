@@ -1,29 +1,24 @@
 """chat64 through the engine vs `transformers` static batching, same weights and dtype, one run.
 
-    python scripts/bench_engine.py [--quick] [--dtype bfloat16] [--hf-batches 8,16,32]
+    python -m scripts.bench engine [--quick] [--dtype bfloat16] [--hf-batches 8,16,32]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from bench_common import append_rows, left_padded, load_workload, pct
-
+from batcher.bench.common import append_rows, load_workload, pct
 from batcher.core.config import CacheConfig, SchedulerConfig
-from batcher.engine.engine import AsyncEngine
-from batcher.models.loader import load_model
 from batcher.core.request import Request
 from batcher.core.sampling import SamplingParams
+from batcher.engine.engine import AsyncEngine
+from batcher.models.loader import load_model
 from batcher.tokenizer.tokenizer import load_tokenizer
+from scripts.bench._shared import left_padded, parser
 
 
 async def run_engine(loaded, tok, work, args) -> dict:
@@ -88,8 +83,8 @@ def run_hf_static(loaded, work, batch: int) -> dict:
     return {"wall": wall, "tok_s": out_tokens / wall, "p50": pct(lat, 50), "p99": pct(lat, 99)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, raw=True)
     ap.add_argument("--workload", default=None)
     ap.add_argument("--quick", action="store_true", help="first 16 requests")
     ap.add_argument("--dtype", default="bfloat16")
@@ -103,7 +98,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for both systems (default: all cores)")
     ap.add_argument("--no-append", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     work = load_workload(args.workload, 16 if args.quick else None)
@@ -135,6 +130,3 @@ def main() -> None:
         notes=f"Every request generated exactly its max_new_tokens: {ours['exact']}.")
     print(text)
 
-
-if __name__ == "__main__":
-    main()

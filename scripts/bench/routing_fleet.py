@@ -1,11 +1,13 @@
-"""Routing on a mixed fleet of real processes: `batcher fleet` with three fake-model replicas, one
-slowed, loaded by `batcher bench` once per router policy (the default predicted wait, and
-round-robin for comparison), in pairs whose order alternates so drift on a shared machine falls
-on both. Writes one BENCHMARKS.md table: goodput and p99 TTFT of each run, and the ratios.
+"""Routing on a mixed fleet of real processes: predicted wait vs round-robin, goodput and TTFT.
 
-    python scripts/bench_routing_fleet.py                  # 2 pairs of 60 s runs at 5 req/s
-    python scripts/bench_routing_fleet.py --pairs 1 --duration 20
-    python scripts/bench_routing_fleet.py --bundled        # the bundled model, see below
+`batcher fleet` with three fake-model replicas, one slowed, loaded by `batcher bench` once per
+router policy (the default predicted wait, and round-robin for comparison), in pairs whose order
+alternates so drift on a shared machine falls on both. Writes one BENCHMARKS.md table: goodput and
+p99 TTFT of each run, and the ratios.
+
+    python -m scripts.bench routing_fleet                  # 2 pairs of 60 s runs at 5 req/s
+    python -m scripts.bench routing_fleet --pairs 1 --duration 20
+    python -m scripts.bench routing_fleet --bundled        # the bundled model, see below
 
 --bundled: two `batcher serve` replicas of the bundled model at their defaults, one torch thread
 each and each pinned to a core of its own, behind `batcher router`; the second replica's core
@@ -24,8 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import ROOT, append_rows, pct, wait_until_up
+from batcher.bench.common import append_rows, pct, wait_until_up
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
+from scripts.bench._shared import ROOT, parser
 
 POLICIES = ("predicted-wait", "round-robin")
 BUNDLED_RATE = 1.5
@@ -111,13 +114,14 @@ def fmt(x: float | None, digits: int = 0) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> int:
+    ap = parser(__name__, __doc__, first_paragraph=True)
     ap.add_argument("--pairs", type=int, default=2, help="pairs of runs (default: %(default)s)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run "
                     "(default: %(default)s)")
+    # NOTE: %% stays doubled for argparse, which formats help strings itself.
     ap.add_argument("--rate", type=float, default=None, help="requests/s, about 80%% of the "
-                    "fleet's capacity (default: 5, or %g with --bundled)" % BUNDLED_RATE)
+                    f"fleet's capacity (default: 5, or {BUNDLED_RATE:g} with --bundled)")
     ap.add_argument("--bundled", action="store_true", help="two bundled-model replicas, the "
                     "second sharing its core with a busy loop, instead of three fake ones")
     ap.add_argument("--input-median", type=int, default=None, help="prompt tokens (default: "
@@ -128,7 +132,7 @@ def main() -> int:
                     "replica steps (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=1, help="workload seed (default: %(default)s)")
     ap.add_argument("--no-write", action="store_true", help="print, do not append")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.rate is None:
         args.rate = BUNDLED_RATE if args.bundled else 5.0
     if args.input_median is None:
@@ -181,10 +185,7 @@ def main() -> int:
         what = ("2 bundled-model replicas, one sharing its core" if args.bundled else
                 "3 fake replicas, one slowed")
         print(append_rows(f"Routing on a mixed fleet: {what}, predicted "
-                          "wait vs round-robin (scripts/bench_routing_fleet.py)",
+                          "wait vs round-robin (scripts/bench/routing_fleet.py)",
                           header, rows, notes))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

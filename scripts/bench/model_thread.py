@@ -1,12 +1,13 @@
-"""Batch-1 decode step time of the bundled model by where its torch work runs, each mode in its own
-process (OpenMP thread teams are per process), interleaved A, B, C, A, B, C:
+"""Batch-1 decode step time of the bundled model by the thread its torch work runs on.
+
+Each mode in its own process (OpenMP thread teams are per process), interleaved A, B, C, A, B, C:
 
 - main:  load and step on the main thread (a bare loop);
 - split: load on one thread, step on another (the engine: it loads on an executor thread and
          steps on its model thread);
 - same:  load and step on one worker thread.
 
-Usage: python scripts/bench_model_thread.py [--rounds 3] [--steps 40] [--quantization none]
+Usage: python -m scripts.bench model_thread [--rounds 3] [--steps 40] [--quantization none]
 Prints the best per-step milliseconds of each mode and their ratios to `main`.
 
 `--op`: no model, one bf16 linear (1 x 576 -> 3072, a decode row's gate/up) timed on the main
@@ -19,9 +20,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import sys
 import threading
 import time
+
+from scripts.bench._shared import parser, rerun
 
 MODES = ("main", "split", "same")
 
@@ -30,9 +32,9 @@ def _one(mode: str, steps: int, quantization: str) -> float:
     import torch
 
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+    from batcher.core.sampling import SamplingParams
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
-    from batcher.core.sampling import SamplingParams
 
     state: dict[str, object] = {}
 
@@ -104,7 +106,7 @@ def _op(rounds: int) -> None:
             env.pop("OMP_WAIT_POLICY", None)
             if policy:
                 env["OMP_WAIT_POLICY"] = policy
-            out = subprocess.run([sys.executable, __file__, "--op-child"], env=env,
+            out = subprocess.run(rerun(__name__, "--op-child"), env=env,
                                  capture_output=True, text=True, check=True, timeout=300)
             main_us, fresh_us, again_us = out.stdout.split()[-3:]
             print(f"round {r} wait policy {policy or 'default':8s} linear: main {main_us} us, "
@@ -112,15 +114,15 @@ def _op(rounds: int) -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    p = parser(__name__, __doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child run
     p.add_argument("--op", action="store_true", help="time one linear by thread, no model")
     p.add_argument("--op-child", action="store_true", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.op_child:
         _op_run()
         return
@@ -133,8 +135,8 @@ def main() -> None:
     best = {m: float("inf") for m in MODES}
     for _ in range(a.rounds):
         for m in MODES:
-            out = subprocess.run([sys.executable, __file__, "--mode", m, "--steps", str(a.steps),
-                                  "--quantization", a.quantization],
+            out = subprocess.run(rerun(__name__, "--mode", m, "--steps", str(a.steps),
+                                       "--quantization", a.quantization),
                                  capture_output=True, text=True, check=True, timeout=600)
             ms = float(out.stdout.split()[-1])
             print(f"# {m} {ms:.2f} ms/step", flush=True)  # each run, as it ends
@@ -142,6 +144,3 @@ def main() -> None:
     for m in MODES:
         print(f"{m:6s} {best[m]:7.2f} ms/step  x{best[m] / best['main']:.2f} of main")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
+# Peers: `batcher serve` against llama.cpp's llama-server on the same GGUF file, alternating.
+#
 # chat64 (all requests at t=0) against llama.cpp's llama-server and `batcher serve` on the SAME
 # bundled GGUF file, alternating, in one run; prints both rows and the ratio and appends them to
 # BENCHMARKS.md.
 #
-#   scripts/bench_peers.sh [--build-only] [--rounds N] [--workload FILE] [--single N] [--batch N]
+#   python -m scripts.bench peers [--build-only] [--rounds N] [--workload FILE] [--single N]
+#       [--batch N]                                      (or scripts/bench/peers.sh directly)
 #
 # --batch N: N synthetic requests all at once (256-token prompts, lognormal spread 0.5; 64 greedy
 # tokens each), the 48-request batch workload at N=48, beside chat64's mixed lengths.
@@ -26,9 +29,10 @@
 # other processes used during it; contended rounds are left out of the ratio when clean ones exist.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+ROOT="$BATCHER_ROOT"
 cd "$ROOT"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
+batcher_python
 CACHE="$ROOT/.cache/peers"
 BIN="$CACHE/llama-server"
 PEER_PORT="${PEER_PORT:-18290}"
@@ -47,6 +51,7 @@ while [ $# -gt 0 ]; do
     --workload) WORKLOAD="$2"; shift ;;
     --single) SINGLE="$2"; shift ;;
     --batch) BATCH="$2"; shift ;;
+    -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -99,27 +104,8 @@ if [ -z "${BATCHER_ARGS+set}" ]; then
   else BATCHER_ARGS="--slo-ttft-ms 0 --embedding-model none --log-level warning"; fi
 fi
 mkdir -p "$OUT"
-PIDS=()
-stop_all() {
-  for pid in "${PIDS[@]}"; do
-    kill "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  done
-  PIDS=()
-}
-trap stop_all EXIT
-trap "exit 130" INT TERM  # so the EXIT trap stops the servers on ^C or kill too
-
-wait_ready() {  # URL, pid, seconds
-  local deadline=$((SECONDS + $3))
-  while [ $SECONDS -lt $deadline ]; do
-    if ! kill -0 "$2" 2>/dev/null; then echo "server exited early" >&2; return 1; fi
-    if curl -sf "$1" >/dev/null 2>&1; then return 0; fi
-    sleep 0.5
-  done
-  echo "server not ready after $3 s: $1" >&2
-  return 1
-}
+stop_all() { stop_pids 30; }
+on_exit stop_all  # the servers are stopped on ^C or kill too
 
 # One server at a time: both would fight over the same 2 cores otherwise.
 run_llama() {  # round
@@ -158,4 +144,4 @@ MODE=()
 [ "$BATCH" -gt 0 ] && MODE=(--title "Peers: $BATCH requests at t=0 (256-token prompts, 64 greedy \
 tokens each), batcher serve vs llama.cpp llama-server (same GGUF)")
 "$PY" -m batcher.bench.peers "$OUT" --rounds "$ROUNDS" "${MODE[@]}" \
-  --command "${PEER_ARGS:+PEER_ARGS=\"$PEER_ARGS\" }BATCHER_ARGS=\"$BATCHER_ARGS\" scripts/bench_peers.sh $ARGS"
+  --command "${PEER_ARGS:+PEER_ARGS=\"$PEER_ARGS\" }BATCHER_ARGS=\"$BATCHER_ARGS\" python -m scripts.bench peers $ARGS"

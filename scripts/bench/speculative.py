@@ -9,9 +9,9 @@ tokens per second of wall time, CPU milliseconds per output token (the whole pro
 a shared machine), drafted and accepted tokens, and how many of the on-mode's tokens equal the
 off-mode's (bf16 may flip a near-tie: a drafted position's logits come from a multi-token row).
 
-Usage: python scripts/bench_speculative.py [--rounds 3] [--max-tokens 128] [--dtype bfloat16]
+Usage: python -m scripts.bench speculative [--rounds 3] [--max-tokens 128] [--dtype bfloat16]
        [--quantization none] [--k 4] [--no-append]
-       python scripts/bench_speculative.py --numerics   (one drafted row vs one-token steps:
+       python -m scripts.bench speculative --numerics   (one drafted row vs one-token steps:
        how far their logits differ in fp32 and bf16, and each from fp32)
 """
 
@@ -23,12 +23,12 @@ import os
 import statistics
 import time
 
-from bench_common import append_rows
-
+from batcher.bench.common import append_rows
 from batcher.core.config import SchedulerConfig
-from batcher.engine.engine import AsyncEngine
 from batcher.core.request import Request
 from batcher.core.sampling import SamplingParams
+from batcher.engine.engine import AsyncEngine
+from scripts.bench._shared import parser
 
 CODE = '''def summarize(orders, tax_rate):
     """Total, average and largest order after tax."""
@@ -124,8 +124,8 @@ async def run(a: argparse.Namespace) -> None:
              f"{load[1]:.1f} at the end of the run; compare the ratios, not the absolute "
              f"numbers. 'tokens equal to none': the common prefix of the last round's outputs.")
     if not a.no_append:
-        append_rows("Speculative decoding by n-gram lookup, one stream (scripts/"
-                    "bench_speculative.py)", header, rows, notes)
+        append_rows("Speculative decoding by n-gram lookup, one stream (scripts/bench/"
+                    "speculative.py)", header, rows, notes)
 
 
 def numerics() -> None:
@@ -179,8 +179,8 @@ def _common_prefix(a: list[int], b: list[int]):
         yield x
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    p = parser(__name__, __doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -189,12 +189,9 @@ def main() -> None:
     p.add_argument("--no-append", action="store_true", help="print only; leave BENCHMARKS.md")
     p.add_argument("--numerics", action="store_true",
                    help="compare a drafted row's logits with one-token steps' (fp32, bf16)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.numerics:
         numerics()
     else:
         asyncio.run(run(a))
 
-
-if __name__ == "__main__":
-    main()

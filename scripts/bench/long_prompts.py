@@ -1,6 +1,7 @@
-"""Long-prompt (RAG-shaped) traffic on one real replica at default flags: prompts drawn as the
-simulator's `--input-median 2000 --output-median 40` (lognormal, sigma 0.6, prompts cut at 1,024
-tokens), at 80% of the replica's measured capacity for this shape.
+"""Long-prompt (RAG-shaped) traffic on one replica at default flags, at 0.8 x its capacity.
+
+Prompts drawn as the simulator's `--input-median 2000 --output-median 40` (lognormal, sigma 0.6,
+prompts cut at 1,024 tokens), at 80% of the replica's measured capacity for this shape.
 
 The capacity is measured first, on this checkout's `batcher serve` at its defaults: a closed loop
 of `--depth` clients, each sending its next request as soon as its last one ends (when
@@ -20,7 +21,7 @@ budget: a decode step of 24 ms plus 0.5 ms a stream, prefill at 1,380 tokens/s, 
 prompt alone takes ~0.84 s as on the bundled model (`workloads/step_time_cpu.json`). Its steps
 do not slow down when other work shares the cores, which the bundled model's do.
 
-    python scripts/bench_long_prompts.py [--base DIR] [--fake] [--rounds N] [--duration 45]
+    python -m scripts.bench long_prompts [--base DIR] [--fake] [--rounds N] [--duration 45]
         [--append]
 """
 
@@ -28,19 +29,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, append_rows, pct, wait_until_up  # noqa: E402
-
-from batcher.sim.workload import RequestGen, ShapeSpec  # noqa: E402
+from batcher.bench.common import append_rows, pct, wait_until_up
+from batcher.sim.workload import RequestGen, ShapeSpec
+from scripts.bench._shared import ROOT, command, parser, start_checkout
 
 SHAPE = ShapeSpec(input_median=2000, output_median=40)
 SLO_S = 2.0  # batcher serve's default --slo-ttft-ms
@@ -161,12 +159,10 @@ def idle(url: str, timeout: float = 120.0) -> None:
 
 def serve(checkout: Path, port: int, fake: bool) -> subprocess.Popen:
     """`batcher serve` at its defaults (what ./scripts/serve starts), on `port`."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
     extra = FAKE_CPU if fake else []
-    return subprocess.Popen([sys.executable, "-m", "batcher.app.cli", "serve", "--port", str(port),
-                             *extra],
-                            cwd=checkout, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    return start_checkout(checkout, "serve", "--port", str(port), *extra,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)
 
 
 def run(label: str, checkout: Path, args: argparse.Namespace, rate: float | None
@@ -197,8 +193,8 @@ def run(label: str, checkout: Path, args: argparse.Namespace, rate: float | None
     return rate, rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, first_paragraph=True)
     ap.add_argument("--base", type=Path, help="another checkout to run side by side")
     ap.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals")
     ap.add_argument("--capacity-s", type=float, default=40.0)
@@ -208,7 +204,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8743)
     ap.add_argument("--fake", action="store_true", help="the fake model at this CPU's step costs")
     ap.add_argument("--append", action="store_true", help="append the table to BENCHMARKS.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rate: float | None = None
     rows: list[list[str]] = []
     for k in range(1, args.rounds + 1):
@@ -224,10 +220,10 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     if args.append:
-        cmd = "python scripts/bench_long_prompts.py" + (" --base DIR" if args.base else "")
-        cmd += " --fake" if args.fake else ""
-        cmd += f" --rounds {args.rounds}" if args.rounds > 1 else ""
-        cmd += f" --duration {args.duration:g} --append"
+        cmd = command(__name__, *(["--base", "DIR"] if args.base else []),
+                      *(["--fake"] if args.fake else []),
+                      *(["--rounds", str(args.rounds)] if args.rounds > 1 else []),
+                      "--duration", f"{args.duration:g}", "--append")
         model = "fake model at the CPU's step costs" if args.fake else "bundled model"
         append_rows("Long prompts (median 2,000 in, cut at 1,024; 40 out) at 0.8 x one replica's "
                     f"capacity, default flags, {model}", header, rows, command=cmd,
@@ -236,6 +232,3 @@ def main() -> None:
                     "the same arrivals at 0.8 x it. DIR: a `git worktree` of the commit before "
                     "the first-token pacing change. Goodput counts refusals as misses.")
 
-
-if __name__ == "__main__":
-    main()

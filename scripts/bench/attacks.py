@@ -1,6 +1,6 @@
 """Another tenant's latency and `/health` while each hardened attack runs against a server.
 
-    .venv/bin/python scripts/bench_attacks.py [--seconds 10] [--append]
+    python -m scripts.bench attacks [--seconds 10] [--append]
 
 One `batcher serve` (the tiny random-weight model) with two tenants, `victim` and `attacker`.
 Phases of `--seconds` each, one after another: the victim alone, then each attack on its own,
@@ -37,7 +37,6 @@ import gc
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 import uuid
@@ -46,6 +45,10 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+
+from batcher.bench.common import append_rows
+from scripts.bench._shared import command as bench_command
+from scripts.bench._shared import parser, rerun
 
 PHASE_S = 10.0
 KEY_ENV = "BENCH_ATTACK_KEY"
@@ -329,8 +332,8 @@ async def phase(s: aiohttp.ClientSession, url: str, attack: str | None, seconds:
     proc = None
     if attack is not None:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(Path(__file__).resolve()), "--attacker", attack, "--url", url,
-            "--seconds", str(seconds), stdout=asyncio.subprocess.PIPE,
+            *rerun(__name__, "--attacker", attack, "--url", url, "--seconds", str(seconds)),
+            stdout=asyncio.subprocess.PIPE,
             env={**os.environ, KEY_ENV: ATTACKER_KEY})
         assert proc.stdout is not None
         first = await asyncio.wait_for(proc.stdout.readline(), 60)
@@ -391,21 +394,17 @@ def fmt_counts(c: dict) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])) or "-"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> int:
+    p = parser(__name__, __doc__, first_paragraph=True)
     p.add_argument("--seconds", type=float, default=PHASE_S, help="length of each phase")
     p.add_argument("--append", action="store_true", help="append the table to RELIABILITY.md")
     p.add_argument("--attacker", choices=sorted(ATTACK_FNS), help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.attacker:
         print(json.dumps(asyncio.run(attacker(args.attacker, args.url, args.seconds))),
               flush=True)
         return 0
-
-    root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
-    from batcher.bench.common import append_rows
 
     gc.collect()
     gc.freeze()  # the measuring process's collector stays out of the figures
@@ -453,8 +452,8 @@ def main() -> int:
              f"figures are tens of ms, where one scheduling hiccup is a large ratio), "
              f"`/health` max <= 500 ms. \"none (after)\" is the victim alone again after the "
              f"attacks, for drift (not judged). Tracebacks in the server log: {tracebacks}.")
-    command = "python scripts/bench_attacks.py" + (
-        f" --seconds {args.seconds:g}" if args.seconds != PHASE_S else "")
+    command = bench_command(__name__, *(["--seconds", f"{args.seconds:g}"]
+                                        if args.seconds != PHASE_S else []))
     if args.append:
         text = append_rows(title, header, rows, notes, command=command,
                            path=Path("RELIABILITY.md"))
@@ -465,6 +464,3 @@ def main() -> int:
     print("\n".join(verdicts))
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,17 +1,17 @@
-"""Resident memory of each server with the bundled model: every configuration in a process of its
-own on 127.0.0.1, one short completion sent, then its RSS and peak RSS (VmRSS, VmHWM) read from
-/proc and the process stopped. Floors: a Python that only imports torch, and one that imports the
-server's modules. llama.cpp's llama-server runs on the same GGUF file when it has been built
-(scripts/bench_peers.sh --build-only).
+"""Resident memory of each server with the bundled model, beside llama.cpp's llama-server.
 
-Usage: python scripts/bench_memory.py [--context 8192] [--no-append]
+Every configuration in a process of its own on 127.0.0.1, one short completion sent, then its RSS
+and peak RSS (VmRSS, VmHWM) read from /proc and the process stopped. Floors: a Python that only
+imports torch, and one that imports the server's modules. llama.cpp's llama-server runs on the
+same GGUF file when it has been built (`python -m scripts.bench peers --build-only`).
+
+Usage: python -m scripts.bench memory [--context 8192] [--no-append]
 The KV cache is sized alike on both sides for the matched rows: --context tokens (llama-server -c,
 batcher --num-blocks context / block size), both 16-bit. Appends a table to BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -21,8 +21,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from bench_common import ROOT, append_rows, wait_until_up
+from batcher.bench.common import append_rows, wait_until_up
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
+from scripts.bench._shared import ROOT, parser
 
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
@@ -123,12 +124,12 @@ def first_write_cost(tokens: int = 2048, rounds: int = 5) -> tuple[float, float]
     return min(fresh), min(again)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    p = parser(__name__, __doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=8192,
                    help="KV cache tokens of the matched rows (default: %(default)s)")
     p.add_argument("--no-append", action="store_true", help="print only, no BENCHMARKS.md row")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     (ROOT / "bench_out").mkdir(exist_ok=True)
     from batcher.bundled import smollm2_gguf_path
 
@@ -159,14 +160,14 @@ def main() -> None:
         port = free_port()
         rows.append(measure_server(label, [*serve, "--port", str(port), *extra], port, "/ready"))
     binary = next((b for b in PEER_BINARIES if b.is_file() and os.access(b, os.X_OK)), None)
-    # PEER_ARGS: extra llama-server flags, as for scripts/bench_peers.sh (--no-repack where its
-    # AMX matmul crashes at load).
+    # PEER_ARGS: extra llama-server flags, as for the peers scenario (--no-repack where its AMX
+    # matmul crashes at load).
     peer_extra = os.environ.get("PEER_ARGS", "").split()
     peer_label = " ".join(["llama-server -c", str(a.context), *peer_extra,
                            "(same GGUF, f16 KV)"])
     if binary is None:
-        rows.append(Row(peer_label, None, None, note="not built: run scripts/bench_peers.sh "
-                        "--build-only"))
+        rows.append(Row(peer_label, None, None, note="not built: run `python -m scripts.bench "
+                        "peers --build-only`"))
     else:
         port = free_port()
         rows.append(measure_server(peer_label, [
@@ -191,13 +192,10 @@ def main() -> None:
     if not a.no_append:
         load = os.getloadavg()[0]
         append_rows(
-            "Resident memory of each server, bundled model (scripts/bench_memory.py)",
+            "Resident memory of each server, bundled model (scripts/bench/memory.py)",
             ["process", "RSS MiB", "peak RSS MiB", "anonymous MiB", "x llama-server", "note"],
             table,
             notes=(f"One process per row, in turn; RSS and peak (VmRSS, VmHWM) after one "
                    f"8-token completion. Shared machine, load average {load:.1f} at the end "
                    "(memory does not depend on it)." + fault_note))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Interactive traffic with and without a batch beside it, on one `batcher serve` process.
 
-    python scripts/bench_batch_mixed.py [--lines 1000] [--rate-share 0.45] [--max-s 600]
+    python -m scripts.bench batch_mixed [--lines 1000] [--rate-share 0.45] [--max-s 600]
 
 Starts the bundled model at its default flags plus `--data-dir` (the batch API) and
 `--slo-ttft-ms`, then runs `batcher bench`'s mixed run against it (`batcher/bench/mixed.py`:
@@ -22,13 +22,11 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from batcher.bench.client import ClientConfig
 from batcher.bench.common import append_rows
 from batcher.bench.mixed import HEADER, MixedConfig, report_rows, run_mixed
 from batcher.fleet.launcher import free_port  # below the ephemeral range, never twice
+from scripts.bench._shared import ROOT, parser
 
 MODEL = "smollm2-135m"
 
@@ -86,8 +84,8 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> int:
+    p = parser(__name__, __doc__, first_paragraph=True)
     p.add_argument("--lines", type=int, default=1000, help="batch lines (default: %(default)s)")
     p.add_argument("--rate", type=float, default=None, help="interactive requests/s (default: "
                    "--rate-share of the capacity measured first)")
@@ -102,8 +100,5 @@ def main() -> int:
     p.add_argument("--serve-arg", action="append", default=[], help="one more `batcher serve` "
                    "argument (repeatable), e.g. --serve-arg=--batch-max-running=8")
     p.add_argument("--out", default=None, help="append the table here (default: BENCHMARKS.md)")
-    return asyncio.run(main_async(p.parse_args()))
+    return asyncio.run(main_async(p.parse_args(argv)))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,6 @@
-"""Benchmark the size-or-timeout Batcher; print a markdown table and append it to BENCHMARKS.md.
+"""The size-or-timeout Batcher (flusher): throughput, latency and its own overhead.
+
+Prints a markdown table and appends it to BENCHMARKS.md.
 
 (a) synthetic model, 200 ms per batch of up to 100, open-loop Poisson arrivals: throughput, latency,
     rejections (the ceiling is 100 / 0.2 s = 500 requests/s);
@@ -6,20 +8,17 @@
 (c) the bundled embedding model in-process: one call per sentence against a Batcher with concurrent
     callers (closed loop) and at a fixed arrival rate (open loop), in float32 and bfloat16.
 
-    python scripts/bench_flusher.py                 # full run (about 4 minutes)
-    python scripts/bench_flusher.py --duration 2 --parts a,b --no-append
+    python -m scripts.bench flusher                 # full run (about 4 minutes)
+    python -m scripts.bench flusher --duration 2 --parts a,b --no-append
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import os
 import platform
 import random
-import shlex
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from batcher.flusher.flusher import Batcher, Overloaded
+from scripts.bench._shared import ROOT, command, parser
 
-ROOT = Path(__file__).resolve().parent.parent
 HEADER = (
     "| part | setting | offered /s | throughput /s | p50 ms | p99 ms | rejected "
     "| vs unbatched | machine | command |"
@@ -245,8 +244,8 @@ def machine(load_before: float) -> str:
     return f"{name}, {os.cpu_count()} CPUs, load {load_before:.1f}-{os.getloadavg()[0]:.1f}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, first_paragraph=True)
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     ap.add_argument("--parts", default="a,b,c", help="comma list of a, b, c")
     ap.add_argument("--rates", default="200,400,500,600", help="part a arrival rates (req/s)")
@@ -256,7 +255,7 @@ def main() -> None:
     )
     ap.add_argument("--rate", type=float, default=300.0, help="part c open-loop rate (req/s)")
     ap.add_argument("--no-append", action="store_true", help="print only; leave BENCHMARKS.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     load_before = os.getloadavg()[0]
     rows: list[Row] = []
@@ -267,18 +266,15 @@ def main() -> None:
     if "c" in parts:
         settings = [(int(s), float(w)) for s, w in (p.split(":") for p in args.settings.split(","))]
         rows += asyncio.run(part_c(args.dtypes.split(","), settings, args.duration, args.rate))
-    command = shlex.join(["python", "scripts/bench_flusher.py", *sys.argv[1:]])
+    cmd = command(__name__, *argv)
     sep = "|" + "---|" * HEADER.count(" | ") + "---|"
     where = machine(load_before)
-    table = "\n".join([HEADER, sep, *(r.cells(where, command) for r in rows)])
+    table = "\n".join([HEADER, sep, *(r.cells(where, cmd) for r in rows)])
     print(table)
     if not args.no_append:
         out = ROOT / "BENCHMARKS.md"
         head = "" if out.exists() else "# Benchmarks\n"
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         with out.open("a") as f:
-            f.write(f"{head}\n## Batcher (scripts/bench_flusher.py), {stamp}\n\n{table}\n")
+            f.write(f"{head}\n## Batcher (scripts/bench/flusher.py), {stamp}\n\n{table}\n")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,14 @@
-"""Where a decode step's CPU time goes, and what fusing its small ops buys: the bundled model at
-batch 1 and 32, bf16 dense and int4, torch's ops alone (`BATCHER_CPU_KERNELS=0`) vs the fused C
-kernels (the default eager path) vs `--compile-decode` (one-row decode steps as one torch.compile
-graph; batch 32 stays eager), and optionally this tree's model file vs an earlier revision's. Each (quantization, variant) runs in its own process, interleaved round by round;
-loading on the main thread and stepping on a fresh one, as the engine does. Appends a table to
-BENCHMARKS.md.
+"""Where a decode step's CPU time goes, and what fusing its small ops buys (torch ops vs fused).
 
-Usage: python scripts/bench_decode_ops.py [--rounds 2] [--steps 16] [--threads N] [--against REV]
-       [--no-append]
+The bundled model at batch 1 and 32, bf16 dense and int4, torch's ops alone
+(`BATCHER_CPU_KERNELS=0`) vs the fused C kernels (the default eager path) vs `--compile-decode`
+(one-row decode steps as one torch.compile graph; batch 32 stays eager), and optionally this
+tree's model file vs an earlier revision's. Each (quantization, variant) runs in its own process,
+interleaved round by round; loading on the main thread and stepping on a fresh one, as the engine
+does. Appends a table to BENCHMARKS.md.
+
+Usage: python -m scripts.bench decode_ops [--rounds 2] [--steps 16] [--threads N]
+       [--against REV] [--no-append]
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts.bench._shared import ROOT, command, parser, python_path, rerun
+
 MODEL_FILE = "batcher/models/llama.py"
 QUANTS = ("none", "int4")
 BATCHES = (1, 32)
@@ -154,11 +156,14 @@ def _run(variant: str, quant: str, steps: int, base: str | None,
     env = dict(os.environ)
     if variant == "torch-ops":
         env["BATCHER_CPU_KERNELS"] = "0"
+    cwd = None
     if variant == "base":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [base, env.get("PYTHONPATH")]))
-    res = subprocess.run([sys.executable, __file__, "--child", variant, quant, "--steps",
-                          str(steps), *(["--threads", str(threads)] if threads else [])],
-                         check=False, capture_output=True, text=True, env=env,
+        # `python -m` puts the working directory first on the path: run from the other tree so
+        # its `batcher` is the one imported; this checkout's root stays on the path for `scripts`.
+        env["PYTHONPATH"], cwd = python_path(base), base
+    res = subprocess.run(rerun(__name__, "--child", variant, quant, "--steps", str(steps),
+                               *(["--threads", str(threads)] if threads else [])),
+                         check=False, capture_output=True, text=True, env=env, cwd=cwd,
                          timeout=900)
     if res.returncode:
         raise RuntimeError(f"{variant}/{quant} failed:\n{res.stderr[-3000:]}")
@@ -175,8 +180,8 @@ def _cpu_name() -> str:
     return names[0] if names else platform.machine()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    p = parser(__name__, __doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--against", metavar="REV",
@@ -184,7 +189,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads per run (default: torch's own)")
     p.add_argument("--no-append", action="store_true", help="print only, no BENCHMARKS.md row")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # one (variant, quant) run
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.child:
         print(json.dumps(_child(a.child[0], a.child[1], a.steps, a.threads)))
         return
@@ -229,12 +234,12 @@ def main() -> None:
     print(table)
     if a.no_append:
         return
-    cmd = " ".join(["python", "scripts/bench_decode_ops.py", *sys.argv[1:]])
+    cmd = command(__name__, *argv)
     stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     with open(ROOT / "BENCHMARKS.md", "a") as f:
         f.write(f"\n### Decode step: torch's ops vs fused CPU kernels vs --compile-decode, bundled "
                 f"model, bf16 "
-                f"(scripts/bench_decode_ops.py) — {stamp}\n\n`{cmd}` on {_cpu_name()}, {os.cpu_count()} cores, shared with other work (load "
+                f"(scripts/bench/decode_ops.py) — {stamp}\n\n`{cmd}` on {_cpu_name()}, {os.cpu_count()} cores, shared with other work (load "
                 f"average {min(loads):.1f}-{max(loads):.1f} at the runs' starts)\n\n{table}\n\n"
                 f"Best median step of {a.steps} per case over {a.rounds} rounds, each case in its "
                 "own process, cases interleaved; CPU = process CPU time per step (all threads), "
@@ -244,6 +249,3 @@ def main() -> None:
                 "6 x 500 calls. Compile: building the runner, which compiles the one-row step "
                 "(inductor's cache warm or cold as it happens to be).\n")
 
-
-if __name__ == "__main__":
-    main()

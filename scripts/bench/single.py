@@ -1,32 +1,27 @@
 """Load time and single-sequence decode speed, ours next to `transformers`, fp32 and bf16.
 
-    python scripts/bench_single.py [--new-tokens 128]
+    python -m scripts.bench single [--new-tokens 128]
 
 A 100-token prompt then greedy decoding; ours runs through the engine (one request).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from bench_common import append_rows, load_workload
-
+from batcher.bench.common import append_rows, load_workload
 from batcher.core.config import CacheConfig, SchedulerConfig
-from batcher.engine.engine import AsyncEngine
-from batcher.models.loader import load_model
 from batcher.core.request import Request
 from batcher.core.sampling import SamplingParams
+from batcher.engine.engine import AsyncEngine
+from batcher.models.loader import load_model
 from batcher.tokenizer.tokenizer import load_tokenizer
+from scripts.bench._shared import parser
 
 
 async def ours(loaded, tok, prompt: list[int], new: int) -> float:
@@ -59,10 +54,10 @@ def hf(loaded, prompt: list[int], new: int) -> float:
     return (new - 1) / (total - first)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, raw=True)
     ap.add_argument("--new-tokens", type=int, default=128)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     prompt = next(r for r in load_workload() if len(r["prompt_ids"]) >= 100)["prompt_ids"][:100]
     rows = []
     with tempfile.TemporaryDirectory() as cache:
@@ -83,6 +78,3 @@ def main() -> None:
     print(append_rows("Load time and single-stream decode, bundled model",
                       ["what", "measured", "vs transformers"], rows))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,13 @@
-"""Prompt logprobs' cost on the bundled model at default settings: decoding streams beside one
-long prompt scored with `prompt_logprobs` (echo + logprobs) and beside the same prompt without,
-interleaved in one run (plain, scored, plain, scored, ...). Prints the streams' median time per
-output token, the long prompt's time to its first token, and output tokens per process-CPU
-second; then, with nothing else in the process, the CPU time of one mixed step (decode rows and
-a prefill chunk) with the chunk scored and not. Appends both tables to BENCHMARKS.md.
+"""Prompt logprobs' cost on the bundled model: streams beside a long prompt scored or not.
 
-    .venv/bin/python scripts/bench_prompt_logprobs.py [--streams 8] [--tokens 32] [--rounds 3]
+Decoding streams beside one long prompt scored with `prompt_logprobs` (echo + logprobs) and
+beside the same prompt without, interleaved in one run (plain, scored, plain, scored, ...). Prints
+the streams' median time per output token, the long prompt's time to its first token, and output
+tokens per process-CPU second; then, with nothing else in the process, the CPU time of one mixed
+step (decode rows and a prefill chunk) with the chunk scored and not. Appends both tables to
+BENCHMARKS.md.
+
+    python -m scripts.bench prompt_logprobs [--streams 8] [--tokens 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import time
 
 from batcher.bench.common import append_rows
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.llm import AsyncLLM
 from batcher.core.sampling import SamplingParams
+from batcher.llm import AsyncLLM
+from scripts.bench._shared import parser
 
 TEXT = ("The lighthouse keeper climbed the stairs each evening to light the lamp, counting the "
         "steps and listening to the sea below. ") * 20
@@ -83,13 +86,16 @@ def step_cpu(decodes: int, chunk: int, reps: int) -> list[list[str]]:
     return rows
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, first_paragraph=True)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=256)
-    args = ap.parse_args()
+    asyncio.run(run(ap.parse_args(argv)))
+
+
+async def run(args: argparse.Namespace) -> None:
     async with await AsyncLLM.load() as llm:
         prompt_tokens = len(llm.encode(f"round. {TEXT}"))
         await one_round(llm, 2, 4, True, "warm-up")
@@ -124,6 +130,3 @@ async def main() -> None:
               "the chunk's rows to the lm_head and a log_softmax and top-5 over each. Process "
               "CPU time, interleaved: comparable within a row on a shared machine."))
 
-
-if __name__ == "__main__":
-    asyncio.run(main())

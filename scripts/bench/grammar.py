@@ -1,7 +1,9 @@
-"""Grammar engines side by side on the bundled tokenizer: compile time and token-mask time per
-token while walking a valid JSON answer, for llguidance and outlines-core. Prints a table.
+"""Grammar engines side by side on the bundled tokenizer: llguidance vs outlines-core.
 
-    .venv/bin/python scripts/bench_grammar.py
+Compile time and token-mask time per token while walking a valid JSON answer, for llguidance and
+outlines-core. Prints a table.
+
+    python -m scripts.bench grammar
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import torch
 
 from batcher.tokenizer.tokenizer import load_tokenizer
+from scripts.bench._shared import parser
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},
@@ -67,7 +70,8 @@ def bench_outlines(tok, ids: list[int]) -> tuple[float, list[float]]:
     return compile_s, times
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    parser(__name__, __doc__, raw=True).parse_args(argv)
     tok = load_tokenizer()
     ids = tok.encode(ANSWER, add_special_tokens=False)
     print("| engine | compile ms | mask us/token median | p90 | tokens |")
@@ -82,6 +86,3 @@ def main() -> None:
         print(f"| {name} | {compile_s * 1e3:.0f} | {statistics.median(times) * 1e6:.0f} | "
               f"{times[int(len(times) * 0.9)] * 1e6:.0f} | {len(ids)} |")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,10 @@
-"""Chunked prefill as a client sees it: 8 streams decoding over HTTP while a ~2,000-token prompt
-arrives, on the bundled model at `batcher serve`'s defaults, beside `--prefill-budget fixed` (the
-old fixed token budget), each case in its own server, interleaved, one run.
+"""Chunked prefill as a client sees it: streams' gaps over HTTP while a long prompt arrives.
 
-    .venv/bin/python scripts/bench_chunked_client.py [--rounds 1] [--long 2000] [--flags "..."]
+8 streams decoding over HTTP while a ~2,000-token prompt arrives, on the bundled model at
+`batcher serve`'s defaults, beside `--prefill-budget fixed` (the old fixed token budget), each
+case in its own server, interleaved, one run.
+
+    python -m scripts.bench chunked_client [--rounds 1] [--long 2000] [--flags "..."]
 
 `--flags`: more `batcher serve` flags for every case. At the default TTFT SLO (2 s) a prompt
 that cannot be read within the SLO beside running streams is refused (503 + Retry-After) while
@@ -17,18 +19,14 @@ and the long prompt's time to first token (the goal: at most 3x the fixed budget
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from batcher.bench.common import append_rows, pct
+from scripts.bench._shared import parser
 from tests.server_process import serve
 
 STREAMS = 8
@@ -110,13 +108,13 @@ async def one_case(flags: tuple[str, ...], n_long: int) -> dict[str, float]:
             "during_p99": pct(during, 99), "during_max": max(during, default=0.0)}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> int:
+    p = parser(__name__, __doc__, first_paragraph=True)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--long", type=int, default=2000, help="tokens in the long prompt")
     p.add_argument("--no-write", action="store_true", help="print, do not append BENCHMARKS.md")
     p.add_argument("--flags", default="", help="more batcher serve flags for every case")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     EXTRA.extend(args.flags.split())
     results: dict[str, list[dict[str, float]]] = {c: [] for c in CASES}
     for r in range(args.rounds):
@@ -150,6 +148,3 @@ def main() -> int:
         print(append_rows(title, header, rows, notes))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

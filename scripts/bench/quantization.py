@@ -1,9 +1,11 @@
-"""Decode step time of the bundled model at batch 1 and 32, and resident memory after loading, by
-`--quantization`: each kind in its own process, interleaved (none, int8, int4, int4 without its
-dense copy, none, ...), loading on the main thread and stepping on a fresh one, as the engine does
-(intra-op threads tuned per step size, as in the engine).
+"""Decode step time and resident memory of the bundled model by `--quantization`.
 
-Usage: python scripts/bench_quantization.py [--rounds 2] [--steps 20]
+Step time at batch 1 and 32, and resident memory after loading: each kind in its own process,
+interleaved (none, int8, int4, int4 without its dense copy, none, ...), loading on the main thread
+and stepping on a fresh one, as the engine does (intra-op threads tuned per step size, as in the
+engine).
+
+Usage: python -m scripts.bench quantization [--rounds 2] [--steps 20]
 Prints the best median ms/step per kind and batch, its ratio to none, and the resident set size.
 """
 
@@ -14,9 +16,10 @@ import json
 import resource
 import statistics
 import subprocess
-import sys
 import threading
 import time
+
+from scripts.bench._shared import parser, rerun
 
 # "int4-nocopy": int4 without the dense copy (--quantized-dense-above 0): packed kernels at every
 # batch size.
@@ -74,14 +77,14 @@ def _steps(runner, steps: int, out: dict[str, float]) -> None:
         out[f"b{batch}"] = 1000 * statistics.median(times[steps // 4:])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    p = parser(__name__, __doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--torchao", action="store_true", help="also torchao's int4 and int8 "
                    "weight-only configs (needs torchao installed)")
     p.add_argument("--kind", choices=KINDS + TORCHAO_KINDS, help=argparse.SUPPRESS)  # one run
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.kind:
         print(json.dumps(_one(a.kind, a.steps)))
         return
@@ -89,7 +92,7 @@ def main() -> None:
     best: dict[str, dict[str, float]] = {k: {} for k in kinds}
     for _ in range(a.rounds):
         for k in kinds:
-            res = subprocess.run([sys.executable, __file__, "--kind", k, "--steps", str(a.steps)],
+            res = subprocess.run(rerun(__name__, "--kind", k, "--steps", str(a.steps)),
                                  capture_output=True, text=True, check=True, timeout=900)
             print("#", k, res.stdout.splitlines()[-1], flush=True)  # each run, as it ends
             for key, v in json.loads(res.stdout.splitlines()[-1]).items():
@@ -99,6 +102,3 @@ def main() -> None:
                         f"(x{best[k][f'b{b}'] / best['none'][f'b{b}']:.2f})" for b in BATCHES)
         print(f"{k:12s} {row}  RSS {best[k]['rss_mib']:.0f} MiB")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,27 +1,25 @@
-"""TPOT admission on the bundled model: `batcher serve --slo-tpot-ms N` (all else default) gets a
-Poisson burst of long generations at far more streams than N allows. Prints how many were
-admitted, how many refused for TPOT (`batcher_requests_rejected_total{reason="tpot_slo"}`), and
-the admitted streams' time per output token as the client saw it, with and without the check
-(`--slo-tpot-ms 0` is the same run with the check off) side by side in one run.
+"""TPOT admission on the bundled model: a burst of long generations, the check on and off.
 
-    .venv/bin/python scripts/bench_tpot_admission.py --slo-tpot-ms 150
+`batcher serve --slo-tpot-ms N` (all else default) gets a Poisson burst of long generations at far
+more streams than N allows. Prints how many were admitted, how many refused for TPOT
+(`batcher_requests_rejected_total{reason="tpot_slo"}`), and the admitted streams' time per output
+token as the client saw it, with and without the check (`--slo-tpot-ms 0` is the same run with the
+check off) side by side in one run.
+
+    python -m scripts.bench tpot_admission --slo-tpot-ms 150
 
 A measurement, not a test: on a shared CPU the step time moves with the neighbours' load.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from scripts.bench._shared import parser
 from tests.reliability.conftest import metric_value, percentile
 from tests.server_process import serve
 
@@ -67,17 +65,14 @@ async def run(slo_ms: float, rate: float, seconds: float, max_tokens: int) -> st
             f"p99 {percentile(tpots, 99) * 1000:.0f} ms")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> int:
+    p = parser(__name__, __doc__, first_paragraph=True)
     p.add_argument("--slo-tpot-ms", type=float, default=150.0)
     p.add_argument("--rate", type=float, default=12.0, help="arrivals per second")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--max-tokens", type=int, default=48)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for slo in (args.slo_tpot_ms, 0.0):
         print(asyncio.run(run(slo, args.rate, args.seconds, args.max_tokens)), flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

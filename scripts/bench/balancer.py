@@ -1,14 +1,14 @@
-"""What the global balancer adds to a request: `batcher fleet --cells 2 --replicas 1 --model
-fake`, the same small completion sent one at a time straight to a cell's router and through the
-balancer, interleaved (so the machine's other load hits both alike). Prints a table and appends it
-to BENCHMARKS.md.
+"""What the global balancer adds to a request, against the cell's router called directly.
 
-    python scripts/bench_balancer.py [--requests 300] [--no-append]
+`batcher fleet --cells 2 --replicas 1 --model fake`, the same small completion sent one at a time
+straight to a cell's router and through the balancer, interleaved (so the machine's other load
+hits both alike). Prints a table and appends it to BENCHMARKS.md.
+
+    python -m scripts.bench balancer [--requests 300] [--no-append]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -18,9 +18,10 @@ import sys
 import time
 
 import aiohttp
-from bench_common import ROOT, append_rows, pct
 
+from batcher.bench.common import append_rows, pct
 from batcher.fleet.launcher import free_port
+from scripts.bench._shared import ROOT, parser
 
 
 async def measure(port: int, admin: int, n: int) -> tuple[list[float], list[float]]:
@@ -57,12 +58,11 @@ async def measure(port: int, admin: int, n: int) -> tuple[list[float], list[floa
         return direct, through
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    ap = parser(__name__, __doc__, raw=True)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--no-append", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     port, admin = free_port(), free_port()
     load0 = os.getloadavg()[0]
     proc = subprocess.Popen(
@@ -95,6 +95,3 @@ def main() -> int:
                           header, rows, notes))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,4 @@
-"""Bursts at default flags on a fast device: how many requests admission lets in, and their first
-tokens.
+"""Bursts at default flags on a fast device: how many requests admission lets in, their TTFT.
 
 The device is the fake model at `--fake-decode-step-ms 3 --fake-prefill-rate 50000` (a step a
 few milliseconds long, a GPU's scale rather than this CPU's), so the figures are admission's, not
@@ -11,23 +10,20 @@ be refused). Every server answers at default flags apart from the fake model's s
 `--base DIR` runs the same bursts against another checkout (e.g. a `git worktree` of an earlier
 commit) in the same run, for a side-by-side row.
 
-    python scripts/bench_burst_admission.py [--base DIR] [--rounds 2] [--append]
+    python -m scripts.bench burst_admission [--base DIR] [--rounds 2] [--append]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, append_rows, load_workload, pct, wait_until_up  # noqa: E402
+from batcher.bench.common import append_rows, load_workload, pct, wait_until_up
+from scripts.bench._shared import ROOT, parser, start_checkout
 
 FAKE = ["--model", "fake", "--fake-decode-step-ms", "3", "--fake-prefill-rate", "50000",
         "--embedding-model", "none", "--host", "127.0.0.1"]
@@ -69,11 +65,9 @@ async def burst(url: str, shapes: list[tuple[list[int], int]]) -> dict[str, obje
 
 
 def serve(checkout: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    return subprocess.Popen([sys.executable, "-m", "batcher.app.cli", "serve", *FAKE,
-                             "--port", str(port)], cwd=checkout, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    return start_checkout(checkout, "serve", *FAKE, "--port", str(port),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)
 
 
 def workloads() -> list[tuple[str, list[tuple[list[int], int]]]]:
@@ -105,13 +99,13 @@ def run(label: str, checkout: Path, port: int) -> list[list[str]]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, first_paragraph=True)
     ap.add_argument("--base", type=Path, help="another checkout to run side by side")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--port", type=int, default=8741)
     ap.add_argument("--append", action="store_true", help="append the table to BENCHMARKS.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows: list[list[str]] = []
     for _ in range(args.rounds):
         if args.base is not None:
@@ -126,6 +120,3 @@ def main() -> None:
                     header, rows, notes="Clients send every request of a burst at once and do "
                     "not retry; `refused` counts by status and reason (X-Reject-Reason).")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,12 @@
-"""The GPU path in one go: decode step time against the memory-bandwidth floor, and chat64 through
-the engine against `transformers` static batching on the same device, dtype, weights and prompts.
+"""The GPU path in one go: decode step vs the bandwidth floor, chat64 vs transformers batching.
 
-    python scripts/bench_gpu.py            # both, the bundled model, appended to BENCHMARKS.md
-    python scripts/bench_gpu.py --only decode --model llama-3.1-8b --load-format dummy \\
+Decode step time against the memory-bandwidth floor, and chat64 through the engine against
+`transformers` static batching on the same device, dtype, weights and prompts.
+
+    python -m scripts.bench gpu            # both, the bundled model, appended to BENCHMARKS.md
+    python -m scripts.bench gpu --only decode --model llama-3.1-8b --load-format dummy \\
         --batches 32 --ctx 2048 --json decode-8b.json
-    python scripts/bench_gpu.py --device cpu --model tiny --dtype float32 --requests 4 \\
+    python -m scripts.bench gpu --device cpu --model tiny --dtype float32 --requests 4 \\
         --max-tokens 8 --batches 2 --ctx 32 --hf-batches 2 --no-append   # a smoke run, no GPU
 
 The engine is built as `batcher serve` builds it at its default flags (`batcher.app.serve.
@@ -21,21 +23,18 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from bench_common import append_rows, left_padded, load_workload, pct
-
+from batcher.bench.common import append_rows, load_workload, pct
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.models.loader import load_model
 from batcher.core.request import Request
-from batcher.runtime.model_runner import ModelRunner
 from batcher.core.sampling import SamplingParams
+from batcher.models.loader import load_model
+from batcher.runtime.model_runner import ModelRunner
+from scripts.bench._shared import left_padded, parser
 
 # Peak memory bandwidth by device name (the vendors' figures, bytes/s), most specific first.
 BANDWIDTH = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H800", 3.35e12),
@@ -135,9 +134,9 @@ def run_decode(args: argparse.Namespace, bw: float) -> list[dict]:
 
 def engine_for(args: argparse.Namespace):
     """The engine `batcher serve` builds at its default flags for this model and device."""
-    from batcher.engine.metrics import Metrics
     from batcher.app.serve import build_engine
-    from batcher.flags.serve import add_serve_args
+    from batcher.app.serve_flags import add_serve_args
+    from batcher.engine.metrics import Metrics
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
@@ -258,9 +257,8 @@ def run_chat(args: argparse.Namespace) -> dict:
             "speedup": ours["tok_s"] / hf[best]["tok_s"] if best else None}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = parser(__name__, __doc__, raw=True)
     ap.add_argument("--only", choices=["all", "decode", "chat"], default="all")
     ap.add_argument("--device", default="cuda", help="(default: %(default)s)")
     ap.add_argument("--model", default="smollm2-135m", help="a model `batcher serve --model` "
@@ -288,7 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     bw, bw_source = bandwidth(device)
@@ -326,6 +324,3 @@ def main(argv: list[str] | None = None) -> int:
         print(append_rows(title, header, rows))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

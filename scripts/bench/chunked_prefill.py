@@ -1,7 +1,9 @@
-"""Running streams while a long prompt arrives, fixed vs time-sized prefill budget, and chat64
+"""Chunked prefill in the engine: streams beside an arriving long prompt, fixed vs time budget.
+
+Running streams while a long prompt arrives, fixed vs time-sized prefill budget, and chat64
 throughput old vs new: every case in its own process, interleaved (A, B, C, A, B, C), one run.
 
-    python scripts/bench_chunked_prefill.py [--rounds 2] [--long 2000] [--chat64 64] [--no-streams]
+    python -m scripts.bench chunked_prefill [--rounds 2] [--long 2000] [--chat64 64] [--no-streams]
 
 Part 1: 8 streams decode (the first 8 chat64 prompts, greedy, ignore_eos); once each has 30
 tokens a ~2k-token prompt arrives. Per case: the streams' steady gap between tokens (median before
@@ -11,7 +13,7 @@ context of the slowest steps. Cases: `--prefill-budget fixed` (the old fixed 320
 the default (`time`, 1.5x the decode-only step) and `--slo-tpot-ms 100`. `--stream-prompt N`
 cuts the streams' prompts to N tokens: their decode step then stays under a TPOT SLO that
 whole-prompt streams exceed on their own.
-Part 2: chat64 all at t=0 through the engine (`scripts/bench_engine.py`'s run), fixed vs time.
+Part 2: chat64 all at t=0 through the engine (the `engine` scenario's run), fixed vs time.
 
 `--fit-clock cpu` feeds the engine's step-time model each step's model-thread CPU seconds instead
 of its wall seconds: on a machine shared with other work, a step's wall time is mostly waiting for
@@ -29,16 +31,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent))
-from bench_common import append_rows, load_workload, pct
-
-from batcher.flags.serve import DEFAULT_SLO_TTFT_MS
+from batcher.bench.common import append_rows, load_workload, pct
+from batcher.engine.config import DEFAULT_SLO_TTFT_MS
+from scripts.bench._shared import parser, rerun
 
 # "time" is `batcher serve`'s default: the time budget, first tokens paced to the default TTFT SLO.
 CASES = {
@@ -255,9 +252,9 @@ def one(args: argparse.Namespace) -> None:
 
 
 def child(args: argparse.Namespace, part: str, case: str) -> dict:
-    cmd = [sys.executable, __file__, "--one", "--part", part, "--case", case, "--long",
-           str(args.long), "--chat64", str(args.chat64), "--dtype", args.dtype,
-           "--fit-clock", args.fit_clock, "--stream-prompt", str(args.stream_prompt)]
+    cmd = rerun(__name__, "--one", "--part", part, "--case", case, "--long", str(args.long),
+                "--chat64", str(args.chat64), "--dtype", args.dtype,
+                "--fit-clock", args.fit_clock, "--stream-prompt", str(args.stream_prompt))
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     load_before = os.getloadavg()[0]
@@ -271,8 +268,8 @@ def child(args: argparse.Namespace, part: str, case: str) -> dict:
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, raw=True)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--long", type=int, default=2000, help="tokens of the arriving prompt")
     ap.add_argument("--chat64", type=int, default=64, help="chat64 requests (0: skip part 2)")
@@ -295,7 +292,7 @@ def main() -> None:
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--part", default="streams", help=argparse.SUPPRESS)
     ap.add_argument("--case", default="time", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.one:
         one(args)
         return
@@ -376,6 +373,3 @@ def main() -> None:
                       "own.")
     print(text)
 
-
-if __name__ == "__main__":
-    main()

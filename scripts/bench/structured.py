@@ -1,9 +1,11 @@
-"""Structured outputs' cost on the bundled model at default settings: the same batch of requests
-with no row constrained and with half the rows constrained to a JSON schema, interleaved in one
-run (none, half, none, half, ...). Prints a table of output tok/s (all rows) and of the free rows'
-time per output token, and appends it to BENCHMARKS.md.
+"""Structured outputs' cost on the bundled model: half the rows constrained to a schema vs none.
 
-    .venv/bin/python scripts/bench_structured.py [--rows 16] [--tokens 48] [--rounds 2]
+The same batch of requests at default settings with no row constrained and with half the rows
+constrained to a JSON schema, interleaved in one run (none, half, none, half, ...). Prints a table
+of output tok/s (all rows) and of the free rows' time per output token, and appends it to
+BENCHMARKS.md.
+
+    python -m scripts.bench structured [--rows 16] [--tokens 48] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import statistics
 import time
 
 from batcher.bench.common import append_rows
-from batcher.llm import AsyncLLM
 from batcher.core.sampling import SamplingParams
+from batcher.llm import AsyncLLM
 from batcher.structured.grammars import json_schema_grammar
+from scripts.bench._shared import parser
 
 # A schema no answer can close early (a long required string), so constrained rows decode as
 # many tokens as free ones and the batch keeps its size: the comparison is per step, not per
@@ -49,12 +52,15 @@ async def one_round(llm: AsyncLLM, rows: int, tokens: int, constrained: int
     return total / wall, statistics.median(free), total / cpu
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, first_paragraph=True)
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    asyncio.run(run(ap.parse_args(argv)))
+
+
+async def run(args: argparse.Namespace) -> None:
     async with await AsyncLLM.load() as llm:
         await one_round(llm, 2, 4, 1)  # warm-up: the grammar tokenizer is built once
         table = []
@@ -80,6 +86,3 @@ async def main() -> None:
               "numbers.")
     print(text)
 
-
-if __name__ == "__main__":
-    asyncio.run(main())
