@@ -44,7 +44,9 @@ BUDGET_S = 460.0  # of the 8 minutes a device call may take, the rest for start-
 # Sends of one burst request at most (OpenAI's client makes 3 by default; the check asks more of
 # the server's Retry-After: that every request gets in while the client waits as told).
 RETRIES = 20
-TESTS = ["tests/gpu", "tests/test_triton_attention.py", "tests/test_paged_forward.py"]
+TESTS = ["tests/gpu", "tests/test_triton_attention.py", "tests/test_triton_decode_split.py",
+         "tests/test_triton_prefill.py", "tests/test_triton_self_checks.py",
+         "tests/test_paged_forward.py"]
 
 
 @dataclass

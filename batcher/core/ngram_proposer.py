@@ -23,7 +23,7 @@ class NgramProposer:
 
     NOTE: `min_n` is 2: replayed on the bundled model's own greedy outputs, one-token matches
     (a comma, "the") more than tripled the drafts on free prose for a handful more accepted,
-    and added almost nothing on text that repeats its prompt (scripts/bench_speculative.py)."""
+    and added almost nothing on text that repeats its prompt (`python -m scripts.bench speculative`)."""
 
     k: int
     max_n: int = 3

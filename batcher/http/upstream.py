@@ -4,7 +4,7 @@ httptools (llhttp, the C parser uvicorn uses), and nothing else.
 The router's generation hop only POSTs a body with a few headers, then reads the status and
 headers and the body, whole or piece by piece as it arrives. aiohttp's client costs ~0.35-0.4 ms
 more a hop than this on a 2-core machine, as much as the router's own work
-(scripts/bench_router.py: its bare aiohttp forwarder against its socket forwarder). What else
+(`python -m scripts.bench router`: its bare aiohttp forwarder against its socket forwarder). What else
 the router sends (health checks, admin calls, files, batches) keeps aiohttp's client.
 
 Contract:

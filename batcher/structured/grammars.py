@@ -3,7 +3,7 @@ grammar string that the runtime's token masks enforce, and refuse a bad one with
 (HTTP 400) before the request is queued.
 
 The grammar engine is llguidance. Measured on this CPU with the bundled tokenizer
-(`scripts/bench_grammar.py`, a 3-field JSON schema walked token by token): compiling a schema
+(`python -m scripts.bench grammar`, a 3-field JSON schema walked token by token): compiling a schema
 took ~2 ms against ~180-300 ms for outlines-core (which builds a whole token index per schema),
 and a token mask ~9 us (median) against ~60 us. Its masks are computed on the CPU and applied as a
 bitmask, so the same path serves CUDA rows (llguidance also ships a GPU kernel for applying them).

@@ -28,7 +28,7 @@ the moment it sends, so scoring all of them does not herd the way stale state wo
 long prompts a replica already prefilling doubles the next one's time to first token: two random
 picks are both busy often enough to lose to round-robin (`docs/capacity.md`). Scoring is about a
 microsecond per candidate (`wait_parts`: no allocation but its result); at 256 replicas building
-the candidates from the registry costs more than scoring them (`scripts/bench_router.py`), so
+the candidates from the registry costs more than scoring them (`python -m scripts.bench router`), so
 sampling (`choices`, for pools over `sample_above`) saves little and is off by default.
 
 Why not free KV or `waiting` alone: while KV is abundant free blocks barely differ between
