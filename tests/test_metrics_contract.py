@@ -1,6 +1,7 @@
 """The metrics contract autoscalers and the inference gateway read: names, labels and meanings on a
-fresh registry, and on `/metrics` of real processes (the fake model, then the bundled model at
-default settings)."""
+fresh registry, and on `/metrics` of real processes (the fake model here; the bundled model at
+default settings in `test_agent_api_docs.py`, whose `batcher serve` it shares); requests counted
+by route."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import urllib.request
 
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from batcher.engine.fake_runner import FakeSpeed
 from batcher.engine.metrics import BusyWindow, Metrics
 from tests.server_process import serve
+from tests.test_diagnose import fake_app
+from tests.test_gateway_inprocess import ALICE
 
 CONTRACT = ("batcher_kv_cache_usage_ratio", "batcher_waiting", "batcher_running",
             "batcher_waiting_tokens", "batcher_predicted_queue_wait_seconds",
@@ -25,6 +30,14 @@ def samples(text: str, name: str) -> dict[str, float]:
     for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
         out[m.group(1) or ""] = float(m.group(2))
     return out
+
+
+def labelled(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Sorted (label, value) pairs -> value for one sample name (label values may hold any
+    character: a route pattern's braces)."""
+    return {tuple(sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name}
 
 
 def test_fresh_registry_exports_the_contract_at_zero() -> None:
@@ -47,6 +60,38 @@ def test_busy_window() -> None:
         w.add(float(t), 1.0)
     assert w.ratio(11.0) == pytest.approx(1.0)
     assert w.ratio(30.0) == 0.0  # the window moved past every step
+
+
+async def test_requests_by_route(aiohttp_client) -> None:
+    """Every request is counted under its route's pattern (an unknown path as `other`: never a
+    raw path or an id) and its status; admitted generations also time their route. The series
+    the dashboards read keep their labels."""
+    client = await aiohttp_client(fake_app(FakeSpeed(decode_step_s=0.001)))
+    key = {"Authorization": f"Bearer {ALICE}"}
+    short = {"model": "fake", "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "Hi"}]}),
+                       ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+                       ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}]})):
+        resp = await client.post(path, json={**short, **body}, headers=key)
+        assert resp.status == 200, await resp.text()
+    assert (await client.get("/v1/responses/resp_secret123", headers=key)).status == 404
+    assert (await client.post("/v1/no/such/path/abc", headers=key)).status == 404
+    assert (await client.post("/v1/messages", json={}, headers={"x-api-key": "bad"})
+            ).status == 401
+    text = (await (await client.get("/metrics")).text())
+    assert labelled(text, "batcher_requests_by_route_total") == {
+        (("route", route), ("status", status)): 1.0 for route, status in (
+            ("/v1/completions", "200"), ("/v1/chat/completions", "200"),
+            ("/v1/responses", "200"), ("/v1/messages", "200"), ("/v1/responses/{id}", "404"),
+            ("other", "404"), ("/v1/messages", "401"))}
+    assert labelled(text, "batcher_request_by_route_seconds_count") == {
+        (("route", r),): 1.0 for r in ("/v1/completions", "/v1/chat/completions",
+                                       "/v1/responses", "/v1/messages")}
+    assert samples(text, "batcher_request_total_seconds_count") == {"": 4.0}
+    assert set(samples(text, "batcher_ttft_seconds_count")) == {'{priority="interactive"}'}
+    assert "secret123" not in text and "/v1/no/" not in text
 
 
 def scrape(url: str) -> str:
@@ -82,10 +127,3 @@ def check_contract(url: str, model: str, num_blocks: int | None) -> None:
 def test_metrics_contract_on_the_fake_model() -> None:
     with serve("--model", "fake", "--embedding-model", "none", num_blocks=256) as srv:
         check_contract(srv.url, "fake", 256)
-
-
-@pytest.mark.slow
-def test_metrics_contract_on_the_bundled_model() -> None:
-    with serve("--model", "smollm2-135m", "--embedding-model", "none", num_blocks=None,
-               ready_timeout=180.0) as srv:
-        check_contract(srv.url, "smollm2-135m", None)

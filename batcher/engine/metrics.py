@@ -76,6 +76,14 @@ class Metrics:
                            hist(f"request_{p}_seconds", f"Time in the {p} phase", PHASE_BUCKETS))
                        for p in PHASES}
         self.request_total = hist("request_total_seconds", "HTTP receipt to answer written")
+        # By API route (`/v1/chat/completions`, `/v1/responses`, `/v1/messages`, ...: the app's
+        # route patterns, `other` for an unknown path; never a raw path or an id), beside the
+        # unlabelled series the dashboards read.
+        self.requests_by_route = Counter("batcher_requests_by_route", "HTTP requests answered, "
+                                         "by route and status (499: the client went away)",
+                                         ["route", "status"], registry=r)
+        self.request_by_route = labelled("request_by_route_seconds", "HTTP receipt to answer "
+                                         "written, by route", ["route"], LATENCY_BUCKETS)
         self.step_time = labelled("step_seconds", "Model time of one engine step, by kind",
                                   ["kind"], STEP_BUCKETS)
         self.step_tokens = labelled("step_tokens", "Tokens computed in one engine step, by kind",
@@ -191,14 +199,21 @@ class Metrics:
         self._busy.add(time.monotonic(), seconds)
         self.step_tokens.labels(kind).observe(sum(s.num_tokens for s in sched.seqs))
 
-    def observe_phases(self, t: Timings, priority: int) -> None:
-        """One answered generation request's phases (see batcher.telemetry.timings)."""
+    def observe_phases(self, t: Timings, priority: int, route: str | None = None) -> None:
+        """One answered generation request's phases (see batcher.telemetry.timings), and its
+        total under its `route` (a route pattern, never a raw path) when given."""
         for p, ms in t.phases().items():
             h = self.phases.get(p)
             if h is None:
                 continue
             (h.labels(priority_label(priority)) if p == "queue" else h).observe(ms / 1000.0)
         self.request_total.observe(t.total_ms / 1000.0)
+        if route is not None:
+            self.request_by_route.labels(route).observe(t.total_ms / 1000.0)
+
+    def observe_request(self, route: str, status: str) -> None:
+        """Any HTTP request, once answered (`batcher.http.middleware.count_requests`)."""
+        self.requests_by_route.labels(route, status).inc()
 
     # the autoscaler / inference-gateway contract --------------------------------------------
     def _contract(self) -> None:

@@ -77,14 +77,50 @@ def error_code_of(resp: web.StreamResponse) -> str | None:
     return excerpt(code, 64) if isinstance(code, str) and code else None
 
 
-def route_of(request: web.Request) -> str:
-    """The route as logged: a matched route's pattern (`/v1/requests/{id}`: the ids in
-    a path are the caller's, and every id its own line would make the field unbounded), else the
-    path itself, cut short (an unknown route is what the operator needs to see)."""
+def matched_route(request: web.Request) -> str | None:
+    """The pattern of the app's route that matched (`/v1/requests/{id}`: the ids in a path are
+    the caller's), or None for an unknown path or method."""
     route = request.match_info.route
     if route.resource is not None and route.name != NO_ROUTE:
         return route.resource.canonical
-    return excerpt(request.rel_url.raw_path, 200)
+    return None
+
+
+def route_of(request: web.Request) -> str:
+    """The route as logged: a matched route's pattern (every id its own line would make the
+    field unbounded), else the path itself, cut short (an unknown route is what the operator
+    needs to see)."""
+    return matched_route(request) or excerpt(request.rel_url.raw_path, 200)
+
+
+# The route label of an unknown path or method: a label per path would let any client add a
+# series to /metrics.
+OTHER_ROUTE = "other"
+
+
+def count_requests(observe: Callable[[str, str], None]) -> Middleware:
+    """`observe(route, status)` once per request, after its answer: the matched route's pattern
+    (else `OTHER_ROUTE`) and the status sent, as strings; `499` when the client went away before
+    the handler finished (aiohttp cancelled it), `500` for an exception no inner middleware
+    answered. Outermost, so refusals by the inner middlewares (401, 413) count too."""
+
+    @web.middleware
+    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+        status = 499
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except Exception:
+            status = 500
+            raise
+        finally:
+            observe(matched_route(request) or OTHER_ROUTE, str(status))
+
+    return count
 
 
 def error_answer(request: web.Request, exc: Exception, rid: str) -> tuple[web.Response,

@@ -14,7 +14,7 @@ from aiohttp import web
 from batcher.http.errors import ApiError
 from batcher.http.keys import FLEET_KEY_HEADER, TENANT_HEADER, header_matches
 from batcher.http.listener import add_fallback_route, expect_continue
-from batcher.http.middleware import api_middleware
+from batcher.http.middleware import api_middleware, count_requests
 from batcher.http.responses import json_response
 from batcher.server import embeddings_route, messages_route, responses_route, tokenize_route
 from batcher.server.appkeys import GATEWAY
@@ -161,7 +161,12 @@ def create_app(gw_factory: Callable[[], Awaitable[Gateway]], max_body_bytes: int
     `extend` adds routes and lifetimes of optional tiers (the batch API). With `fleet_key`,
     `X-Replica-State` goes only to callers that send it in `X-Fleet-Key` (the router).
     `responses`: where stored responses live (default: in memory)."""
-    app = web.Application(middlewares=[fleet_state, GATEWAY_MIDDLEWARE],
+    def count(route: str, status: str) -> None:
+        if (gw := app.get(GATEWAY)) is not None:  # None: the gateway is not built yet
+            gw.metrics.observe_request(route, status)
+
+    # Counted outermost: the key and body refusals of the middlewares inside count too.
+    app = web.Application(middlewares=[count_requests(count), fleet_state, GATEWAY_MIDDLEWARE],
                           client_max_size=max_body_bytes)
     app[PROBE] = ProbeGuard(probe_keys)
     app[FLEET_KEY] = fleet_key or ""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from batcher.http.middleware import OTHER_ROUTE, matched_route
 from batcher.telemetry import tracing
 from batcher.telemetry.access_log import LOGGED, log_access
 from batcher.engine.metrics import Metrics, priority_label
@@ -113,7 +114,7 @@ class RequestTiming:
         t = self.timings or split(self.marks, None, self.marks.clock())
         prio = self.job.requests[0].priority if self.job and self.job.requests else 0
         if self.job is not None:
-            self.metrics.observe_phases(t, prio)
+            self.metrics.observe_phases(t, prio, matched_route(self.request) or OTHER_ROUTE)
         tenant = getattr(self.request.get("tenant"), "name", "-")
         rid = self.request.get("request_id", "")
         self.request[LOGGED] = True

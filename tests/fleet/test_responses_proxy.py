@@ -16,6 +16,7 @@ from batcher.fleet.router import batch_ids, responses_proxy
 from batcher.fleet.router.context import RouterConfig, RouterContext
 from batcher.fleet.router.proxy import ROUTER, create_router_app
 from tests.fleet.procs import STUB_STATE, free_port
+from tests.test_metrics_contract import labelled
 
 KEY = "the-key"
 ASKED: list[str] = []  # the fixture's replicas' lookups, "replica:id"
@@ -119,6 +120,12 @@ async def test_get_and_delete_reach_the_holder(fleet) -> None:
     resp = await client.delete("/v1/responses/resp_a", headers=AUTH)
     assert resp.status == 200 and held["r1"] == set()
     assert (await client.get("/v1/responses/resp_a", headers=AUTH)).status == 404
+    # Counted under the route's pattern: an id in a path never becomes a label.
+    text = await (await client.get("/metrics")).text()
+    assert labelled(text, "batcher_router_requests_by_route_total") == {
+        (("route", "/v1/responses/{id}"), ("status", "200")): 2.0,
+        (("route", "/v1/responses/{id}"), ("status", "404")): 2.0}
+    assert "resp_a" not in text
 
 
 async def test_router_errors_on_messages_take_anthropics_shape(fleet) -> None:

@@ -26,6 +26,11 @@ class RouterMetrics:
                                 registry=r)
         self.client_requests = Counter("batcher_router_client_requests", "Client requests by "
                                        "final outcome", ["outcome"], registry=r)
+        # By API route (the router's route patterns, `other` for an unknown path; never a raw
+        # path or an id) and the status the client got.
+        self.requests_by_route = Counter("batcher_router_requests_by_route", "Client requests "
+                                         "answered, by route and status (499: the client went "
+                                         "away)", ["route", "status"], registry=r)
         self.retries = Counter("batcher_retries", "Retries before the first byte by reason: "
                                "capacity (a 503) and failure (another answer, a timeout) spend "
                                "the retry budget; replica_lost (it died or became unreachable) "
@@ -67,6 +72,9 @@ class RouterMetrics:
 
     def client_request(self, outcome: str) -> None:
         self.client_requests.labels(outcome).inc()
+
+    def request_by_route(self, route: str, status: str) -> None:
+        self.requests_by_route.labels(route, status).inc()
 
     def attempt(self, replica: str, version: str | None, outcome: str) -> None:
         version = version or "unknown"

@@ -37,7 +37,12 @@ from batcher.fleet.router.stream_relay import StreamRelay
 from batcher.http.errors import ApiError
 from batcher.http.keys import bearer_matches
 from batcher.http.listener import add_fallback_route, expect_continue, read_body, read_json
-from batcher.http.middleware import api_middleware, error_code_of, log_error_answer
+from batcher.http.middleware import (
+    api_middleware,
+    count_requests,
+    error_code_of,
+    log_error_answer,
+)
 from batcher.http.responses import json_response
 from batcher.http.upstream import UpstreamPool
 from batcher.telemetry.access_log import LOGGED
@@ -246,7 +251,11 @@ async def cancel(request: web.Request) -> web.StreamResponse:
 def create_router_app(ctx: RouterContext, cell_name: str | None = "local") -> web.Application:
     """The public app. Its cleanup context owns the upstream session and the health checker.
     `cell_name` labels the router's own `batcher_cell_saturation`; None exports none."""
-    app = web.Application(middlewares=[middleware], client_max_size=ctx.cfg.max_body_bytes)
+    # Counted outermost, as on a replica: the middleware's own refusals count too.
+    counted = count_requests(lambda route, status: ctx.later(ctx.metrics.request_by_route,
+                                                             route, status))
+    app = web.Application(middlewares=[counted, middleware],
+                          client_max_size=ctx.cfg.max_body_bytes)
     app[ROUTER] = ctx
     app[STATE_HEADER] = StateHeader(ctx)
     if cell_name is not None:  # a balancer (cells as upstreams) exports its own per cell
