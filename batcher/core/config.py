@@ -1,4 +1,8 @@
-"""Every engine knob as a slots dataclass, validated once at start (ValueError on bad input)."""
+"""The scheduler's and the KV cache's settings as the core reads them (`SchedulerConfig`,
+`CacheConfig`), each validated once at start (ValueError on bad input), and the choice lists of
+the engine's settings. Users set `batcher.engine.config.EngineConfig` (or the flags of
+`batcher serve`, its mirror); `EngineConfig.scheduler_config()` and `.cache_config()` are the
+one mapping onto these."""
 
 from __future__ import annotations
 
