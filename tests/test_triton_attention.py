@@ -27,12 +27,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CHILD = os.environ.get("BATCHER_TRITON_CHILD") == "1"
 
 
-def compiled_already() -> bool:
+def compiled_already(module: str = MODULE, kernel: str = "_paged_decode_kernel") -> bool:
     """Triton's modules were imported here without the interpreter (asked when a test runs: an
-    earlier test in the session may have imported them)."""
+    earlier test in the session may have imported them); `kernel` names one of `module`'s."""
     return DEVICE == "cpu" and not CHILD and "triton.language" in sys.modules and \
-        type(sys.modules.get(MODULE, None) and getattr(sys.modules[MODULE],
-                                                          "_paged_decode_kernel", None)
+        type(sys.modules.get(module, None) and getattr(sys.modules[module], kernel, None)
              ).__name__ != "InterpretedFunction"
 
 
@@ -55,21 +54,22 @@ def test_interpreted_in_a_fresh_process() -> None:
 
 
 @contextlib.contextmanager
-def kernel_module() -> Iterator[ModuleType]:
+def kernel_module(module: str = MODULE, kernel: str = "_paged_decode_kernel"
+                  ) -> Iterator[ModuleType]:
     """The kernels' module in the mode DEVICE needs. Triton reads TRITON_INTERPRET when
     `@triton.jit` runs, at the module's import: the module is imported again if it was imported
     in the other mode, and the variable is restored afterwards."""
-    if compiled_already():
+    if compiled_already(module, kernel):
         pytest.skip("Triton was imported compiled here; test_interpreted_in_a_fresh_process "
                     "runs these")
     interpret = "1" if DEVICE == "cpu" else "0"
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = interpret
     try:
-        mod = sys.modules.get(MODULE)
-        mod = importlib.import_module(MODULE) if mod is None else importlib.reload(mod)
-        interpreted = type(mod._paged_decode_kernel).__name__ == "InterpretedFunction"
-        assert interpreted == (DEVICE == "cpu"), type(mod._paged_decode_kernel)
+        mod = sys.modules.get(module)
+        mod = importlib.import_module(module) if mod is None else importlib.reload(mod)
+        interpreted = type(getattr(mod, kernel)).__name__ == "InterpretedFunction"
+        assert interpreted == (DEVICE == "cpu"), type(getattr(mod, kernel))
         yield mod
     finally:
         if before is None:

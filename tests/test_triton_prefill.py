@@ -4,10 +4,7 @@ CUDA tensors where one is present, else on the CPU through Triton's interpreter
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
@@ -20,55 +17,25 @@ from batcher.runtime.attention import (
     paged_attention,
     variant_attention,
 )
+from tests.test_triton_attention import DEVICE, compiled_already, kernel_module, run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 MODULE = "batcher.runtime.triton_prefill"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# The interpreter must be chosen before Triton's own modules are imported (as in
-# test_triton_attention): where an earlier test imported them compiled, a fresh process runs these.
-CHILD = os.environ.get("BATCHER_TRITON_CHILD") == "1"
-
-
-def compiled_already() -> bool:
-    mod = sys.modules.get(MODULE)
-    kernel = getattr(mod, "_paged_prefill_kernel", None)
-    return DEVICE == "cpu" and not CHILD and "triton.language" in sys.modules and \
-        type(kernel).__name__ != "InterpretedFunction"
 
 
 def test_interpreted_in_a_fresh_process() -> None:
-    if not compiled_already():
+    if not compiled_already(MODULE, "_paged_prefill_kernel"):
         pytest.skip("the interpreted tests run in this process")
-    import subprocess
-
-    env = {**os.environ, "TRITON_INTERPRET": "1", "BATCHER_TRITON_CHILD": "1"}
-    got = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          __file__], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
+    run_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    """The module in the mode DEVICE needs (Triton reads TRITON_INTERPRET at `@triton.jit`)."""
-    if compiled_already():
-        pytest.skip("Triton was imported compiled here; test_interpreted_in_a_fresh_process "
-                    "runs these")
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if DEVICE == "cpu" else "0"
-    try:
-        mod = sys.modules.get(MODULE)
-        mod = importlib.import_module(MODULE) if mod is None else importlib.reload(mod)
-        interpreted = type(mod._paged_prefill_kernel).__name__ == "InterpretedFunction"
-        assert interpreted == (DEVICE == "cpu"), type(mod._paged_prefill_kernel)
+    """The module in the mode DEVICE needs (as in test_triton_attention)."""
+    with kernel_module(MODULE, "_paged_prefill_kernel") as mod:
         yield mod
-    finally:
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
 
 
 def make_step(gen: torch.Generator, lengths: list[int], prefixes: list[int], heads: int,

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,14 @@ STUB_STATE = {"free_blocks": 500, "total_blocks": 500, "block_size": 16, "runnin
               "waiting": 0, "version": "v1", "draining": False, "healthy": True}
 
 
-async def start_stub_replica(completions: Callable[[web.Request], Awaitable[web.Response]],
-                             port: int | None = None) -> tuple[web.AppRunner, str]:
+async def start_stub_replica(completions: Callable[[web.Request], Awaitable[web.Response]]
+                             | None = None, port: int | None = None,
+                             routes: Iterable[tuple[str, str, Callable[[web.Request],
+                                                                       Awaitable[Any]]]] = ()
+                             ) -> tuple[web.AppRunner, str]:
     """An in-process replica double on 127.0.0.1: healthy and ready, STUB_STATE on /v1/state,
-    `completions` answering /v1/completions. The caller stops it with `runner.cleanup()`."""
+    `completions` answering /v1/completions and each (method, path, handler) of `routes` its
+    own. The caller stops it with `runner.cleanup()`."""
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -55,7 +59,10 @@ async def start_stub_replica(completions: Callable[[web.Request], Awaitable[web.
         app.router.add_get(path, ok)
     app.router.add_post("/v1/probe", ok)
     app.router.add_get("/v1/state", state)
-    app.router.add_post("/v1/completions", completions)
+    if completions is not None:
+        app.router.add_post("/v1/completions", completions)
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = port or free_port()

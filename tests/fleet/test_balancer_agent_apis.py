@@ -14,7 +14,7 @@ from batcher.fleet.balancer.app import BalancerContext, create_balancer_app
 from batcher.fleet.balancer.policy import BalancerConfig
 from batcher.fleet.router import batch_ids
 from batcher.fleet.router.context import RouterConfig
-from tests.fleet.procs import STUB_STATE, free_port
+from tests.fleet.procs import STUB_STATE, start_stub_replica
 from tests.test_metrics_contract import labelled
 
 MESSAGE = {"id": "msg_0a1b", "type": "message", "role": "assistant", "model": "fake",
@@ -57,20 +57,7 @@ async def cell(seen: list[tuple[str, dict[str, str], bytes]]) -> tuple[web.AppRu
         await resp.write_eof()
         return resp
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response(STUB_STATE if request.path == "/v1/state" else {"ok": True})
-
-    app = web.Application()
-    app.router.add_post("/v1/messages", generate)
-    app.router.add_post("/v1/responses", generate)
-    for path in ("/health", "/ready", "/v1/state"):
-        app.router.add_get(path, ok)
-    app.router.add_post("/v1/probe", ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await start_stub_replica(routes=[("POST", "/v1/messages", generate), ("POST", "/v1/responses", generate)])
 
 
 async def test_agent_apis_pass_through_the_balancer(aiohttp_client) -> None:

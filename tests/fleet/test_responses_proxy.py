@@ -15,7 +15,7 @@ from aiohttp import web
 from batcher.fleet.router import batch_ids, responses_proxy
 from batcher.fleet.router.context import RouterConfig, RouterContext
 from batcher.fleet.router.proxy import ROUTER, create_router_app
-from tests.fleet.procs import STUB_STATE, free_port
+from tests.fleet.procs import STUB_STATE, start_stub_replica
 from tests.test_metrics_contract import labelled
 
 KEY = "the-key"
@@ -56,21 +56,8 @@ async def holder(name: str, held: set[str], seen: list[str],
         return web.json_response({"id": f"resp_{name}new", "object": "response", "on": name,
                                   "previous_response_id": prev})
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response(STUB_STATE if request.path == "/v1/state" else {"ok": True})
-
-    app = web.Application()
-    app.router.add_get("/v1/responses/{id}", get)
-    app.router.add_delete("/v1/responses/{id}", delete)
-    app.router.add_post("/v1/responses", create)
-    for path in ("/health", "/ready", "/v1/state"):
-        app.router.add_get(path, ok)
-    app.router.add_post("/v1/probe", ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await start_stub_replica(routes=[("GET", "/v1/responses/{id}", get), ("DELETE", "/v1/responses/{id}", delete),
+                   ("POST", "/v1/responses", create)])
 
 
 @pytest.fixture
