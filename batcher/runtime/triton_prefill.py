@@ -14,14 +14,30 @@ Imported only where Triton is available (`attention.paged_attention` dispatches 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from batcher.runtime.attention import PrefillChunk
+
+class Chunk(Protocol):
+    """What the kernel reads of a prompt chunk (`attention.PrefillChunk` is one): its first row
+    in the step, its length, its first position, and the blocks holding its context."""
+
+    row: int
+    length: int
+    start_pos: int
+    block_ids: torch.Tensor
+
+
+@dataclass(slots=True)
+class _SyntheticChunk:  # the self-check's chunks
+    row: int
+    length: int
+    start_pos: int
+    block_ids: torch.Tensor
+
 
 # Query rows per program: chunks shorter than this get a smaller power of two (>= 16, tl.dot's
 # minimum), so a mixed step's few-token chunks do not compute mostly padding. Keys per inner
@@ -139,7 +155,7 @@ class VarlenPrefill:
     block_m: int
 
     @classmethod
-    def build(cls, chunks: list[PrefillChunk], device: torch.device) -> VarlenPrefill:
+    def build(cls, chunks: list[Chunk], device: torch.device) -> VarlenPrefill:
         longest = max(c.length for c in chunks)
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(longest)))
         tile_seq: list[int] = []
@@ -199,8 +215,6 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: i
     plain torch attention: None when they agree, else why not. A device whose compiler rejects
     the kernel, or computes it wrongly, then keeps the torch path (the runner calls this once,
     before serving) instead of failing requests or answering with wrong tokens."""
-    from batcher.runtime.attention import PrefillChunk
-
     gen = torch.Generator().manual_seed(0)
     lengths, prefixes = (5, 19), (0, 21)  # a first chunk, and one after a cached prefix
     blocks = [-(-(n + p) // block_size) for n, p in zip(lengths, prefixes)]
@@ -208,7 +222,8 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: i
     vc = torch.randn(sum(blocks), block_size, kv_heads, head_dim, generator=gen)
     t = sum(lengths)
     q, k, v = (torch.randn(t, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
-    chunks, want, row, first = [], [], 0, 0
+    chunks: list[Chunk] = []
+    want, row, first = [], 0, 0
     group = heads // kv_heads
     for n, p, nb in zip(lengths, prefixes, blocks):
         ids = list(range(first, first + nb))
@@ -224,8 +239,7 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: i
         want.append(torch.nn.functional.scaled_dot_product_attention(
             q[row:row + n].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
             attn_mask=mask).transpose(0, 1))
-        chunks.append(PrefillChunk(row=row, length=n, start_pos=p, mask=None,
-                                   block_ids=torch.tensor(ids, device=device)))
+        chunks.append(_SyntheticChunk(row, n, p, torch.tensor(ids, device=device)))
         row += n
     want_out = torch.cat(want).reshape(t, -1)
     try:
