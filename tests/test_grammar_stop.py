@@ -91,12 +91,12 @@ def test_min_tokens_holds_eos_back_from_a_grammar_row_under_ignore_eos() -> None
 
 def test_a_tenant_cut_for_its_grammar_cools_down_alone() -> None:
     from batcher.http.errors import ApiError
-    from batcher.server.grammar_cooldown import GrammarCooldown
+    from batcher.server.grammar_cooldown import grammar_cooldown
 
     now = [100.0]
-    cool = GrammarCooldown(10.0, clock=lambda: now[0])
+    cool = grammar_cooldown(10.0, clock=lambda: now[0])
     cool.check("alice")  # never cut: served
-    cool.note_cut("alice")
+    cool.note("alice")
     now[0] += 2.5
     with pytest.raises(ApiError) as e:
         cool.check("alice")

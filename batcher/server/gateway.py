@@ -12,16 +12,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from aiohttp import web
+
 from batcher.admission.admission import Admission, Rejected, Ticket
 from batcher.core.refusals import Refused
 from batcher.engine.engine import AsyncEngine
 from batcher.engine.events import EngineEvent
 from batcher.engine.snapshot import EngineSnapshot
 from batcher.http.errors import ApiError, invalid
+from batcher.http.listener import read_body, read_json
 from batcher.engine.metrics import Metrics
 from batcher.core.request import Priority, Request
 from batcher.server.auth import Authenticator
-from batcher.server.grammar_cooldown import GrammarCooldown
+from batcher.server.grammar_cooldown import grammar_cooldown
+from batcher.server.oversize_cooldown import OVERSIZE_BYTES, oversize_cooldown
 from batcher.server.protocol import GenerationSpec
 from batcher.server.reasoning import get_reasoning_parser
 from batcher.server.tool_parsers import get_parser
@@ -72,7 +76,8 @@ class Gateway:
                  embedder_name: str = "", embedder_tokens: Any = None):
         self.cfg = cfg
         self.engine = engine
-        self.grammar_cooldown = GrammarCooldown()
+        self.grammar_cooldown = grammar_cooldown()
+        self.oversize_cooldown = oversize_cooldown()
         self.tokenizer = engine.tokenizer
         self.tool_parser = get_parser(cfg.tool_call_parser, self.tokenizer.chat_template)
         self.reasoning = get_reasoning_parser(cfg.reasoning_parser)
@@ -131,6 +136,27 @@ class Gateway:
             if not ids:
                 raise invalid("the prompt is empty", "messages" if spec.chat else "prompt")
         return out
+
+    async def read_request(self, request: web.Request) -> Any:
+        """The request's body as JSON. A tenant cooling down after a very large body was refused
+        for its length is refused its next very large (or unsized) bodies before they are read
+        (`oversize_cooldown`); the size read is kept for `note_refusal`."""
+        tenant = request.get("tenant")
+        length = request.content_length
+        if tenant is not None and request.body_exists and (length is None
+                                                           or length > OVERSIZE_BYTES):
+            self.oversize_cooldown.check(tenant.name)
+        raw = await read_body(request)
+        request["body_bytes"] = len(raw)
+        return await read_json(request, raw)
+
+    def note_refusal(self, request: web.Request, err: ApiError) -> None:
+        """A request refused: one over `OVERSIZE_BYTES` refused as longer than the context starts
+        its tenant's cool-down."""
+        tenant = request.get("tenant")
+        if (tenant is not None and err.code == "context_length_exceeded"
+                and request.get("body_bytes", 0) > OVERSIZE_BYTES):
+            self.oversize_cooldown.note(tenant.name)
 
     def check_text_fits(self, spec: GenerationSpec) -> None:
         """Refuse at once a prompt whose text alone is longer than the context can hold, however

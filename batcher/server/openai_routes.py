@@ -13,7 +13,6 @@ from aiohttp import web
 from batcher.core.outputs import TokenLogprobs
 from batcher.engine.events import EngineError, EngineEvent
 from batcher.http.errors import ApiError, invalid
-from batcher.http.listener import read_json
 from batcher.http.sse import SEP, SSE_HEADERS
 from batcher.server.choice_tally import Choice, UsageTally, score_only
 from batcher.server.chunk_sink import SSE_CHUNKS, ChunkSink
@@ -39,6 +38,7 @@ class GenerationHandler:
         try:
             resp = await self._handle(request, timing)
         except ApiError as err:
+            self.gw.note_refusal(request, err)
             if timing.job is not None and self.gw.engine.stopping:
                 timing.cut("shutdown")
             timing.done(err.status, err.code)
@@ -56,7 +56,7 @@ class GenerationHandler:
 
     async def _handle(self, request: web.Request, timing: RequestTiming) -> web.StreamResponse:
         gw = self.gw
-        body = await read_json(request)
+        body = await gw.read_request(request)
         if asks_for_grammar(body):  # before its grammar is compiled
             gw.grammar_cooldown.check(request["tenant"].name)
         await self.load(request, body)
@@ -98,7 +98,7 @@ class GenerationHandler:
 
     def _note_grammar_cut(self, job: Job, err: ApiError) -> None:
         if err.code == "grammar_too_costly":
-            self.gw.grammar_cooldown.note_cut(job.key[0])
+            self.gw.grammar_cooldown.note(job.key[0])
 
     def gone(self) -> str:
         """Why a request still running was cut: the server shutting down, or its client."""

@@ -68,8 +68,16 @@ def _check_fits(gw: Gateway, chars: int) -> None:
 
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
+    try:
+        return await _tokenize(request, gw)
+    except ApiError as err:
+        gw.note_refusal(request, err)
+        raise
+
+
+async def _tokenize(request: web.Request, gw: Gateway) -> web.Response:
     tenant = request.get("tenant")
-    body = _body(await read_json(request), gw)
+    body = _body(await gw.read_request(request), gw)
     tok = gw.tokenizer
     if ("prompt" in body) == ("messages" in body):
         raise invalid("give exactly one of 'prompt' or 'messages'", "prompt", "invalid_type")

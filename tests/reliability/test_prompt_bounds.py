@@ -2,8 +2,8 @@
 the event loop.
 
 Pass figures: four concurrent 4-million-character prompts (`max_tokens: 1`) and four 4 MB
-`/tokenize` calls with `return_token_strs` are each refused 400 `context_length_exceeded` within
-2 s, while `GET /health` keeps answering within 0.5 s; a tenant at its concurrency limit cannot
+`/tokenize` calls with `return_token_strs` are each refused 400 `context_length_exceeded` (or,
+once one of them was, 429 `oversize_cooldown` before the body is read) within 2 s, while `GET /health` keeps answering within 0.5 s; a tenant at its concurrency limit cannot
 queue more tokenizer work; a normal request is served afterwards.
 
 One tiny-model replica with two tenants on 127.0.0.1, started and stopped by this module.
@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 TAG = uuid.uuid4().hex[:12]
 ALICE = {"Authorization": f"Bearer alice-bounds-{TAG}"}
-BOB = {"Authorization": f"Bearer bob-bounds-{TAG}"}
+# One tenant per check of huge bodies: a tenant refused one starts a cool-down for the next.
+BOB, CAROL, DAVE, ERIN = ({"Authorization": f"Bearer {name}-bounds-{TAG}"}
+                          for name in ("bob", "carol", "dave", "erin"))
 HUGE = "a " * 2_000_000  # 4 MB: far more than any context, seconds of tokenizer time
 BODY_LIMIT = 8 * 2**20
 
@@ -35,7 +37,8 @@ BODY_LIMIT = 8 * 2**20
 def _setup(tmp: pytest.TempPathFactory) -> list[str]:
     path = write_tenants(Path(tmp.mktemp("bounds")) / "tenants.toml", {
         "alice": {"key": f"alice-bounds-{TAG}", "tokens_per_minute": 1e9, "max_concurrent": 2},
-        "bob": {"key": f"bob-bounds-{TAG}", "tokens_per_minute": 1e9, "max_concurrent": 16}})
+        **{name: {"key": f"{name}-bounds-{TAG}", "tokens_per_minute": 1e9, "max_concurrent": 16}
+           for name in ("bob", "carol", "dave", "erin")}})
     return ["--tenants", str(path), "--max-body-bytes", str(BODY_LIMIT)]
 
 
@@ -68,19 +71,22 @@ async def _health_worst(session: aiohttp.ClientSession, url: str, stop: asyncio.
 
 
 async def _refused_at_once(session: aiohttp.ClientSession, server: Server, path: str,
-                           body: dict) -> None:
+                           body: dict, headers: dict[str, str]) -> None:
     raw = orjson.dumps(body)
     stop = asyncio.Event()
     watcher = asyncio.create_task(_health_worst(session, server.url, stop))
     try:
         answers = await asyncio.gather(*(
-            _post(session, server.url + path, raw, BOB) for _ in range(4)))
+            _post(session, server.url + path, raw, headers) for _ in range(4)))
     finally:
         stop.set()
     worst = await watcher
+    codes = [(status, assert_error_shape(payload)["code"]) for status, payload, _ in answers]
+    # The first refusal reads the body; the tenant's huge bodies after it may be refused from
+    # their length alone (its cool-down).
+    assert (400, "context_length_exceeded") in codes, codes
+    assert set(codes) <= {(400, "context_length_exceeded"), (429, "oversize_cooldown")}, codes
     for status, payload, took in answers:
-        assert status == 400, payload
-        assert assert_error_shape(payload)["code"] == "context_length_exceeded"
         assert took < 2.0, f"{path} refused only after {took:.1f} s"
         assert len(orjson.dumps(payload)) < 1000
     assert worst < 0.5, f"/health took {worst:.2f} s while {path} ran"
@@ -89,9 +95,10 @@ async def _refused_at_once(session: aiohttp.ClientSession, server: Server, path:
 async def test_huge_prompts_refused_before_tokenizing(server: Server,
                                                       session: aiohttp.ClientSession) -> None:
     await _refused_at_once(session, server, "/v1/completions",
-                           {"prompt": HUGE, "max_tokens": 1})
+                           {"prompt": HUGE, "max_tokens": 1}, BOB)
     await _refused_at_once(session, server, "/v1/chat/completions",
-                           {"messages": [{"role": "user", "content": HUGE}], "max_tokens": 1})
+                           {"messages": [{"role": "user", "content": HUGE}], "max_tokens": 1},
+                           CAROL)
     status, payload, _ = await _post(session, server.url + "/v1/completions",
                                      orjson.dumps({"prompt": "hello", "max_tokens": 2}), BOB)
     assert status == 200, payload
@@ -100,7 +107,7 @@ async def test_huge_prompts_refused_before_tokenizing(server: Server,
 async def test_tokenize_input_and_answer_bounded(server: Server,
                                                  session: aiohttp.ClientSession) -> None:
     await _refused_at_once(session, server, "/tokenize",
-                           {"prompt": HUGE, "return_token_strs": True})
+                           {"prompt": HUGE, "return_token_strs": True}, DAVE)
     # Short enough to pass the length check, too many tokens for the context: still refused,
     # so an answer never lists more tokens than the context holds.
     status, payload, _ = await _post(session, server.url + "/tokenize", orjson.dumps(
@@ -124,3 +131,29 @@ async def test_tokenizer_work_counts_against_concurrency(server: Server,
     refused = [a for a in answers if a[0] == 429]
     assert refused, f"8 concurrent tokenizer jobs all ran for a tenant limited to 2: {statuses}"
     assert refused[0][1]["error"]["code"] == "tenant_concurrency"
+
+
+async def test_a_tenant_refused_a_huge_body_is_refused_the_next_before_it_is_read(
+        server: Server, session: aiohttp.ClientSession) -> None:
+    """After one huge body refused for its length, the tenant's next bodies over 1 MiB get 429
+    `oversize_cooldown` from their Content-Length alone, with Retry-After and the connection
+    closed (nothing read or drained); its small requests and other tenants' huge ones are
+    answered as before."""
+    huge = orjson.dumps({"prompt": HUGE, "max_tokens": 1})
+    status, payload, _ = await _post(session, server.url + "/v1/completions", huge, ERIN)
+    assert (status, payload["error"]["code"]) == (400, "context_length_exceeded"), payload
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        start = time.monotonic()
+        async with session.post(server.url + path, data=huge, headers={
+                **ERIN, "Content-Type": "application/json"}) as resp:
+            payload = await resp.json()
+            assert resp.status == 429, payload
+            assert assert_error_shape(payload)["code"] == "oversize_cooldown"
+            assert 1 <= int(resp.headers["Retry-After"]) <= 10
+            assert resp.headers.get("Connection", "").lower() == "close"
+        assert time.monotonic() - start < 1.0
+    status, payload, _ = await _post(session, server.url + "/v1/completions",
+                                     orjson.dumps({"prompt": "hello", "max_tokens": 2}), ERIN)
+    assert status == 200, payload
+    status, payload, _ = await _post(session, server.url + "/v1/completions", huge, ALICE)
+    assert (status, payload["error"]["code"]) == (400, "context_length_exceeded"), payload

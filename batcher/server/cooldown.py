@@ -1,0 +1,48 @@
+"""A tenant that just did something costly to everyone is refused that kind of request for a
+while (429 + Retry-After), and served as usual otherwise. One bounded map on the event loop, no
+locks; each use names its own error code and message (`grammar_cooldown`, `oversize_cooldown`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from batcher.http.errors import ApiError
+
+# Tenants remembered at most (oldest forgotten first): tenants are configured, so this is a bound
+# against a bug, not a limit anyone reaches.
+MAX_TENANTS = 10_000
+
+
+class TenantCooldown:
+    """`note(tenant)` starts `tenant`'s cool-down of `cooldown_s`; `check(tenant)` raises the
+    429 while it lasts. `close`: the refusal also closes the connection, for a request refused
+    before its body is read (aiohttp would otherwise read the unread body to keep the
+    connection, which is the very cost being refused)."""
+
+    def __init__(self, cooldown_s: float, code: str, message: str, param: str | None = None,
+                 close: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cooldown_s, self.code, self.message, self.param = cooldown_s, code, message, param
+        self.close, self.clock = close, clock
+        self._since: OrderedDict[str, float] = OrderedDict()
+
+    def note(self, tenant: str) -> None:
+        self._since[tenant] = self.clock()
+        self._since.move_to_end(tenant)
+        while len(self._since) > MAX_TENANTS:
+            self._since.popitem(last=False)
+
+    def check(self, tenant: str) -> None:
+        at = self._since.get(tenant)
+        if at is None:
+            return
+        left = at + self.cooldown_s - self.clock()
+        if left <= 0:
+            del self._since[tenant]
+            return
+        raise ApiError(429, self.message.format(seconds=f"{self.cooldown_s:g}"), param=self.param,
+                       code=self.code, retry_after=max(1, math.ceil(left)),
+                       headers={"Connection": "close"} if self.close else None)
