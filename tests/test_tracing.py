@@ -53,7 +53,7 @@ async def test_one_trace_spans_client_router_and_replica(aiohttp_client, tiny_fp
     assert r.status == 200, await r.text()
     timings = (await r.json())["timings"]
     done = {s.name: s for s in spans.get_finished_spans()}
-    routed, request = done["batcher.router"], done["batcher.core.request"]
+    routed, request = done["batcher.router"], done["batcher.request"]
     assert {f"{s.context.trace_id:032x}" for s in done.values()} == {TRACE_ID}
     assert f"{routed.parent.span_id:016x}" == CLIENT_SPAN
     assert request.parent.span_id == routed.context.span_id

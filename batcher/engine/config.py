@@ -46,9 +46,6 @@ class EngineConfig:
     burst_window_ms: float = 1000.0  # requests arriving within it are one burst; 0 = off
     min_prefill_chunk: int = 2  # tokens
     slo_tpot_ms: float | None = None
-    # The first-token goal: admission refuses what it predicts would miss it, and prefill pacing
-    # reads a prompt in time for it. None or 0: no goal (admission by queue length only).
-    slo_ttft_ms: float | None = DEFAULT_SLO_TTFT_MS
     dtype: str = "auto"
     device: str = "auto"
     quantization: str = "auto"
@@ -62,6 +59,9 @@ class EngineConfig:
     torch_threads: int | None = None  # None: the cgroup CPU quota, else all cores
     speculative: str = "none"  # or "ngram": draft tokens by prompt lookup, verified in one step
     num_speculative_tokens: int = 4
+    # The first-token goal: admission refuses what it predicts would miss it, and prefill pacing
+    # reads a prompt in time for it. None or 0: no goal (admission by queue length only).
+    slo_ttft_ms: float | None = DEFAULT_SLO_TTFT_MS
 
     def validate(self) -> EngineConfig:
         """Raise ValueError naming the first bad setting."""

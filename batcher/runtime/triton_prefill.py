@@ -211,21 +211,32 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                head_dim: int, block_size: int) -> str | None:
-    """Run the kernel once on a small synthetic step in the model's shapes and compare it with
+    """Run the kernel on small synthetic steps in the model's shapes, one for each query tile
+    size a step can take (16, 32 and 64 rows, each compiled on its own), and compare it with
     plain torch attention: None when they agree, else why not. A device whose compiler rejects
     the kernel, or computes it wrongly, then keeps the torch path (the runner calls this once,
     before serving) instead of failing requests or answering with wrong tokens."""
-    gen = torch.Generator().manual_seed(0)
-    lengths, prefixes = (5, 19), (0, 21)  # a first chunk, and one after a cached prefix
-    blocks = [-(-(n + p) // block_size) for n, p in zip(lengths, prefixes)]
+    # (chunk length, cached prefix): a first chunk, one after a cached prefix, a long one.
+    steps = ([(5, 0)], [(5, 0), (19, 21)], [(5, 0), (19, 21), (70, 3)])
+    for step in steps:
+        why = _check_step(step, device, dtype, heads, kv_heads, head_dim, block_size)
+        if why is not None:
+            return why
+    return None
+
+
+def _check_step(step: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
+                heads: int, kv_heads: int, head_dim: int, block_size: int) -> str | None:
+    gen = torch.Generator().manual_seed(len(step))
+    blocks = [-(-(n + p) // block_size) for n, p in step]
     kc = torch.randn(sum(blocks), block_size, kv_heads, head_dim, generator=gen)
     vc = torch.randn(sum(blocks), block_size, kv_heads, head_dim, generator=gen)
-    t = sum(lengths)
+    t = sum(n for n, _ in step)
     q, k, v = (torch.randn(t, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
     chunks: list[Chunk] = []
     want, row, first = [], 0, 0
     group = heads // kv_heads
-    for n, p, nb in zip(lengths, prefixes, blocks):
+    for (n, p), nb in zip(step, blocks):
         ids = list(range(first, first + nb))
         first += nb
         # The chunk's own K/V in its slots, as write_kv would have put them.

@@ -29,7 +29,7 @@ from batcher.server.oversize_cooldown import OVERSIZE_BYTES, oversize_cooldown
 from batcher.server.protocol import GenerationSpec
 from batcher.server.reasoning import get_reasoning_parser
 from batcher.server.tool_parsers import get_parser
-from batcher.admission.tenants import TenantConfig
+from batcher.admission.tenants import DEFAULT_TENANT, TenantConfig
 from batcher.tokenizer.tokenizer import message_chars
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,19 @@ class Job:
     key: tuple[str, str]  # (tenant, client request id)
     ticket: Ticket
     requests: list[Request] = field(default_factory=list)
+    cooldown_key: str | None = None  # whose cool-downs it counts against (`cooldown_key`)
+
+
+def cooldown_key(request: web.Request) -> str | None:
+    """Whose cool-down a request counts against: its tenant, or where a server has no tenants
+    of its own (auth off, or `--api-key`'s one tenant for every key) the tenant and the
+    client's address, so that one abusive client does not cool down every other."""
+    tenant = request.get("tenant")
+    if tenant is None:
+        return None
+    if tenant.name == DEFAULT_TENANT.name:
+        return f"{tenant.name}@{request.remote}"
+    return tenant.name
 
 
 class Gateway:
@@ -138,25 +151,28 @@ class Gateway:
         return out
 
     async def read_request(self, request: web.Request) -> Any:
-        """The request's body as JSON. A tenant cooling down after a very large body was refused
-        for its length is refused its next very large (or unsized) bodies before they are read
-        (`oversize_cooldown`); the size read is kept for `note_refusal`."""
-        tenant = request.get("tenant")
+        """The request's body as JSON. A caller cooling down after a very large body was refused
+        for its length is refused its next very large bodies before they are read
+        (`oversize_cooldown`): over `OVERSIZE_BYTES` on the wire, of unknown length, or
+        compressed (whose size read is not the size sent). The size read is kept for
+        `note_refusal`."""
+        key = cooldown_key(request)
         length = request.content_length
-        if tenant is not None and request.body_exists and (length is None
-                                                           or length > OVERSIZE_BYTES):
-            self.oversize_cooldown.check(tenant.name)
+        if key is not None and request.body_exists and (
+                length is None or length > OVERSIZE_BYTES
+                or "Content-Encoding" in request.headers):
+            self.oversize_cooldown.check(key)
         raw = await read_body(request)
         request["body_bytes"] = len(raw)
         return await read_json(request, raw)
 
     def note_refusal(self, request: web.Request, err: ApiError) -> None:
-        """A request refused: one over `OVERSIZE_BYTES` refused as longer than the context starts
-        its tenant's cool-down."""
-        tenant = request.get("tenant")
-        if (tenant is not None and err.code == "context_length_exceeded"
+        """A request refused: one whose body read over `OVERSIZE_BYTES` was refused as longer than
+        the context starts its caller's cool-down."""
+        key = cooldown_key(request)
+        if (key is not None and err.code == "context_length_exceeded"
                 and request.get("body_bytes", 0) > OVERSIZE_BYTES):
-            self.oversize_cooldown.note(tenant.name)
+            self.oversize_cooldown.note(key)
 
     def check_text_fits(self, spec: GenerationSpec) -> None:
         """Refuse at once a prompt whose text alone is longer than the context can hold, however

@@ -11,7 +11,6 @@ from aiohttp import web
 
 from batcher.http.anthropic_errors import PREFIX
 from batcher.http.errors import ApiError
-from batcher.http.listener import read_json
 from batcher.http.responses import json_response
 from batcher.server.appkeys import GATEWAY
 from batcher.server.bridge import TURN, BridgeHandler, new_id, renamed, require_object
@@ -41,12 +40,13 @@ class MessagesHandler(BridgeHandler):
     async def count_tokens(self, request: web.Request) -> web.Response:
         """The prompt's tokens as the model sees it (system, messages, tools), nothing run."""
         try:
-            body = chat_body(require_object(await read_json(request)), count_only=True,
-                             reasoning=self.gw.reasoning is not None)
+            body = chat_body(require_object(await self.gw.read_request(request)),
+                             count_only=True, reasoning=self.gw.reasoning is not None)
             body["max_tokens"] = 1
             spec = super().parse(request, body)
             prompts = await self.gw.tokenize(spec, request["tenant"])
         except ApiError as err:
+            self.gw.note_refusal(request, err)
             raise renamed(err, self.names) from None
         return json_response({"input_tokens": len(prompts[0])})
 

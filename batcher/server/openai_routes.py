@@ -16,7 +16,7 @@ from batcher.http.errors import ApiError, invalid
 from batcher.http.sse import SEP, SSE_HEADERS
 from batcher.server.choice_tally import Choice, UsageTally, score_only
 from batcher.server.chunk_sink import SSE_CHUNKS, ChunkSink
-from batcher.server.gateway import Gateway, Job
+from batcher.server.gateway import Gateway, Job, cooldown_key
 from batcher.server.generation_errors import deadline_error, engine_refusal, final_error
 from batcher.server.grammar_cooldown import asks_for_grammar
 from batcher.server.logprobs_format import chat_logprobs, echo_logprobs, legacy_logprobs
@@ -58,7 +58,7 @@ class GenerationHandler:
         gw = self.gw
         body = await gw.read_request(request)
         if asks_for_grammar(body):  # before its grammar is compiled
-            gw.grammar_cooldown.check(request["tenant"].name)
+            gw.grammar_cooldown.check(cooldown_key(request))
         await self.load(request, body)
         spec = self.parse(request, body)
         if spec.sampling.grammar is not None and not gw.engine.supports_grammar:
@@ -68,7 +68,7 @@ class GenerationHandler:
             raise invalid("prompt logprobs ('echo' with 'logprobs') are not supported by this "
                           "model", "echo", "unsupported")
         if spec.sampling.grammar is not None:
-            gw.grammar_cooldown.check(request["tenant"].name)
+            gw.grammar_cooldown.check(cooldown_key(request))
         timing.marks.mark_parsed()
         prompts = await gw.tokenize(spec, request["tenant"])
         gw.fit_context(spec, prompts)
@@ -76,6 +76,7 @@ class GenerationHandler:
         tenant = request["tenant"]
         rid: str = request["request_id"]
         job = gw.admit(tenant, spec, prompts, rid)
+        job.cooldown_key = cooldown_key(request)
         timing.job = job
         timing.copies = spec.n
         generated = 0
@@ -97,8 +98,8 @@ class GenerationHandler:
             gw.release(job, generated or sum(r.num_output_tokens for r in job.requests))
 
     def _note_grammar_cut(self, job: Job, err: ApiError) -> None:
-        if err.code == "grammar_too_costly":
-            self.gw.grammar_cooldown.note(job.key[0])
+        if err.code == "grammar_too_costly" and job.cooldown_key is not None:
+            self.gw.grammar_cooldown.note(job.cooldown_key)
 
     def gone(self) -> str:
         """Why a request still running was cut: the server shutting down, or its client."""

@@ -123,7 +123,7 @@ class RequestTiming:
                    error_code=error_code, outcome=self.outcome)
         tracer = tracing.current()
         if tracer is not None:
-            tracer.record("batcher.core.request", self.request.headers, t, {
+            tracer.record("batcher.request", self.request.headers, t, {
                 "batcher.request_id": rid, "batcher.tenant": tenant,
                 "http.route": self.request.path, "http.status_code": status,
                 "batcher.priority": priority_label(prio), "batcher.bottleneck": t.bottleneck,

@@ -208,8 +208,8 @@ async def streams_case(loaded, tok, sched: dict, long_len: int, stream_prompt: i
 
 
 async def chat64_case(loaded, tok, sched: dict, limit: int) -> dict:
-    import bench_engine
-    from bench_engine import run_engine
+    from scripts.bench import engine as bench_engine
+    from scripts.bench.engine import run_engine
 
     clocks: list[CpuClock] = []
     build = bench_engine.AsyncEngine.from_loaded

@@ -12,6 +12,7 @@ One tiny-model replica with two tenants on 127.0.0.1, started and stopped by thi
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -152,8 +153,31 @@ async def test_a_tenant_refused_a_huge_body_is_refused_the_next_before_it_is_rea
             assert 1 <= int(resp.headers["Retry-After"]) <= 10
             assert resp.headers.get("Connection", "").lower() == "close"
         assert time.monotonic() - start < 1.0
+    # A compressed body is judged as sent, not as read: small on the wire, refused all the same.
+    async with session.post(server.url + "/v1/messages/count_tokens", data=gzip.compress(huge),
+                            headers={**ERIN, "Content-Type": "application/json",
+                                     "Content-Encoding": "gzip"}) as resp:
+        assert resp.status == 429, await resp.text()
     status, payload, _ = await _post(session, server.url + "/v1/completions",
                                      orjson.dumps({"prompt": "hello", "max_tokens": 2}), ERIN)
     assert status == 200, payload
     status, payload, _ = await _post(session, server.url + "/v1/completions", huge, ALICE)
     assert (status, payload["error"]["code"]) == (400, "context_length_exceeded"), payload
+
+
+def test_without_tenants_of_its_own_a_cool_down_is_the_clients_alone() -> None:
+    """Auth off (or `--api-key`'s one tenant for every key): the cool-downs are kept per client
+    address, so one abusive client does not cool down every other; with tenants, per tenant."""
+    from types import SimpleNamespace
+
+    from batcher.admission.tenants import DEFAULT_TENANT, TenantConfig
+    from batcher.server.gateway import cooldown_key
+
+    def request(tenant: TenantConfig, remote: str) -> SimpleNamespace:
+        return SimpleNamespace(get={"tenant": tenant}.get, remote=remote)
+
+    assert cooldown_key(request(DEFAULT_TENANT, "10.0.0.1")) == "default@10.0.0.1"
+    assert cooldown_key(request(DEFAULT_TENANT, "10.0.0.2")) == "default@10.0.0.2"
+    alice = TenantConfig(name="alice", tokens_per_minute=1e6, max_concurrent=4)
+    assert cooldown_key(request(alice, "10.0.0.1")) == "alice"
+    assert cooldown_key(request(alice, "10.0.0.2")) == "alice"
