@@ -9,7 +9,8 @@ import pytest
 
 from batcher.core.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
-from batcher.engine.fake_runner import FAKE_NUM_BLOCKS, FakeRunner, FakeSpeed, build_fake_engine
+from batcher.engine.factory import build_engine
+from batcher.engine.fake_runner import FAKE_NUM_BLOCKS, FakeRunner, FakeSpeed
 from batcher.core.sampling import SamplingParams
 from batcher.app.serve_flags import add_serve_args, engine_config_from_args, fake_device_from_args
 
@@ -71,8 +72,7 @@ def test_negative_costs_are_refused_in_code_too() -> None:
 def test_the_fake_model_takes_the_device_defaults_unless_told() -> None:
     args = serve_args()
     cache = engine_config_from_args(args).cache_config()
-    engine = build_fake_engine(fake_device_from_args(args), engine_config_from_args(args), None,
-                               args.version)
+    engine = build_engine("fake", engine_config_from_args(args), fake=fake_device_from_args(args))
     cfg = engine.scheduler.config
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (CUDA_MAX_NUM_SEQS,
                                                                CUDA_MAX_NUM_BATCHED_TOKENS)
@@ -81,8 +81,7 @@ def test_the_fake_model_takes_the_device_defaults_unless_told() -> None:
     assert FAKE_NUM_BLOCKS * cache.block_size >= CUDA_MAX_NUM_SEQS * (128 + 256)
     args = serve_args("--max-num-seqs", "8", "--max-num-batched-tokens", "100",
                       "--num-blocks", "64")
-    engine = build_fake_engine(fake_device_from_args(args), engine_config_from_args(args), None,
-                               args.version)
+    engine = build_engine("fake", engine_config_from_args(args), fake=fake_device_from_args(args))
     assert (engine.scheduler.config.max_num_seqs,
             engine.scheduler.config.max_num_batched_tokens) == (8, 100)
     assert engine.kv.num_total_blocks == 64

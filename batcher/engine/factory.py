@@ -7,7 +7,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from batcher.core.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS
+from batcher.core.config import (
+    CUDA_MAX_NUM_BATCHED_TOKENS,
+    CUDA_MAX_NUM_SEQS,
+    SchedulerConfig,
+)
 from batcher.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -35,21 +39,24 @@ def build_engine(model: str, config: EngineConfig, *, metrics: Metrics | None = 
         import torch
 
         torch.set_num_threads(threads)
+    sched, cache = config.scheduler_config(), config.cache_config()
     if model == "fake":
         from batcher.engine.fake_runner import FakeDevice, FakeSpeed, build_fake_engine
 
-        return build_fake_engine(fake or FakeDevice(FakeSpeed()), config, metrics, version)
+        # NOTE: the fake model stands for a device: the CPU defaults (fitted to the bundled
+        # model's cost per row on two cores) would cap it at a quarter of the sequences a GPU
+        # runs.
+        _device_defaults(sched, config)
+        return build_fake_engine(fake or FakeDevice(FakeSpeed()), sched, cache, metrics, version)
     from batcher.models.loader import load_model
 
-    sched, cache = config.scheduler_config(), config.cache_config()
     lm = load_model(model, dtype=config.dtype, device=config.device,
                     quantization=config.quantization,
                     dense_above=config.quantized_dense_above or None,
                     load_format=config.load_format)
     sched.max_model_len = min(config.max_model_len, lm.config.max_position_embeddings)
     if lm.device.type == "cuda":  # a GPU step takes far more work than a CPU one
-        sched.max_num_seqs = config.max_num_seqs or CUDA_MAX_NUM_SEQS
-        sched.max_num_batched_tokens = config.max_num_batched_tokens or CUDA_MAX_NUM_BATCHED_TOKENS
+        _device_defaults(sched, config)
     tok = load_tokenizer(lm.tokenizer_source)
     log.info("model %s loaded in %.1fs (%s on %s)", lm.name, lm.load_seconds, lm.dtype,
              lm.device)
@@ -57,6 +64,12 @@ def build_engine(model: str, config: EngineConfig, *, metrics: Metrics | None = 
                                    version=version, attention_backend=config.attention_backend,
                                    cuda_graphs=config.cuda_graphs,
                                    compile_decode=config.compile_decode)
+
+
+def _device_defaults(sched: SchedulerConfig, config: EngineConfig) -> None:
+    """The limits `config` leaves unset take a device's defaults, not the CPU's."""
+    sched.max_num_seqs = config.max_num_seqs or CUDA_MAX_NUM_SEQS
+    sched.max_num_batched_tokens = config.max_num_batched_tokens or CUDA_MAX_NUM_BATCHED_TOKENS
 
 
 __all__ = ["build_engine"]

@@ -19,7 +19,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from batcher.core.config import CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.spec_verify import run_by_rule
 from batcher.engine.warmup import TENANT as WARM_START_TENANT
@@ -116,24 +115,17 @@ class FakeRunner:
         return RunnerOutput(ids, tokens)
 
 
-def build_fake_engine(device: FakeDevice, config, metrics, version):
-    """The real AsyncEngine over a FakeRunner (`--model fake`), with the settings of `config`
-    (an `EngineConfig`)."""
+def build_fake_engine(device: FakeDevice, sched, cache, metrics, version):
+    """The real AsyncEngine over a FakeRunner (`--model fake`), with the scheduler and cache
+    settings given (`batcher.core.config`); `batcher.engine.factory` builds it."""
     from batcher.engine.detokenizer import byte_level_table
     from batcher.engine.engine import AsyncEngine
     from batcher.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     byte_level_table(tok)  # built now, not on the first request (tens of ms)
-    sched, cache = config.scheduler_config(), config.cache_config()
     runner = FakeRunner(cache.num_blocks or FAKE_NUM_BLOCKS, cache.block_size, tok.vocab_size,
                         device.speed, device.fault, device.fault_after_steps)
-    # NOTE: the fake model stands for a device: the CPU defaults (fitted to the bundled model's
-    # cost per row on two cores) would cap it at a quarter of the sequences a GPU runs.
-    if not config.max_num_seqs:
-        sched.max_num_seqs = CUDA_MAX_NUM_SEQS
-    if not config.max_num_batched_tokens:
-        sched.max_num_batched_tokens = CUDA_MAX_NUM_BATCHED_TOKENS
     return AsyncEngine(runner, tok, sched.validate(), cache.enable_prefix_caching,
                        prefix_cache_scope=cache.prefix_cache_scope,
                        metrics=metrics, version=version)
