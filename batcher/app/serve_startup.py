@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from batcher.admission.tenants import TenantConfig, load_tenants
+from batcher.admission.tenants import DEFAULT_TENANT, TenantConfig, load_tenants
 
 
 class StartupError(Exception):
@@ -50,8 +50,11 @@ class Preflight:
 def api_key_tenants(keys: list[str]) -> dict[str, TenantConfig]:
     """`--api-key`: one tenant, no budget, any of `keys` (stored only as SHA-256 hashes)."""
     hashes = tuple(dict.fromkeys(hashlib.sha256(k.encode()).hexdigest() for k in keys))
-    return {"default": TenantConfig(name="default", key_sha256=hashes,
-                                    tokens_per_minute=math.inf, max_concurrent=sys.maxsize)}
+    # The auth-off tenant's name: one tenant for every key, as for no key at all (the
+    # gateway's cool-downs then tell callers apart by address, `server.gateway.cooldown_key`).
+    name = DEFAULT_TENANT.name
+    return {name: TenantConfig(name=name, key_sha256=hashes, tokens_per_minute=math.inf,
+                               max_concurrent=sys.maxsize)}
 
 
 def _tenants(args: argparse.Namespace) -> dict[str, TenantConfig] | None:
