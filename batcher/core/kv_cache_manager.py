@@ -154,13 +154,15 @@ class KVCacheManager:
         if computed_blocks is not None and self.enable_prefix_caching:
             self.pool.record_query(request.num_tokens, len(computed) * bs)
         state = self._state.setdefault(request.request_id, _ReqState())
+        # NOTE: a new list, never the old one grown: a scheduled row holds the request's list as
+        # its block table (`core/scheduled_rows.py`) while the runner reads it.
         if computed:
             # NOTE: touch hits before allocating, so the allocation cannot evict them.
             self.pool.touch(computed)
-            request.block_ids.extend(computed)
+            request.block_ids = request.block_ids + computed
             state.num_cached_blocks = len(computed)
         if num_fresh:
-            request.block_ids.extend(self.pool.allocate(num_fresh))
+            request.block_ids = request.block_ids + self.pool.allocate(num_fresh)
         if request.block_ids:
             self._holders[request.request_id] = request
         return True

@@ -59,7 +59,7 @@ class SchedulerOutput:
     num_decodes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        decodes = [s for s in self.seqs if s.is_decode]
+        decodes = [s for s in self.seqs if len(s.token_ids) == 1]  # `is_decode`, inlined
         self.num_decodes = len(decodes)
         if 0 < len(decodes) < len(self.seqs):  # stable partition
             self.seqs = decodes + [s for s in self.seqs if not s.is_decode]

@@ -28,13 +28,11 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    @property
-    def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.value if self.finished else None
+    # NOTE: plain attributes set once per member, not properties: the engine reads them for
+    # every row of every step.
+    def __init__(self, value: str) -> None:
+        self.finished: bool = value not in ("waiting", "running")
+        self.finish_reason: str | None = value if self.finished else None
 
 
 @dataclass(slots=True, eq=False)

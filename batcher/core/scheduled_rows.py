@@ -9,15 +9,16 @@ from batcher.core.request import Request
 
 
 def decode_row(req: Request) -> ScheduledSeq:
-    """`scheduled_row(req, 1)` for a decode row: it samples, and it scores no prompt position (a
-    row at the prompt's last position or later has none to score)."""
-    start = req.num_computed_tokens
+    """`scheduled_row(req, 1)` for a decode row (all but its last token computed): it samples,
+    and it scores no prompt position (a row at the prompt's last position or later has none to
+    score). The block table is the request's own list, not a copy: the KV manager never changes
+    a list it handed out (`KVCacheManager.allocate_slots` grows a new one)."""
+    ids = req.token_ids
     sp = req.sampling
-    return ScheduledSeq(req.request_id, req.token_ids[start:], start,
-                        list(req.block_ids), True, sp,
-                        len(req.token_ids) - len(req.prompt_token_ids),
+    return ScheduledSeq(req.request_id, ids[-1:], len(ids) - 1, req.block_ids, True, sp,
+                        len(ids) - len(req.prompt_token_ids),
                         suppressed_tokens(req) if sp.min_tokens else (),
-                        tuple(req.token_ids) if sp.needs_history else ())
+                        tuple(ids) if sp.needs_history else ())
 
 
 def scheduled_row(req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
@@ -28,8 +29,8 @@ def scheduled_row(req: Request, num_new: int, drafts: list[int] | None = None) -
         request_id=req.request_id,
         token_ids=req.token_ids[start : start + num_new],
         start_pos=start,
-        # NOTE: a copy: the runner reads it while the next step may grow the request's list.
-        block_ids=list(req.block_ids),
+        # NOTE: the request's own list: the KV manager grows a new one (see `decode_row`).
+        block_ids=req.block_ids,
         sample=start + num_new == req.num_tokens,
         sampling=req.sampling,
         output_index=req.num_output_tokens,

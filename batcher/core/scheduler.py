@@ -32,6 +32,11 @@ from batcher.core.request import Request, RequestStatus
 MAX_SCORED_CHUNK = 512
 
 
+def _count_decodes(running: list[Request], start: int) -> int:
+    """How many of `running[start:]` are decodes (one token left to compute)."""
+    return sum(1 for r in running[start:] if len(r.token_ids) - r.num_computed_tokens == 1)
+
+
 def _running_key(req: Request) -> tuple[int, float]:
     return (req.priority, req.arrival_time)
 
@@ -155,7 +160,9 @@ class Scheduler:
         # Running requests, highest priority and oldest first.
         # NOTE: a prefill chunk leaves one token of budget for each decode behind it, so a long
         # prompt of a high-priority request never stalls the streams already decoding.
-        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        # Counted where first needed (a row off the decode fast path): until then nothing reads
+        # it, and a step of decodes alone never needs it.
+        decodes_left = -1
         pacer = self.pacer
         allowance = self.last_allowance = (
             None if pacer is None else pacer.allowance(self.running, self.waiting))
@@ -167,7 +174,6 @@ class Scheduler:
             req = running[i]
             drafts: list[int] = []
             if len(req.token_ids) - req.num_computed_tokens == 1:
-                decodes_left -= 1
                 if proposer is None and (req.num_computed_tokens
                                          < len(req.block_ids) * slots_per_block):
                     # NOTE: the common case, a decode whose slot its blocks already hold: what
@@ -176,9 +182,13 @@ class Scheduler:
                     budget -= 1
                     i += 1
                     continue
+                if decodes_left < 0:
+                    decodes_left = _count_decodes(running, i)
+                decodes_left -= 1
                 num_new = 1
                 drafts = self._drafts(req, budget - 1 - decodes_left)
-            elif budget > decodes_left:
+            elif budget > (decodes_left if decodes_left >= 0
+                           else (decodes_left := _count_decodes(running, i))):
                 num_new = self._chunk(req, req.num_computed_tokens, budget - decodes_left)
                 if pacer is not None and allowance is not None:
                     num_new = pacer.paced(req, req.num_computed_tokens, num_new, allowance)
@@ -274,6 +284,7 @@ class Scheduler:
         caching, slots_per_block = self.kv.enable_prefix_caching, self.kv.block_size
         window = self.kv.sliding_window is not None
         running_status, max_model_len = RequestStatus.RUNNING, self.config.max_model_len
+        generated = 0  # sampled tokens kept, added to the stats once
         for seq in sched_out.seqs:
             rid = seq.request_id
             req = requests.get(rid)
@@ -304,23 +315,30 @@ class Scheduler:
                 req.num_prompt_scored += len(scores)
             if not seq.sample:
                 continue
-            assert rid in single, f"runner returned no token for {rid}"
             if several is None:
-                token, lp = single[rid]
+                got = single.get(rid)
+                assert got is not None, f"runner returned no token for {rid}"
+                token, lp = got
             else:
                 ((token, lp),) = several[rid]
             req.token_ids.append(token)
-            stats.generated_tokens += 1
+            generated += 1
             if req.first_token_time is None:
                 now = self.clock() if now is None else now
                 req.first_token_time = now
-            status = stop_status(req, token, max_model_len)
-            if status is not None:
-                self._free(req, status)
+            # NOTE: most tokens end nothing; `stop_status` decides only for those that might.
+            sp = req.sampling
+            if (len(req.token_ids) - num_prompt >= sp.max_tokens
+                    or len(req.token_ids) >= max_model_len
+                    or token in req.eos_token_ids or token in sp.stop_token_ids):
+                status = stop_status(req, token, max_model_len)
+                if status is not None:
+                    self._free(req, status)
             update = RequestUpdate(rid, [token], [lp], req.status)
-            if req.sampling.prompt_logprobs is not None and req.num_output_tokens == 1:
+            if sp.prompt_logprobs is not None and req.num_output_tokens == 1:
                 update.prompt_logprobs, req.prompt_scores = req.prompt_scores, []
             updates.append(update)
+        stats.generated_tokens += generated
         if self.debug_checks:
             self.check_integrity()
         return updates
