@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # Work is pending but no step finished for this long: the engine is wedged.
 STALL_SECONDS = 30.0
 PROBE_PRIORITY = -1  # ahead of every client class
+# The metrics' state gauges (KV in use, running, waiting, ...) are refreshed at most this often
+# while the engine is busy, and always when it goes idle; counters and histograms take every step.
+STATE_GAUGES_EVERY_S = 0.05
 # On stop, a step still running after this long is abandoned (a wedged model must not keep the
 # process from exiting); its requests get an error event like every other in-flight one.
 STOP_GRACE_SECONDS = 5.0
@@ -104,6 +107,7 @@ class AsyncEngine:
         self._work_pending_since: float | None = None
         # What the warm start did and measured (`batcher.engine.warmup.WarmStart.to_json`), if any.
         self.warm_start: dict[str, Any] | None = None
+        self._gauges_at = float("-inf")  # when the metrics' state gauges were last refreshed
 
     @classmethod
     def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
@@ -305,7 +309,11 @@ class AsyncEngine:
                     self._finish(live, now, error=reason)
             self._work_pending_since = now if self.scheduler.has_unfinished() else None
             if self.metrics is not None and self.phase == "serve":
-                self.metrics.observe_step(self.snapshot(), self.scheduler.stats, len(sched.seqs))
+                self.metrics.observe_step(self.scheduler.stats, len(sched.seqs))
+                if now - self._gauges_at >= STATE_GAUGES_EVERY_S \
+                        or self._work_pending_since is None:
+                    self._gauges_at = now
+                    self.metrics.observe_state(self.snapshot())
                 self.metrics.observe_step_shape(sched, model_seconds)
             if learn:
                 for listener in self.step_listeners:
@@ -327,7 +335,7 @@ class AsyncEngine:
         stalled = self.stalls.step(started, seconds, predicted, gap)
         if self.phase == "warm" or stalled:
             return False
-        self.step_time_model.observe(shape, seconds)
+        self.step_time_model.observe(shape, seconds, now=started)
         return True
 
     def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float]:

@@ -144,16 +144,10 @@ class Metrics:
         return generate_latest(self.registry)
 
     # engine hooks ----------------------------------------------------------------------------
-    def observe_step(self, snap: EngineSnapshot, stats: SchedulerStats, batch_size: int
-                     ) -> None:
-        """After each step: its batch size, the engine's snapshot, and the scheduler's running
-        totals (counters advance by the difference since the last step)."""
+    def observe_step(self, stats: SchedulerStats, batch_size: int) -> None:
+        """After each step: its batch size and the scheduler's running totals (counters advance
+        by the difference since the last step)."""
         self.batch_size.observe(batch_size)
-        self.kv_total.set(snap.total_blocks)
-        self.kv_used.set(snap.used_blocks)
-        self.running.set(snap.running)
-        self.waiting.set(snap.waiting)
-        self._observe_contract(snap)
         st = stats
         for name, counter in (("generated_tokens", self.generated_tokens),
                               ("prompt_tokens_computed", self.prefill_computed),
@@ -166,6 +160,15 @@ class Metrics:
             if delta > 0:
                 counter.inc(delta)
             self._last[name] = value
+
+    def observe_state(self, snap: EngineSnapshot) -> None:
+        """The engine's state gauges from its snapshot (the engine calls this after steps, at a
+        bounded rate, and when it goes idle)."""
+        self.kv_total.set(snap.total_blocks)
+        self.kv_used.set(snap.used_blocks)
+        self.running.set(snap.running)
+        self.waiting.set(snap.waiting)
+        self._observe_contract(snap)
 
     def observe_finished(self, ev: EngineEvent) -> None:
         self.finished.labels(ev.finish_reason).inc()
@@ -197,7 +200,7 @@ class Metrics:
         kind = step_kind(sched)
         self.step_time.labels(kind).observe(seconds)
         self._busy.add(time.monotonic(), seconds)
-        self.step_tokens.labels(kind).observe(sum(s.num_tokens for s in sched.seqs))
+        self.step_tokens.labels(kind).observe(sum(len(s.token_ids) for s in sched.seqs))
 
     def observe_phases(self, t: Timings, priority: int, route: str | None = None) -> None:
         """One answered generation request's phases (see batcher.telemetry.timings), and its
