@@ -83,6 +83,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._pending_aborts: dict[str, None] = {}
         self._freed_ids: list[str] = []
+        # Bumped by every change to the queues or a request's progress: a reader may keep what
+        # it computed from them until this moves (`batcher.engine.snapshot.UnservedPrefill`).
+        self.changes = 0
         self.proposer = (NgramProposer(self.config.num_speculative_tokens)
                          if self.config.speculative == "ngram" else None)
 
@@ -124,6 +127,7 @@ class Scheduler:
         assert req.num_computed_tokens == 0 and req.num_tokens == req.num_prompt_tokens
         self._requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=_waiting_key)
+        self.changes += 1
 
     def abort(self, request_id: str) -> bool:
         """Queue an abort; the request is freed at the start of the next `schedule()` and gets no
@@ -152,6 +156,7 @@ class Scheduler:
                 self._free(req, RequestStatus.FINISHED_ABORTED)
         self._pending_aborts.clear()
 
+        self.changes += 1
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
@@ -266,6 +271,7 @@ class Scheduler:
         """Apply a step's results: advance `num_computed_tokens`, register newly full blocks in the
         prefix cache, append sampled tokens and stop requests that are done (their blocks are
         freed at once). Output for a request finished or aborted meanwhile is dropped."""
+        self.changes += 1
         ids, tokens = runner_out.request_ids, runner_out.token_ids
         # NOTE: a runner with logprobs off may leave the list empty.
         lps = runner_out.logprobs if runner_out.logprobs else [None] * len(tokens)
@@ -421,6 +427,7 @@ class Scheduler:
         """The one exit: release the request's blocks and move it out of `running`/`waiting`.
         `status` WAITING means preemption: it goes back to the head of the queue to recompute
         prompt + output so far. Any other status finishes it and forgets it."""
+        self.changes += 1
         self.kv.free(req)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)

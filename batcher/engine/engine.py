@@ -25,7 +25,7 @@ from batcher.core.step_time import OnlineStepTimeModel, StepShape
 from batcher.core.step_updates import RequestUpdate
 from batcher.engine.detokenizer import IncrementalDetokenizer
 from batcher.engine.events import EngineError, EngineEvent
-from batcher.engine.snapshot import EngineSnapshot, scheduler_snapshot
+from batcher.engine.snapshot import EngineSnapshot, UnservedPrefill, scheduler_snapshot
 from batcher.engine.live_request import LiveRequest
 from batcher.engine.model_thread import ModelThread
 from batcher.core.request import Request, RequestStatus
@@ -108,6 +108,7 @@ class AsyncEngine:
         # What the warm start did and measured (`batcher.engine.warmup.WarmStart.to_json`), if any.
         self.warm_start: dict[str, Any] | None = None
         self._gauges_at = float("-inf")  # when the metrics' state gauges were last refreshed
+        self._unserved = UnservedPrefill()
 
     @classmethod
     def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
@@ -263,7 +264,7 @@ class AsyncEngine:
             self.scheduler, self.kv, version=self.version, draining=draining,
             healthy=self.healthy and not stalled, in_flight=in_flight,
             error=self._error or ("engine loop stalled" if stalled else None),
-            steps=self.steps, last_step_age=now - self.last_step_end)
+            steps=self.steps, last_step_age=now - self.last_step_end, unserved=self._unserved)
 
     # the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:

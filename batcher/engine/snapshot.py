@@ -123,11 +123,34 @@ _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EngineSnapshot))
 _INT_FIELDS = frozenset(EngineSnapshot._INTS)
 
 
+class UnservedPrefill:
+    """Prompt tokens not yet computed, queued and in running requests' chunks: a pass over
+    every request, kept until the scheduler changes (its `changes` counter), so that the
+    snapshots taken between two steps (one on each answer's `X-Replica-State`) cost one pass."""
+
+    __slots__ = ("_at", "_value")
+
+    def __init__(self) -> None:
+        self._at = -1
+        self._value = (0, 0)
+
+    def of(self, sched: Any) -> tuple[int, int]:
+        """(waiting, running) prefill tokens left to compute."""
+        if sched.changes != self._at:
+            self._at = sched.changes
+            self._value = (
+                sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+                sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running))
+        return self._value
+
+
 def scheduler_snapshot(sched: Any, kv: Any, *, version: str, draining: bool, healthy: bool,
                        in_flight: int, error: str | None, steps: int,
-                       last_step_age: float) -> EngineSnapshot:
+                       last_step_age: float,
+                       unserved: UnservedPrefill | None = None) -> EngineSnapshot:
     """The snapshot of a scheduler (`batcher.core.scheduler.Scheduler`) and its KV manager,
     with what only the engine and the gateway know passed in."""
+    waiting_prefill, running_prefill = (unserved or UnservedPrefill()).of(sched)
     return EngineSnapshot(
         free_blocks=kv.num_free_blocks,
         total_blocks=kv.num_total_blocks,
@@ -137,9 +160,8 @@ def scheduler_snapshot(sched: Any, kv: Any, *, version: str, draining: bool, hea
         version=version,
         draining=draining,
         healthy=healthy,
-        waiting_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
-        running_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                                   for r in sched.running),
+        waiting_prefill_tokens=waiting_prefill,
+        running_prefill_tokens=running_prefill,
         in_flight=in_flight,
         error=error,
         steps=steps,
