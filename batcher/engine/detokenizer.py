@@ -17,6 +17,9 @@ class ByteLevelTable:
 
     token_bytes: tuple[bytes | None, ...]  # None: an added token
     special_ids: frozenset[int]
+    # Each token's text where its bytes are ASCII alone (whole characters whatever comes
+    # next), else None: most tokens' text without a decode.
+    ascii_text: tuple[str | None, ...] = ()
 
 
 @functools.lru_cache(maxsize=8)
@@ -38,7 +41,9 @@ def byte_level_table(tokenizer: Tokenizer) -> ByteLevelTable | None:
         # A piece outside the byte alphabet is left to the tokenizer.
         if i not in added and i < len(table) and alphabet.issuperset(piece):
             table[i] = piece.translate(to_latin1).encode("latin-1")
-    return ByteLevelTable(tuple(table), frozenset(i for i, t in added.items() if t.special))
+    return ByteLevelTable(tuple(table), frozenset(i for i, t in added.items() if t.special),
+                          tuple(b.decode("ascii") if b is not None and b.isascii() else None
+                                for b in table))
 
 
 def complete_prefix_len(data: bytes) -> int:
@@ -166,12 +171,15 @@ class IncrementalDetokenizer:
         if len(token_ids) == 1 and not self._tail:
             # NOTE: the common case, one token whose bytes are whole ASCII characters.
             t = token_ids[0]
-            piece = table.token_bytes[t] if 0 <= t < len(table.token_bytes) else None
-            if piece is not None and piece.isascii():
-                text = piece.decode("ascii")
+            text = table.ascii_text[t] if 0 <= t < len(table.ascii_text) else None
+            if text is not None:
+                if not text:
+                    return ""
                 if not self.stop:
-                    return self._emit(text) if text else ""
-                return self._check_stop(self._pending + text) if text else ""
+                    self._parts.append(text)
+                    self._text = None
+                    return text
+                return self._check_stop(self._pending + text)
         data, text = self._tail, ""
         for t in token_ids:
             piece = table.token_bytes[t] if 0 <= t < len(table.token_bytes) else None
