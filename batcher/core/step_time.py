@@ -131,8 +131,6 @@ _MIN_DECODE_STEPS = 3
 # it is used; see `OnlineStepTimeModel.overrun`. The window is long enough that its 99th
 # percentile is a ratio seen more than once, not a single outlier.
 _OVERRUN_WINDOW = 128
-# Decode-only steps teach the model at most this often (see `OnlineStepTimeModel.observe`).
-DECODE_LESSON_EVERY_S = 0.01
 _MIN_OVERRUN_STEPS = 8
 # The overrun allowed for is at most this factor: past it the fit itself must catch up.
 _MAX_OVERRUN = 1.5
@@ -224,7 +222,6 @@ class OnlineStepTimeModel:
         self._settings = (prior_rel_sd, prior_common_sd, noise_rel_sd, drift_common, drift_each,
                           clip_sigma)
         self._recorded: list[tuple[StepShape, float]] | None = None
-        self._last_lesson = float("-inf")  # when `observe(..., now)` last learnt from a step
         self._start(prior)
 
     def _start(self, prior: StepTimePrior) -> None:
@@ -291,19 +288,10 @@ class OnlineStepTimeModel:
             return self._decode.predict(features)
         return self._all.predict(features)
 
-    def observe(self, shape: StepShape, seconds: float, now: float | None = None) -> None:
-        """One measured step. Empty steps and non-finite or non-positive times are ignored.
-        With `now` (the step's start, on the caller's clock): a decode-only step within
-        `DECODE_LESSON_EVERY_S` of the last step learnt from is skipped, unless recording (a
-        calibration keeps every step). A fast device runs hundreds of like decode steps a
-        second, and each lesson is two small matrix updates on the event loop."""
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """One measured step. Empty steps and non-finite or non-positive times are ignored."""
         if shape.is_empty or not (seconds > 0 and math.isfinite(seconds)):
             return
-        if now is not None:
-            if (self._recorded is None and not shape.prefill_tokens
-                    and now - self._last_lesson < DECODE_LESSON_EVERY_S):
-                return
-            self._last_lesson = now
         if self._recorded is not None:
             self._recorded.append((shape, seconds))
         features = shape.features(self.knot)

@@ -336,7 +336,7 @@ class AsyncEngine:
         stalled = self.stalls.step(started, seconds, predicted, gap)
         if self.phase == "warm" or stalled:
             return False
-        self.step_time_model.observe(shape, seconds, now=started)
+        self.step_time_model.observe(shape, seconds)
         return True
 
     def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float]:

@@ -188,7 +188,7 @@ class SimReplica:
         self.busy = True
         self._step_started = now
         dt = self.step_model.step_seconds(sched)
-        self.step_time_model.observe(StepShape.of(sched, self.kv.block_size), dt, now=now)
+        self.step_time_model.observe(StepShape.of(sched, self.kv.block_size), dt)
         self.busy_seconds += dt
         return now + dt
 
