@@ -106,17 +106,21 @@ def warmup_plan(config: SchedulerConfig, max_len: int, tokens_free: int,
     return Plan(tuple(waves))
 
 
-def calibration_plan(config: SchedulerConfig, max_len: int, tokens_free: int) -> Plan:
+def calibration_plan(config: SchedulerConfig, max_len: int, tokens_free: int,
+                     exact: bool = False) -> Plan:
     """Measured steps of every kind, as few as fit a linear step model: prefill alone at three
     chunk sizes, decode batches of three sizes for a few steps each, and a prompt read beside a
-    small and a full batch of streams."""
+    small and a full batch of streams. `exact`: a device whose steps cost the same every time
+    (a simulated one) needs no repeats to average: two decode steps a batch, and streams that
+    decode just long enough for the prompt to be read beside them."""
     budget, most = _limits(config, max_len, tokens_free)
     # NOTE: chunks past CALIBRATE_MAX_CHUNK add cost, not information: the model is linear in
     # the chunk's tokens and its attention, and extrapolates to the budget.
     prompts = [p for p in _ladder(min(budget, CALIBRATE_MAX_CHUNK), (64, 512)) if p >= 2]
     batches = _ladder(most, (1, 16))
+    decode_tokens, beside_tokens = (3, 4) if exact else (6, 10)
     waves = [Wave((Group(1, p, 1),)) for p in prompts]
-    waves += [Wave((Group(b, 8, 6),)) for b in batches]
+    waves += [Wave((Group(b, 8, decode_tokens),)) for b in batches]
     for b in sorted({min(8, most), most}):
-        waves.append(Wave((Group(b, 8, 10),), (Group(1, prompts[-1], 1),)))
+        waves.append(Wave((Group(b, 8, beside_tokens),), (Group(1, prompts[-1], 1),)))
     return Plan(tuple(waves))

@@ -227,7 +227,8 @@ async def warm_start(engine: AsyncEngine, timeout_s: float = DEFAULT_TIMEOUT_S,
                 t1, s1 = time.perf_counter(), engine.steps
                 engine.step_time_model.start_recording()
                 report.waves_skipped += await driver.run(
-                    calibration_plan(cfg, cfg.max_model_len, tokens_free), calibrate_budget_s)
+                    calibration_plan(cfg, cfg.max_model_len, tokens_free, exact=kind == "none"),
+                    calibrate_budget_s)
                 engine.step_time_model.refit_recorded()
                 report.calibrate_s = time.perf_counter() - t1
                 report.calibrate_steps = engine.steps - s1
