@@ -175,6 +175,38 @@ def test_decodes_keep_flowing_while_a_long_prompt_is_chunked() -> None:
     assert sched.get_request("big").num_output_tokens == 1  # type: ignore[union-attr]
 
 
+def _put_running(sched: Scheduler, req: Request, computed: int, outputs: tuple[int, ...] = ()
+                 ) -> None:
+    """Place `req` in `running` as if earlier steps had computed `computed` of its tokens and
+    sampled `outputs`."""
+    sched.add_request(req)
+    sched.waiting.remove(req)
+    req.token_ids += list(outputs)
+    assert sched.kv.allocate_slots(req, computed)
+    req.num_computed_tokens = computed
+    req.status = RequestStatus.RUNNING
+    sched.running.append(req)
+
+
+def test_each_chunk_leaves_one_token_for_every_decode_behind_it() -> None:
+    """Streams and prompts interleaved in `running` (A, P1, B, P2, C by arrival): each prompt's
+    chunk leaves a token of the budget for each decode still behind it, and only those."""
+    sched = make_sched(budget=20, caching=False)
+    decode = {name: make_req(name, [1, 2, 3, 4], 8, arrival=t)
+              for name, t in (("A", 0.0), ("B", 2.0), ("C", 4.0))}
+    p1 = make_req("P1", list(range(100, 130)), 8, arrival=1.0)
+    p2 = make_req("P2", list(range(200, 240)), 8, arrival=3.0)
+    for req in sorted([*decode.values(), p1, p2], key=lambda r: r.arrival_time):
+        if req in (p1, p2):
+            _put_running(sched, req, 25 if req is p1 else 0)
+        else:
+            _put_running(sched, req, 4, outputs=(9,))
+    rows = {s.request_id: len(s.token_ids) for s in sched.schedule().seqs}
+    # A takes 1 (19 left); P1 its last 5, leaving B and C theirs (14); B 1 (13); P2 all but
+    # C's token (12); C the last one.
+    assert rows == {"A": 1, "P1": 5, "B": 1, "P2": 12, "C": 1}
+
+
 def test_long_prefill_threshold_splits_budget_across_prompts() -> None:
     sched, run = make_sched(budget=256, threshold=64), fixed_runner()
     for rid in "abc":

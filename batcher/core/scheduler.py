@@ -186,6 +186,8 @@ class Scheduler:
                     seqs.append(decode_row(req))
                     budget -= 1
                     i += 1
+                    if decodes_left > 0:  # counted already (for a row before this one)
+                        decodes_left -= 1
                     continue
                 if decodes_left < 0:
                     decodes_left = _count_decodes(running, i)
