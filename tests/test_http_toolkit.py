@@ -172,3 +172,48 @@ async def test_keyed_listener_middlewares(aiohttp_client) -> None:
         assert resp.headers["X-Request-Id"]
     resp = await client.post("/ok", headers=good)
     assert resp.status == 405 and "GET" in resp.headers["Allow"]
+
+
+async def test_held_answers_wait_a_bounded_number_at_once() -> None:
+    """A refusal asking to be held waits; past the limit held at once, the next goes at once."""
+    import time
+
+    from batcher.http.held_answers import HeldAnswers
+
+    held = HeldAnswers(limit=2)
+    start = time.monotonic()
+    waited = await asyncio.gather(*(held.hold(0.2) for _ in range(3)))
+    assert sorted(waited) == [False, True, True]
+    assert 0.15 <= time.monotonic() - start < 1.0
+    assert held.held == 0
+    assert await held.hold(0.0) is False
+
+
+async def test_api_middleware_holds_a_refusal_that_asks() -> None:
+    """`ApiError(hold_s=...)` is answered after the hold, in OpenAI's shape; others at once."""
+    import time
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from batcher.http.errors import ApiError
+    from batcher.http.middleware import api_middleware
+
+    async def held(request: web.Request) -> web.Response:
+        raise ApiError(429, "cool down", code="oversize_cooldown", retry_after=5, hold_s=0.3)
+
+    async def plain(request: web.Request) -> web.Response:
+        raise ApiError(400, "bad", code="invalid_value")
+
+    app = web.Application(middlewares=[api_middleware(
+        body_limit=lambda r: 1 << 20, authenticate=lambda r: None, caller=lambda r: "t",
+        restamp_request_id=True)])
+    app.router.add_post("/held", held)
+    app.router.add_post("/plain", plain)
+    async with TestClient(TestServer(app)) as client:
+        for path, status, least, most in (("/held", 429, 0.25, 2.0), ("/plain", 400, 0.0, 0.2)):
+            start = time.monotonic()
+            resp = await client.post(path, data=b"{}")
+            took = time.monotonic() - start
+            assert resp.status == status
+            assert (await resp.json())["error"]["code"] in ("oversize_cooldown", "invalid_value")
+            assert least <= took < most, (path, took)

@@ -70,11 +70,13 @@ def bounded_message(message: str) -> str:
 
 class ApiError(Exception):
     """A client-facing error with its HTTP status. Raise it from a handler; a middleware turns it
-    into `response()`. `retry_after` adds a Retry-After header; `headers` are sent as given."""
+    into `response()`. `retry_after` adds a Retry-After header; `headers` are sent as given.
+    `hold_s`: the answer is held this long before it is sent (`batcher.http.held_answers`), for
+    a caller refused for a cool-down it did not wait out."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, retry_after: float | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, hold_s: float = 0.0):
         message = bounded_message(message)
         super().__init__(message)
         self.status = status
@@ -83,6 +85,7 @@ class ApiError(Exception):
         self.code = code
         self.retry_after = retry_after
         self.headers = dict(headers or {})
+        self.hold_s = hold_s
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)

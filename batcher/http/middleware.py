@@ -18,6 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from batcher.telemetry.access_log import LOGGED, log_refusal
 from batcher.http.anthropic_errors import reshape_error
 from batcher.http.errors import ApiError, from_http_exception
+from batcher.http.held_answers import HeldAnswers
 from batcher.http.keys import OPEN_PATHS, AuthError, bearer_matches
 from batcher.http.listener import NO_ROUTE
 from batcher.http.request_ids import HEADER, client_request_id, new_request_id
@@ -165,7 +166,11 @@ def api_middleware(*, body_limit: Callable[[web.Request], int],
     under `caller(request)`.
 
     `restamp_request_id`: the request ID replaces one a handler's answer carries (a replica's
-    answers are its own), or leaves it (the router relays a replica's answer as it came)."""
+    answers are its own), or leaves it (the router relays a replica's answer as it came).
+
+    An `ApiError` with `hold_s` is held that long before it is sent, a bounded number at once
+    (`batcher.http.held_answers`)."""
+    held = HeldAnswers()
 
     @web.middleware
     async def api(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -187,6 +192,8 @@ def api_middleware(*, body_limit: Callable[[web.Request], int],
         except Exception as exc:  # noqa: BLE001 (answered in OpenAI's shape, logged)
             resp, code = error_answer(request, exc, rid)
             log_error_answer(request, rid, resp.status, code, caller(request))
+            if isinstance(exc, ApiError) and exc.hold_s > 0:
+                await held.hold(exc.hold_s)
         resp = reshape_error(request, resp)  # Anthropic's clients read Anthropic's shape
         if not resp.prepared and (restamp_request_id or HEADER not in resp.headers):
             resp.headers[HEADER] = rid
