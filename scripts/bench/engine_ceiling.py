@@ -11,8 +11,9 @@ client saw and what the server did: streamed tokens per second at the client (co
 stream's `usage`, not from its chunks, which may carry several tokens), time per output token,
 first token p50 / p99, mean and most streams running, the host's time per step (wall time over
 the steps the engine took, and the server's CPU time over them: on a shared machine the second
-is the steadier), the server's CPU, and the connections the host dropped for a full accept
-queue (a client whose SYN is dropped tries again a second later).
+is the steadier; over the whole run, and over the steps while every stream was running), the
+server's CPU, and the connections the host dropped for a full accept queue (a client whose SYN
+is dropped tries again a second later).
 
 `--checkout LABEL=DIR` runs the server of another checkout (e.g. a `git worktree` of an older
 commit) with this interpreter, interleaved with this one in every round, so rows of the same
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -37,7 +39,7 @@ import orjson
 
 from batcher.bench.client import ClientConfig, RequestResult, send_request
 from batcher.bench.common import append_rows, pct, wait_until_up
-from batcher.bench.load import CpuMeter
+from batcher.bench.load import CpuMeter, process_cpu_seconds
 from batcher.bench.workload import synthetic
 from scripts.bench._shared import ROOT, cli_module, parser, start_checkout
 
@@ -52,7 +54,8 @@ OLD_FAKE = ["--fake-step-factor", "0.000001", "--max-num-seqs", "256",
             "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]
 HEADER = ["code", "streams", "ok", "streamed tok/s", "TPOT p50 / p99 ms",
           "first token p50 / p99 ms", "streams running mean / max", "host ms / step",
-          "server CPU ms / step", "server CPU", "client CPU", "SYNs dropped", "length ok"]
+          "server CPU ms / step", "host / CPU ms a step, all running", "server CPU",
+          "client CPU", "SYNs dropped", "length ok"]
 
 
 def listen_overflows() -> int | None:
@@ -113,16 +116,44 @@ class Server:
             return orjson.loads(resp.read())
 
 
-async def watch_running(session: aiohttp.ClientSession, url: str, out: list[int],
-                        interval: float = 0.05) -> None:
+@dataclass(slots=True, frozen=True)
+class Sample:
+    """The server's state at one moment of a run: when, how many running, its step count, its
+    CPU seconds (None where /proc cannot be read)."""
+
+    at: float
+    running: int
+    steps: int
+    cpu: float | None
+
+
+async def watch_running(session: aiohttp.ClientSession, url: str, pid: int | None,
+                        out: list[Sample], interval: float = 0.05) -> None:
     while True:
         async with session.get(url + "/v1/state") as resp:
-            out.append(int((await resp.json(content_type=None))["running"]))
+            state = await resp.json(content_type=None)
+        out.append(Sample(time.perf_counter(), int(state["running"]), int(state["steps"]),
+                          process_cpu_seconds(pid) if pid is not None else None))
         await asyncio.sleep(interval)
 
 
-async def load(url: str, n: int, prompt: int, answer: int) -> tuple[list[RequestResult], float,
-                                                                     list[int]]:
+def all_running(samples: list[Sample], n: int) -> str:
+    """Host and server CPU ms a step while all `n` streams ran: wall time and CPU time over the
+    steps between the first and the last sample that saw `n` running (the steady state, without
+    the burst's intake before it and the streams' ends after it); "—" with fewer than two."""
+    full = [s for s in samples if s.running >= n]
+    if len(full) < 2 or full[-1].steps <= full[0].steps:
+        return "—"
+    first, last = full[0], full[-1]
+    steps = last.steps - first.steps
+    host = (last.at - first.at) / steps * 1000
+    if first.cpu is None or last.cpu is None:
+        return f"{host:.2f} / —"
+    return f"{host:.2f} / {(last.cpu - first.cpu) / steps * 1000:.2f}"
+
+
+async def load(url: str, n: int, prompt: int, answer: int, pid: int | None = None
+               ) -> tuple[list[RequestResult], float, list[Sample]]:
     work = synthetic(n, input_median=prompt, input_spread=0.0, output_median=answer,
                      output_spread=0.0, max_input=prompt, max_output=answer)
     # NOTE: no connection cap: aiohttp's default connector allows 100 at once.
@@ -130,8 +161,8 @@ async def load(url: str, n: int, prompt: int, answer: int) -> tuple[list[Request
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         cfg = ClientConfig(url, "fake", request_timeout=300.0)
-        running: list[int] = []
-        watcher = asyncio.create_task(watch_running(session, url, running))
+        running: list[Sample] = []
+        watcher = asyncio.create_task(watch_running(session, url, pid, running))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(send_request(session, cfg, r, t0) for r in work))
         wall = time.perf_counter() - t0
@@ -145,7 +176,8 @@ def run_one(label: str, path: str, n: int, args: argparse.Namespace) -> list[str
         before, overflows = server.state(), listen_overflows()
         meter = CpuMeter(server.proc.pid)
         meter.start()
-        results, wall, running = run_loop(load(server.url, n, args.prompt, args.answer))
+        results, wall, samples = run_loop(load(server.url, n, args.prompt, args.answer,
+                                               server.proc.pid))
         cpu = meter.stop()
         after = server.state()
         dropped = None if overflows is None else (listen_overflows() or 0) - overflows
@@ -161,10 +193,11 @@ def run_one(label: str, path: str, n: int, args: argparse.Namespace) -> list[str
     return [label, str(n), f"{len(ok)}/{n}", f"{tokens / wall:,.0f}",
             f"{pct(tpot, 50):.2f} / {pct(tpot, 99):.2f}",
             f"{pct(ttft, 50):,.0f} / {pct(ttft, 99):,.0f}",
-            f"{tokens / steps if steps else 0:.1f} / {max(running, default=0)}",
+            f"{tokens / steps if steps else 0:.1f} / "
+            f"{max((x.running for x in samples), default=0)}",
             f"{wall / steps * 1000 if steps else float('nan'):.2f}",
             "—" if cpu is None or cpu.server is None or not steps else
-            f"{cpu.server * cpu.seconds / steps * 1000:.2f}",
+            f"{cpu.server * cpu.seconds / steps * 1000:.2f}", all_running(samples, n),
             "—" if cpu is None or cpu.server is None else f"{cpu.server:.2f}",
             "—" if cpu is None else f"{cpu.client:.2f}", "—" if dropped is None else str(dropped),
             f"{length_ok}/{len(ok)}"]
@@ -251,7 +284,10 @@ def main(argv: list[str]) -> int:
                  f"{args.prompt}-token prompts, {args.answer}-token answers, streamed with "
                  "usage; tok/s counts the usage's tokens over the client's wall time; host ms "
                  "/ step is that wall time over the engine's steps, server CPU ms / step the "
-                 "server's CPU time over them; CPU in cores; SYNs dropped: connections the "
+                 "server's CPU time over them (both with the burst's intake and the streams' "
+                 "ends); host / CPU ms a step, all running: the same over the steps while every "
+                 "stream ran (sampled every 50 ms from /v1/state and the server's /proc); CPU in "
+                 "cores; SYNs dropped: connections the "
                  "host's listeners dropped during the run for a full accept queue (each waits "
                  "a second for its retry)")
         append_rows(args.append_benchmarks, HEADER, rows, notes)
