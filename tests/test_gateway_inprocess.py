@@ -253,3 +253,30 @@ def test_embedding_body_floats_and_base64() -> None:
     assert [d["index"] for d in body["data"]] == [0, 1]
     packed = embedding_body("m", vecs, "base64", 7)["data"][1]["embedding"]
     assert list(struct.unpack("<2f", base64.b64decode(packed))) == vecs[1]
+
+
+async def test_a_flood_of_malformed_requests_cools_its_tenant_down_alone(client) -> None:
+    """Past `threshold` 400s within the window, the tenant's requests with a body are refused
+    before they are read (429 `malformed_cooldown`, Retry-After, the connection closed, the
+    answer held); another tenant is served as usual. The threshold is lowered here: the default
+    rate is a flood's (`batcher.server.malformed_cooldown`)."""
+    import time
+
+    from batcher.server.appkeys import GATEWAY
+    from batcher.server.cooldown import HOLD_S
+    from batcher.server.malformed_cooldown import malformed_cooldown
+
+    client.server.app[GATEWAY].malformed_cooldown = malformed_cooldown(threshold=5, window_s=60)
+    for _ in range(5):
+        r = await client.post(C, data=b'{"prompt": [[[', headers={
+            **auth(ALICE), "Content-Type": "application/json"})
+        assert r.status == 400, await r.text()
+    start = time.monotonic()
+    r = await client.post(C, json=completion(), headers=auth(ALICE))
+    assert r.status == 429, await r.text()
+    assert assert_error_shape(await r.json())["code"] == "malformed_cooldown"
+    assert 1 <= int(r.headers["Retry-After"]) <= 10
+    assert r.headers.get("Connection", "").lower() == "close"
+    assert time.monotonic() - start >= HOLD_S - 0.05
+    r = await client.post(C, json=completion(), headers=auth(BOB))
+    assert r.status == 200, await r.text()

@@ -25,6 +25,7 @@ from batcher.engine.metrics import Metrics
 from batcher.core.request import Priority, Request
 from batcher.server.auth import Authenticator
 from batcher.server.grammar_cooldown import grammar_cooldown
+from batcher.server.malformed_cooldown import malformed_cooldown
 from batcher.server.oversize_cooldown import OVERSIZE_BYTES, oversize_cooldown
 from batcher.server.protocol import GenerationSpec
 from batcher.server.reasoning import get_reasoning_parser
@@ -91,6 +92,7 @@ class Gateway:
         self.engine = engine
         self.grammar_cooldown = grammar_cooldown()
         self.oversize_cooldown = oversize_cooldown()
+        self.malformed_cooldown = malformed_cooldown()
         self.tokenizer = engine.tokenizer
         self.tool_parser = get_parser(cfg.tool_call_parser, self.tokenizer.chat_template)
         self.reasoning = get_reasoning_parser(cfg.reasoning_parser)
@@ -151,26 +153,33 @@ class Gateway:
         return out
 
     async def read_request(self, request: web.Request) -> Any:
-        """The request's body as JSON. A caller cooling down after a very large body was refused
-        for its length is refused its next very large bodies before they are read
-        (`oversize_cooldown`): over `OVERSIZE_BYTES` on the wire, of unknown length, or
+        """The request's body as JSON. A caller cooling down after a flood of malformed requests
+        is refused before its body is read (`malformed_cooldown`); one cooling down after a very
+        large body was refused for its length is refused its next very large bodies before they
+        are read (`oversize_cooldown`): over `OVERSIZE_BYTES` on the wire, of unknown length, or
         compressed (whose size read is not the size sent). The size read is kept for
         `note_refusal`."""
         key = cooldown_key(request)
         length = request.content_length
-        if key is not None and request.body_exists and (
-                length is None or length > OVERSIZE_BYTES
-                or "Content-Encoding" in request.headers):
-            self.oversize_cooldown.check(key)
+        if key is not None and request.body_exists:
+            self.malformed_cooldown.check(key)
+            if (length is None or length > OVERSIZE_BYTES
+                    or "Content-Encoding" in request.headers):
+                self.oversize_cooldown.check(key)
         raw = await read_body(request)
         request["body_bytes"] = len(raw)
         return await read_json(request, raw)
 
     def note_refusal(self, request: web.Request, err: ApiError) -> None:
-        """A request refused: one whose body read over `OVERSIZE_BYTES` was refused as longer than
-        the context starts its caller's cool-down."""
+        """A request refused: a 400 counts towards its caller's `malformed_cooldown`; one whose
+        body read over `OVERSIZE_BYTES` was refused as longer than the context starts its
+        `oversize_cooldown`."""
         key = cooldown_key(request)
-        if (key is not None and err.code == "context_length_exceeded"
+        if key is None:
+            return
+        if err.status == 400:
+            self.malformed_cooldown.note(key)
+        if (err.code == "context_length_exceeded"
                 and request.get("body_bytes", 0) > OVERSIZE_BYTES):
             self.oversize_cooldown.note(key)
 

@@ -125,3 +125,28 @@ async def test_hostile_upload_filenames(fleet: tuple[Server, Proc],
             assert resp.status == 200, await resp.text()
             names = [f["filename"] for f in (await resp.json())["data"]]
         assert name in names and all(n.isprintable() for n in names), names
+
+
+def test_malformed_cool_down_starts_at_a_flood_rate_only() -> None:
+    """`THRESHOLD` refusals within `WINDOW_S` start the cool-down; as many spread wider do not."""
+    from batcher.http.errors import ApiError
+    from batcher.server.malformed_cooldown import COOLDOWN_S, THRESHOLD, WINDOW_S, \
+        malformed_cooldown
+
+    now = [0.0]
+    cool = malformed_cooldown(clock=lambda: now[0])
+    step = 1.01 * WINDOW_S / (THRESHOLD - 1)  # the THRESHOLD-th just outside the window
+    for _ in range(3 * THRESHOLD):
+        cool.note("slow")
+        now[0] += step
+    cool.check("slow")
+    for _ in range(THRESHOLD):
+        cool.note("flood")
+        now[0] += 0.5 * WINDOW_S / THRESHOLD
+    with pytest.raises(ApiError) as e:
+        cool.check("flood")
+    assert (e.value.status, e.value.code) == (429, "malformed_cooldown")
+    assert e.value.hold_s > 0 and e.value.headers.get("Connection") == "close"
+    cool.check("slow")  # another tenant is not held
+    now[0] += COOLDOWN_S
+    cool.check("flood")  # the cool-down is over
