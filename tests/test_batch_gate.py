@@ -26,13 +26,16 @@ class Engine:
 
 
 def rig(slo_ttft_s: float | None = 2.0, num_blocks: int = 64, max_seqs: int = 16,
-        max_running: int = 4) -> tuple[SpareCapacity, Engine, Admission, list[float]]:
+        max_running: int = 4, beside: int = 2
+        ) -> tuple[SpareCapacity, Engine, Admission, list[float]]:
     now = [100.0]
     kv = KVCacheManager(num_blocks, 16)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs), kv, clock=lambda: now[0])
     engine = Engine(sched, kv)
     adm = Admission(None, slo_ttft_s=slo_ttft_s, clock=lambda: now[0])
-    gate = SpareCapacity(engine, adm, GateConfig(max_running=max_running))  # type: ignore[arg-type]
+    gate = SpareCapacity(engine, adm,  # type: ignore[arg-type]
+                         GateConfig(max_running=max_running, max_running_beside=beside),
+                         clock=lambda: now[0])
     return gate, engine, adm, now
 
 
@@ -172,3 +175,31 @@ def test_running_batch_work_is_not_counted_ahead_of_an_arrival() -> None:
     add(engine, "live", 600, Priority.INTERACTIVE)
     engine.scheduler.schedule()  # interactive work ahead does count (and is pending)
     assert not gate.room(4, 50, 16) and gate.last_code == "interactive_queued"
+
+
+def test_beside_interactive_requests_fewer_lines_run() -> None:
+    """While an interactive request runs, and for `RECENT_S` after, at most
+    `max_running_beside` lines are in flight; the full cap comes back after that."""
+    from batcher.batch.gate import RECENT_S
+
+    gate, engine, _adm, now = rig(slo_ttft_s=None, max_running=4, beside=2)
+    assert gate.room(2, 10, 10)  # nothing interactive: up to the full cap
+    add(engine, "live", 1, Priority.INTERACTIVE)
+    engine.scheduler.schedule()  # running; its one-token prompt is computed in this step
+    sched = engine.scheduler
+    live = sched.running[0]
+    live.num_computed_tokens = live.num_tokens  # as after the step: decoding, not prefilling
+    live.token_ids.append(7)
+    live.num_computed_tokens = live.num_tokens - 1
+    assert not gate.interactive_waiting()
+    assert gate.room(1, 10, 10)
+    assert not gate.room(2, 10, 10) and gate.last_code == "beside"
+    sched.abort("live")
+    sched.schedule()  # freed
+    now[0] += RECENT_S / 2
+    assert not gate.room(2, 10, 10) and gate.last_code == "beside"  # seen a moment ago
+    now[0] += RECENT_S
+    assert gate.room(2, 10, 10) and gate.room(3, 10, 10)
+    assert not gate.room(4, 10, 10) and gate.last_code == "cap"
+    with pytest.raises(ValueError):
+        GateConfig(max_running=4, max_running_beside=0).validate()

@@ -6,7 +6,11 @@ priority), so the question is: would an interactive request arriving right after
 be predicted within a share of the TTFT SLO (scaled down as far as admission has cut the share
 it admits interactive requests within)? Besides that prediction, lines never start while an
 interactive request is queued, never take the last sequence slots or KV blocks (interactive
-requests must find room without preempting), and at most `max_running` run at once.
+requests must find room without preempting), and at most `max_running` run at once, or
+`max_running_beside` while interactive requests run or ran within the last `RECENT_S`: each line
+costs the event loop as much as an interactive request (its start, its stream, its stored
+answer), so a batch of short lines running at full width took a share of the host that slowed an
+interactive stream beside it several times over.
 
 Without a TTFT SLO the prediction has nothing to compare with; the structural checks still hold.
 One line may always start on an idle engine (nothing running or queued): that keeps the batch
@@ -15,6 +19,8 @@ moving when the prediction is stale or not yet measured, at the cost of one line
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from batcher.admission.admission import Admission
@@ -32,9 +38,11 @@ class GateConfig:
     request arriving now is predicted past this share of the SLO; above `ttft_share`, so starting
     and shedding do not chase each other. `free_blocks_share`: KV blocks kept free for interactive
     requests. `probe_tokens`: the prompt
-    of the interactive request assumed to arrive next."""
+    of the interactive request assumed to arrive next. `max_running_beside`: batch lines in
+    flight at once while interactive requests run (or ran within `RECENT_S`)."""
 
     max_running: int = 16
+    max_running_beside: int = 1
     ttft_share: float = 0.5
     shed_share: float = 0.8
     free_blocks_share: float = 0.25
@@ -43,6 +51,9 @@ class GateConfig:
     def validate(self) -> GateConfig:
         if self.max_running < 1:
             raise ValueError(f"batch max running must be >= 1, got {self.max_running}")
+        if not 1 <= self.max_running_beside <= self.max_running:
+            raise ValueError(f"batch lines beside interactive traffic must be in [1, "
+                             f"{self.max_running}], got {self.max_running_beside}")
         if not 0 < self.ttft_share <= 1:
             raise ValueError(f"batch TTFT share must be in (0, 1], got {self.ttft_share}")
         if not self.ttft_share <= self.shed_share <= 1:
@@ -54,13 +65,21 @@ class GateConfig:
         return self
 
 
-class SpareCapacity:
-    """Reads the engine's queues and admission's prediction; changes nothing."""
+# Interactive traffic seen this recently still counts as present: a closed-loop client is gone
+# only between its requests, and lines started in that gap would run beside its next one.
+RECENT_S = 1.0
 
-    def __init__(self, engine: AsyncEngine, admission: Admission, cfg: GateConfig):
+
+class SpareCapacity:
+    """Reads the engine's queues and admission's prediction; changes nothing of theirs."""
+
+    def __init__(self, engine: AsyncEngine, admission: Admission, cfg: GateConfig,
+                 clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.admission = admission
         self.cfg = cfg.validate()
+        self.clock = clock
+        self._interactive_at = float("-inf")  # when interactive requests were last seen
         self.last_reason = "idle"
         self.last_code = "idle"  # the same, as a short metric label
         # The interactive TTFT the last check predicted for an arrival right after a new line
@@ -77,6 +96,16 @@ class SpareCapacity:
         return (any(r.priority <= Priority.INTERACTIVE for r in sched.waiting)
                 or any(r.priority <= Priority.INTERACTIVE and r.num_tokens - r.num_computed_tokens > 1
                        for r in sched.running))
+
+    def interactive_recent(self) -> bool:
+        """Interactive requests are in the engine now, or were within `RECENT_S`."""
+        now = self.clock()
+        sched = self.engine.scheduler
+        if any(r.priority <= Priority.INTERACTIVE for q in (sched.running, sched.waiting)
+               for r in q):
+            self._interactive_at = now
+            return True
+        return now - self._interactive_at < RECENT_S
 
     def _slo_scale(self) -> float:
         """How far admission has cut the share of the SLO it admits interactive requests within
@@ -117,6 +146,8 @@ class SpareCapacity:
         sched = eng.scheduler
         if self.interactive_waiting():
             return "interactive_queued", "interactive requests are queued or prefilling"
+        if in_flight >= self.cfg.max_running_beside and self.interactive_recent():
+            return "beside", "batch lines at their cap beside interactive requests"
         max_seqs = sched.config.max_num_seqs
         # Slots and blocks a new interactive request needs must stay free.
         if sched.num_running + sched.num_waiting + lines > max_seqs - max(1, max_seqs // 8):

@@ -12,7 +12,7 @@ class BatchMetrics:
     done on capacity interactive traffic left free) and `batcher_batch_deferrals_total` by
     reason (a line refused for now by admission, to run again later, or `yield` / `shed`);
     `batcher_batch_gate_blocked_total` by what kept the next line from starting (`cap`,
-    `interactive_queued`, `slots`, `kv`, `no_prediction`, `ttft`, `not_serving`), and the
+    `interactive_queued`, `beside`, `slots`, `kv`, `no_prediction`, `ttft`, `not_serving`), and the
     gate's last predicted interactive TTFT (`batcher_batch_gate_predicted_ttft_seconds`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):

@@ -117,6 +117,10 @@ def add_batch_serve_args(p: argparse.ArgumentParser) -> None:
                    "outputs too); 0: until deleted (default: %(default)s, 30 days)")
     g.add_argument("--batch-max-running", type=int, default=GateConfig().max_running,
                    help="batch lines in the engine at once (default: %(default)s)")
+    g.add_argument("--batch-max-running-beside", type=int,
+                   default=GateConfig().max_running_beside,
+                   help="batch lines in flight at once while interactive requests run or ran "
+                        "within the last second (default: %(default)s)")
     g.add_argument("--batch-ttft-share", type=float, default=GateConfig().ttft_share,
                    help="a batch line starts only while an interactive request arriving after "
                    "it is predicted within this share of the TTFT SLO (default: %(default)s)")
@@ -152,7 +156,10 @@ def config_from_args(args: argparse.Namespace, port: int) -> BatchConfig | None:
             raise ValueError(f"--batch-{flag.replace('_', '-')} must be >= 1")
     if not args.batch_file_expiry >= 0:
         raise ValueError("--batch-file-expiry must be >= 0 seconds")
-    gate = GateConfig(max_running=args.batch_max_running, ttft_share=args.batch_ttft_share,
+    gate = GateConfig(max_running=args.batch_max_running,
+                      max_running_beside=min(args.batch_max_running_beside,
+                                             args.batch_max_running),
+                      ttft_share=args.batch_ttft_share,
                       shed_share=args.batch_shed_share)
     limits = BatchLimits(max_file_bytes=args.batch_max_file_bytes,
                          max_line_bytes=args.batch_max_line_bytes,
