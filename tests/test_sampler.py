@@ -127,6 +127,22 @@ def test_temperature_sampling_follows_distribution(temperature: float) -> None:
     assert chi_square(counts, expected) < 40
 
 
+def test_banned_and_edge_tokens_in_unseeded_rows() -> None:
+    """Unseeded rows draw by the inverse of their distribution: a banned (-inf) token is never
+    chosen, at either end of the vocabulary, and a row with all its mass on the last token
+    always gets it."""
+    n, vocab = 4_000, 9
+    logits = torch.zeros(n, vocab)
+    logits[:, 0] = logits[:, -1] = float("-inf")
+    tokens, _ = Sampler(seed=3).sample(logits, [seq(0, temperature=1.0)] * n)
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab)
+    assert counts[0] == counts[-1] == 0 and (counts[1:-1] > 0).all()
+    last = torch.full((8, vocab), float("-inf"))
+    last[:, -1] = 0.0
+    tokens, _ = Sampler(seed=4).sample(last, [seq(0, temperature=0.7)] * 8)
+    assert tokens == [vocab - 1] * 8
+
+
 def test_seeded_rows_follow_distribution() -> None:
     base = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     n = 8_000

@@ -161,8 +161,20 @@ class Sampler:
         return noise
 
     def _sample_plain(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Temperature only. `logits: [m, vocab]` -> tokens `[m]`."""
+        """Temperature only. `logits: [m, vocab]` -> tokens `[m]`. Without a seed, by the
+        inverse of each row's distribution at one uniform draw a row; with one, by the noise
+        per token id (`_log_noise`), the same whatever the batch."""
         temps = _column([s.sampling.temperature for s in seqs], logits)  # [m, 1]
+        if all(s.sampling.seed is None for s in seqs):
+            # NOTE: one draw a row, not one per token: on a CPU, drawing and taking logs of a
+            # whole vocabulary of noise a row was most of a small model's step.
+            cdf = torch.softmax(logits / temps, dim=-1).cumsum_(dim=-1)  # [m, vocab]
+            u = torch.rand(logits.shape[0], 1, generator=self._generator(logits.device),
+                           device=logits.device)
+            # In (0, total]: a token of probability 0 (a banned one) is never chosen, and
+            # rounding in the sum cannot carry the draw past the last token.
+            target = (1.0 - u) * cdf[:, -1:]
+            return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[1] - 1)
         noise = self._log_noise(seqs, logits.shape[1], None, logits)  # [m, vocab]
         # argmax(logit / T - log E) = argmax(logit - T log E) for T > 0: no [m, vocab] temporary.
         return noise.mul_(-temps).add_(logits).argmax(dim=-1)
