@@ -179,10 +179,12 @@ def test_running_batch_work_is_not_counted_ahead_of_an_arrival() -> None:
 
 def test_beside_interactive_requests_fewer_lines_run() -> None:
     """While an interactive request runs, and for `RECENT_S` after, at most
-    `max_running_beside` lines are in flight; the full cap comes back after that."""
+    `max_running_beside` lines are in flight, started at most `starts_per_s_beside` a second;
+    the full cap comes back after that."""
     from batcher.batch.gate import RECENT_S
 
     gate, engine, _adm, now = rig(slo_ttft_s=None, max_running=4, beside=2)
+    gate.starts_per_s_beside = 10.0
     assert gate.room(2, 10, 10)  # nothing interactive: up to the full cap
     add(engine, "live", 1, Priority.INTERACTIVE)
     engine.scheduler.schedule()  # running; its one-token prompt is computed in this step
@@ -192,7 +194,10 @@ def test_beside_interactive_requests_fewer_lines_run() -> None:
     live.token_ids.append(7)
     live.num_computed_tokens = live.num_tokens - 1
     assert not gate.interactive_waiting()
+    now[0] += 1.0
     assert gate.room(1, 10, 10)
+    assert not gate.room(1, 10, 10) and gate.last_code == "beside"  # one start per 0.1 s
+    now[0] += 0.1
     assert not gate.room(2, 10, 10) and gate.last_code == "beside"
     sched.abort("live")
     sched.schedule()  # freed
@@ -203,3 +208,14 @@ def test_beside_interactive_requests_fewer_lines_run() -> None:
     assert not gate.room(4, 10, 10) and gate.last_code == "cap"
     with pytest.raises(ValueError):
         GateConfig(max_running=4, max_running_beside=0).validate()
+
+
+def test_beside_limits_follow_the_device() -> None:
+    """Held where the model runs on the host's cores; elsewhere the cap alone, unless set."""
+    from batcher.batch.gate import CPU_RUNNING_BESIDE, CPU_STARTS_PER_S_BESIDE, beside_limits
+
+    cfg = GateConfig(max_running=16)
+    assert beside_limits(cfg, on_cpu=True) == (CPU_RUNNING_BESIDE, CPU_STARTS_PER_S_BESIDE)
+    assert beside_limits(cfg, on_cpu=False) == (16, float("inf"))
+    assert beside_limits(GateConfig(max_running=4, max_running_beside=8,
+                                    starts_per_s_beside=5.0), on_cpu=False) == (4, 5.0)

@@ -6,11 +6,14 @@ priority), so the question is: would an interactive request arriving right after
 be predicted within a share of the TTFT SLO (scaled down as far as admission has cut the share
 it admits interactive requests within)? Besides that prediction, lines never start while an
 interactive request is queued, never take the last sequence slots or KV blocks (interactive
-requests must find room without preempting), and at most `max_running` run at once, or
-`max_running_beside` while interactive requests run or ran within the last `RECENT_S`: each line
-costs the event loop as much as an interactive request (its start, its stream, its stored
-answer), so a batch of short lines running at full width took a share of the host that slowed an
-interactive stream beside it several times over.
+requests must find room without preempting), and at most `max_running` run at once.
+
+Where the model computes on the host's own cores (a CPU), lines beside interactive traffic are
+also held to `max_running_beside` in flight and `starts_per_s_beside` starts a second while
+interactive requests run or ran within the last `RECENT_S`: each line costs the host as much as
+an interactive request (its start, its steps, its stored answer), and there the host is the
+device, so a batch of short lines at full width slowed an interactive stream beside it 4-12x. On
+a GPU the host has cores to spare and the TTFT prediction alone decides.
 
 Without a TTFT SLO the prediction has nothing to compare with; the structural checks still hold.
 One line may always start on an idle engine (nothing running or queued): that keeps the batch
@@ -38,11 +41,14 @@ class GateConfig:
     request arriving now is predicted past this share of the SLO; above `ttft_share`, so starting
     and shedding do not chase each other. `free_blocks_share`: KV blocks kept free for interactive
     requests. `probe_tokens`: the prompt
-    of the interactive request assumed to arrive next. `max_running_beside`: batch lines in
-    flight at once while interactive requests run (or ran within `RECENT_S`)."""
+    of the interactive request assumed to arrive next. `max_running_beside`,
+    `starts_per_s_beside`: batch lines in flight at once, and started a second, while
+    interactive requests run (or ran within `RECENT_S`); None takes the device's
+    (`beside_limits`)."""
 
     max_running: int = 16
-    max_running_beside: int = 1
+    max_running_beside: int | None = None  # None: by the device (see the module docstring)
+    starts_per_s_beside: float | None = None
     ttft_share: float = 0.5
     shed_share: float = 0.8
     free_blocks_share: float = 0.25
@@ -51,9 +57,12 @@ class GateConfig:
     def validate(self) -> GateConfig:
         if self.max_running < 1:
             raise ValueError(f"batch max running must be >= 1, got {self.max_running}")
-        if not 1 <= self.max_running_beside <= self.max_running:
-            raise ValueError(f"batch lines beside interactive traffic must be in [1, "
-                             f"{self.max_running}], got {self.max_running_beside}")
+        if self.max_running_beside is not None and not 1 <= self.max_running_beside:
+            raise ValueError(f"batch lines beside interactive traffic must be >= 1, got "
+                             f"{self.max_running_beside}")
+        if self.starts_per_s_beside is not None and not self.starts_per_s_beside > 0:
+            raise ValueError(f"batch starts a second beside interactive traffic must be > 0, "
+                             f"got {self.starts_per_s_beside}")
         if not 0 < self.ttft_share <= 1:
             raise ValueError(f"batch TTFT share must be in (0, 1], got {self.ttft_share}")
         if not self.ttft_share <= self.shed_share <= 1:
@@ -68,6 +77,22 @@ class GateConfig:
 # Interactive traffic seen this recently still counts as present: a closed-loop client is gone
 # only between its requests, and lines started in that gap would run beside its next one.
 RECENT_S = 1.0
+# Beside interactive traffic where the model runs on the host's cores: lines in flight, starts a
+# second (measured with `python -m scripts.bench attacks`: the other tenant's p99 within 2x).
+CPU_RUNNING_BESIDE = 1
+CPU_STARTS_PER_S_BESIDE = 20.0
+
+
+def beside_limits(cfg: GateConfig, on_cpu: bool) -> tuple[int, float]:
+    """(lines in flight, starts a second) beside interactive traffic: the configured ones, else
+    the device's: held on a CPU, none past `max_running` elsewhere."""
+    running = cfg.max_running_beside
+    if running is None:
+        running = CPU_RUNNING_BESIDE if on_cpu else cfg.max_running
+    starts = cfg.starts_per_s_beside
+    if starts is None:
+        starts = CPU_STARTS_PER_S_BESIDE if on_cpu else float("inf")
+    return min(running, cfg.max_running), starts
 
 
 class SpareCapacity:
@@ -79,7 +104,11 @@ class SpareCapacity:
         self.admission = admission
         self.cfg = cfg.validate()
         self.clock = clock
+        device = getattr(getattr(engine, "runner", None), "device", None)
+        self.running_beside, self.starts_per_s_beside = beside_limits(
+            cfg, getattr(device, "type", None) == "cpu")
         self._interactive_at = float("-inf")  # when interactive requests were last seen
+        self._started_at = float("-inf")  # when a line was last let start
         self.last_reason = "idle"
         self.last_code = "idle"  # the same, as a short metric label
         # The interactive TTFT the last check predicted for an arrival right after a new line
@@ -133,6 +162,8 @@ class SpareCapacity:
         self.last_predicted_s = None
         why = self._blocker(in_flight, prompt_tokens, max_tokens, lines)
         self.last_code, self.last_reason = why or ("room", "room")
+        if why is None:
+            self._started_at = self.clock()
         return why is None
 
     def _blocker(self, in_flight: int, prompt_tokens: int, max_tokens: int, lines: int
@@ -146,7 +177,9 @@ class SpareCapacity:
         sched = eng.scheduler
         if self.interactive_waiting():
             return "interactive_queued", "interactive requests are queued or prefilling"
-        if in_flight >= self.cfg.max_running_beside and self.interactive_recent():
+        if self.interactive_recent() and (
+                in_flight >= self.running_beside
+                or self.clock() - self._started_at < 1.0 / self.starts_per_s_beside):
             return "beside", "batch lines at their cap beside interactive requests"
         max_seqs = sched.config.max_num_seqs
         # Slots and blocks a new interactive request needs must stay free.

@@ -117,10 +117,14 @@ def add_batch_serve_args(p: argparse.ArgumentParser) -> None:
                    "outputs too); 0: until deleted (default: %(default)s, 30 days)")
     g.add_argument("--batch-max-running", type=int, default=GateConfig().max_running,
                    help="batch lines in the engine at once (default: %(default)s)")
-    g.add_argument("--batch-max-running-beside", type=int,
-                   default=GateConfig().max_running_beside,
+    g.add_argument("--batch-max-running-beside", type=int, default=None,
                    help="batch lines in flight at once while interactive requests run or ran "
-                        "within the last second (default: %(default)s)")
+                        "within the last second (default: 1 where the model runs on the CPU, "
+                        "else --batch-max-running)")
+    g.add_argument("--batch-starts-per-s-beside", type=float, default=None,
+                   help="batch lines started a second at most while interactive requests run "
+                        "or ran within the last second (default: 20 where the model runs on "
+                        "the CPU, else no limit)")
     g.add_argument("--batch-ttft-share", type=float, default=GateConfig().ttft_share,
                    help="a batch line starts only while an interactive request arriving after "
                    "it is predicted within this share of the TTFT SLO (default: %(default)s)")
@@ -157,8 +161,8 @@ def config_from_args(args: argparse.Namespace, port: int) -> BatchConfig | None:
     if not args.batch_file_expiry >= 0:
         raise ValueError("--batch-file-expiry must be >= 0 seconds")
     gate = GateConfig(max_running=args.batch_max_running,
-                      max_running_beside=min(args.batch_max_running_beside,
-                                             args.batch_max_running),
+                      max_running_beside=args.batch_max_running_beside,
+                      starts_per_s_beside=args.batch_starts_per_s_beside,
                       ttft_share=args.batch_ttft_share,
                       shed_share=args.batch_shed_share)
     limits = BatchLimits(max_file_bytes=args.batch_max_file_bytes,
