@@ -143,6 +143,15 @@ def test_banned_and_edge_tokens_in_unseeded_rows() -> None:
     assert tokens == [vocab - 1] * 8
 
 
+@pytest.mark.parametrize("temperature", [1e-7, 1e-30, 5e-324])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    """A temperature too small for float32 samples the best token, not NaN's token 0."""
+    logits = random_logits(6, 50, seed=5)
+    tokens, _ = Sampler(seed=2).sample(logits, [seq(i, temperature=temperature)
+                                                for i in range(6)])
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
 def test_seeded_rows_follow_distribution() -> None:
     base = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     n = 8_000

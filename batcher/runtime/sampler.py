@@ -53,6 +53,10 @@ def _column(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor
     return torch.tensor(values, device=like.device, dtype=like.dtype).unsqueeze(1)
 
 
+# Temperatures below this sample as this one does: a one-hot at the best token, however small.
+_MIN_TEMPERATURE = 1e-6
+
+
 class Sampler:
     """Samples one token per row. `seed` fixes the generator of unseeded rows (tests, benchmarks);
     without it they are random. Holds no per-request state; used from one thread at a time."""
@@ -168,13 +172,19 @@ class Sampler:
         if all(s.sampling.seed is None for s in seqs):
             # NOTE: one draw a row, not one per token: on a CPU, drawing and taking logs of a
             # whole vocabulary of noise a row was most of a small model's step.
-            cdf = torch.softmax(logits / temps, dim=-1).cumsum_(dim=-1)  # [m, vocab]
+            # A temperature too small for float32 is the greedy limit: an argmax, not NaNs.
+            probs = torch.softmax(logits / temps.clamp_min(_MIN_TEMPERATURE), dim=-1)
+            cdf = probs.cumsum(dim=-1)  # [m, vocab]
             u = torch.rand(logits.shape[0], 1, generator=self._generator(logits.device),
                            device=logits.device)
-            # In (0, total]: a token of probability 0 (a banned one) is never chosen, and
-            # rounding in the sum cannot carry the draw past the last token.
+            # In (0, total]: rounding in the sum cannot carry the draw past the last token.
             target = (1.0 - u) * cdf[:, -1:]
-            return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[1] - 1)
+            picked = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[1] - 1)
+            # A token of probability 0 (banned) is never drawn on a CPU, whose sum adds in
+            # order; a device summing in another order may leave its entry a rounding above the
+            # one before it. Such a draw takes the row's most likely token instead.
+            drawn = probs.gather(1, picked.unsqueeze(1)).squeeze(1) > 0
+            return torch.where(drawn, picked, probs.argmax(dim=-1))
         noise = self._log_noise(seqs, logits.shape[1], None, logits)  # [m, vocab]
         # argmax(logit / T - log E) = argmax(logit - T log E) for T > 0: no [m, vocab] temporary.
         return noise.mul_(-temps).add_(logits).argmax(dim=-1)
