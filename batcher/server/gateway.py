@@ -25,7 +25,7 @@ from batcher.engine.metrics import Metrics
 from batcher.core.request import Priority, Request
 from batcher.server.auth import Authenticator
 from batcher.server.grammar_cooldown import grammar_cooldown
-from batcher.server.malformed_cooldown import malformed_cooldown
+from batcher.server.malformed_cooldown import MALFORMED_CODES, malformed_cooldown
 from batcher.server.oversize_cooldown import OVERSIZE_BYTES, oversize_cooldown
 from batcher.server.protocol import GenerationSpec
 from batcher.server.reasoning import get_reasoning_parser
@@ -171,13 +171,14 @@ class Gateway:
         return await read_json(request, raw)
 
     def note_refusal(self, request: web.Request, err: ApiError) -> None:
-        """A request refused: a 400 counts towards its caller's `malformed_cooldown`; one whose
+        """A request refused: one refused as malformed counts towards its caller's
+        `malformed_cooldown`; one whose
         body read over `OVERSIZE_BYTES` was refused as longer than the context starts its
         `oversize_cooldown`."""
         key = cooldown_key(request)
         if key is None:
             return
-        if err.status == 400:
+        if err.status == 400 and err.code in MALFORMED_CODES:
             self.malformed_cooldown.note(key)
         if (err.code == "context_length_exceeded"
                 and request.get("body_bytes", 0) > OVERSIZE_BYTES):

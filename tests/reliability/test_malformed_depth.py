@@ -150,3 +150,27 @@ def test_malformed_cool_down_starts_at_a_flood_rate_only() -> None:
     cool.check("slow")  # another tenant is not held
     now[0] += COOLDOWN_S
     cool.check("flood")  # the cool-down is over
+
+
+def test_only_malformed_refusals_count_towards_the_cool_down() -> None:
+    """A prompt too long for the context, an unknown model: refused, but not malformed; a
+    tenant sending many of them is not cooled down for it."""
+    from types import SimpleNamespace
+
+    from batcher.http.errors import ApiError
+    from batcher.server.gateway import Gateway
+    from batcher.server.malformed_cooldown import malformed_cooldown
+
+    class Req(dict):
+        remote = "10.0.0.9"
+
+    gw = SimpleNamespace(malformed_cooldown=malformed_cooldown(threshold=3, window_s=60),
+                         oversize_cooldown=malformed_cooldown(threshold=10**9, window_s=1))
+    request = Req(tenant=SimpleNamespace(name="alice"))
+    for code in ("context_length_exceeded", "model_not_found", "duplicate_request_id") * 3:
+        Gateway.note_refusal(gw, request, ApiError(400, "no", code=code))  # type: ignore[arg-type]
+    gw.malformed_cooldown.check("alice")
+    for _ in range(3):
+        Gateway.note_refusal(gw, request, ApiError(400, "no", code="invalid_json"))  # type: ignore[arg-type]
+    with pytest.raises(ApiError):
+        gw.malformed_cooldown.check("alice")
