@@ -272,6 +272,8 @@ class AsyncEngine:
         while not self._stopping:
             if not self.scheduler.has_unfinished():
                 self.busy_since = None
+                if self.metrics is not None and self.phase == "serve":
+                    self.metrics.observe_state(self.snapshot())  # idle: the gauges say so
                 self._wake.clear()
                 await self._wake.wait()
                 continue
