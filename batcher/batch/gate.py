@@ -130,7 +130,9 @@ class SpareCapacity:
         """Interactive requests are in the engine now, or were within `RECENT_S`."""
         now = self.clock()
         sched = self.engine.scheduler
-        if any(r.priority <= Priority.INTERACTIVE for q in (sched.running, sched.waiting)
+        # NOTE: the interactive class only: an operator's deep probe (one token, ahead of
+        # everyone) is not traffic a line would slow.
+        if any(r.priority == Priority.INTERACTIVE for q in (sched.running, sched.waiting)
                for r in q):
             self._interactive_at = now
             return True

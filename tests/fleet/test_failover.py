@@ -73,7 +73,7 @@ async def test_kill9_with_requests_in_flight():
             results = await asyncio.gather(*tasks)
 
             # The reference answers, 8 at a time on each survivor (well within its TTFT SLO;
-            # a refusal is retried after its Retry-After, as clients do).
+            # a 503 is retried a second later).
             ref_gate = asyncio.Semaphore(16)
 
             async def reference(i: int):
