@@ -334,16 +334,11 @@ class Scheduler:
             if req.first_token_time is None:
                 now = self.clock() if now is None else now
                 req.first_token_time = now
-            # NOTE: most tokens end nothing; `stop_status` decides only for those that might.
-            sp = req.sampling
-            if (len(req.token_ids) - num_prompt >= sp.max_tokens
-                    or len(req.token_ids) >= max_model_len
-                    or token in req.eos_token_ids or token in sp.stop_token_ids):
-                status = stop_status(req, token, max_model_len)
-                if status is not None:
-                    self._free(req, status)
+            status = stop_status(req, token, max_model_len)
+            if status is not None:
+                self._free(req, status)
             update = RequestUpdate(rid, [token], [lp], req.status)
-            if sp.prompt_logprobs is not None and req.num_output_tokens == 1:
+            if req.sampling.prompt_logprobs is not None and req.num_output_tokens == 1:
                 update.prompt_logprobs, req.prompt_scores = req.prompt_scores, []
             updates.append(update)
         stats.generated_tokens += generated

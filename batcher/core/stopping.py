@@ -23,15 +23,17 @@ def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus |
     on. NOTE: a stop token that is also the last allowed one reports "stop", the truer reason.
     The sampler is expected to mask stop tokens below `min_tokens`; if it does not, such a token
     is kept as an ordinary one."""
+    # NOTE: called for every sampled token: locals, not the request's properties, and the
+    # membership tests first, since most tokens are neither EOS nor a stop token.
     sp = req.sampling
+    num_tokens = len(req.token_ids)
+    num_output = num_tokens - len(req.prompt_token_ids)
     # NOTE: a constrained row stops on EOS even under ignore_eos: its grammar offers EOS alone
     # only once the output is complete (runtime/grammar.py bans it while anything else is
     # allowed), and nothing but EOS could follow it.
-    eos_stops = not sp.ignore_eos or sp.grammar is not None
-    if req.num_output_tokens > sp.min_tokens and (
-        (eos_stops and token in req.eos_token_ids) or token in sp.stop_token_ids
-    ):
+    if ((token in req.eos_token_ids and (not sp.ignore_eos or sp.grammar is not None))
+            or token in sp.stop_token_ids) and num_output > sp.min_tokens:
         return RequestStatus.FINISHED_STOPPED
-    if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:
+    if num_output >= sp.max_tokens or num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
