@@ -313,8 +313,7 @@ class AsyncEngine:
             self._work_pending_since = now if self.scheduler.has_unfinished() else None
             if self.metrics is not None and self.phase == "serve":
                 self.metrics.observe_step(self.scheduler.stats, len(sched.seqs))
-                if now - self._gauges_at >= STATE_GAUGES_EVERY_S \
-                        or self._work_pending_since is None:
+                if now - self._gauges_at >= STATE_GAUGES_EVERY_S:  # idle: the branch above
                     self._gauges_at = now
                     self.metrics.observe_state(self.snapshot())
                 self.metrics.observe_step_shape(sched, model_seconds)

@@ -146,11 +146,11 @@ class UnservedPrefill:
 
 def scheduler_snapshot(sched: Any, kv: Any, *, version: str, draining: bool, healthy: bool,
                        in_flight: int, error: str | None, steps: int,
-                       last_step_age: float,
-                       unserved: UnservedPrefill | None = None) -> EngineSnapshot:
+                       last_step_age: float, unserved: UnservedPrefill) -> EngineSnapshot:
     """The snapshot of a scheduler (`batcher.core.scheduler.Scheduler`) and its KV manager,
-    with what only the engine and the gateway know passed in."""
-    waiting_prefill, running_prefill = (unserved or UnservedPrefill()).of(sched)
+    with what only the engine and the gateway know passed in (`unserved`: the engine's cache
+    of the queues' prefill sums)."""
+    waiting_prefill, running_prefill = unserved.of(sched)
     return EngineSnapshot(
         free_blocks=kv.num_free_blocks,
         total_blocks=kv.num_total_blocks,
