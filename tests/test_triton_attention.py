@@ -53,6 +53,20 @@ def test_interpreted_in_a_fresh_process() -> None:
     run_interpreted(__file__)
 
 
+def assert_self_check_names_faults(mod, kernel_name: str, wrong, monkeypatch) -> None:
+    """`mod.self_check` names a kernel `kernel_name` that computes wrongly (`wrong` standing in
+    for it) and one that fails to compile, so the runner keeps torch attention."""
+    dev = torch.device(DEVICE)
+    monkeypatch.setattr(mod, kernel_name, wrong)
+    assert "differs from torch attention" in mod.self_check(dev, torch.float32, 4, 2, 64, 16)
+
+    def refused(*args, **kw):
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(mod, kernel_name, refused)
+    assert mod.self_check(dev, torch.float32, 4, 2, 64, 16) == "RuntimeError: cannot compile"
+
+
 @contextlib.contextmanager
 def kernel_module(module: str = MODULE, kernel: str = "_paged_decode_kernel"
                   ) -> Iterator[ModuleType]:

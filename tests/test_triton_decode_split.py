@@ -11,7 +11,13 @@ import importlib.util
 import pytest
 import torch
 
-from tests.test_triton_attention import DEVICE, compiled_already, kernel_module, run_interpreted
+from tests.test_triton_attention import (
+    DEVICE,
+    assert_self_check_names_faults,
+    compiled_already,
+    kernel_module,
+    run_interpreted,
+)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
@@ -159,11 +165,4 @@ def test_self_check_passes_and_refuses_a_wrong_or_failing_kernel(mod, monkeypatc
     def wrong(q, *args, **kw):
         return torch.full_like(q, 0.5)
 
-    monkeypatch.setattr(mod, "paged_decode_attention", wrong)
-    assert "differs from torch attention" in mod.self_check(dev, torch.float32, 4, 2, 64, 16)
-
-    def refused(*args, **kw):
-        raise RuntimeError("cannot compile")
-
-    monkeypatch.setattr(mod, "paged_decode_attention", refused)
-    assert mod.self_check(dev, torch.float32, 4, 2, 64, 16) == "RuntimeError: cannot compile"
+    assert_self_check_names_faults(mod, "paged_decode_attention", wrong, monkeypatch)

@@ -17,7 +17,13 @@ from batcher.runtime.attention import (
     paged_attention,
     variant_attention,
 )
-from tests.test_triton_attention import DEVICE, compiled_already, kernel_module, run_interpreted
+from tests.test_triton_attention import (
+    DEVICE,
+    assert_self_check_names_faults,
+    compiled_already,
+    kernel_module,
+    run_interpreted,
+)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
@@ -197,11 +203,4 @@ def test_self_check_passes_and_refuses_a_wrong_or_failing_kernel(kernel, monkeyp
     def wrong(q, k, v, kc, vc, batch, out, **kw):
         return out.fill_(0.5)
 
-    monkeypatch.setattr(kernel, "paged_prefill_attention", wrong)
-    assert "differs from torch attention" in kernel.self_check(dev, torch.float32, 4, 2, 64, 16)
-
-    def refused(*args, **kw):
-        raise RuntimeError("cannot compile")
-
-    monkeypatch.setattr(kernel, "paged_prefill_attention", refused)
-    assert kernel.self_check(dev, torch.float32, 4, 2, 64, 16) == "RuntimeError: cannot compile"
+    assert_self_check_names_faults(kernel, "paged_prefill_attention", wrong, monkeypatch)
