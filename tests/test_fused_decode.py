@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.llama import RMSNorm
+from batcher.models.llama_decode_loop import DecodeLoop
 from batcher.runtime import fused_decode
 from batcher.runtime.attention import FusedDecodeStep
 from batcher.runtime.fused_decode import FusedDecode, reference_attention
@@ -43,6 +45,38 @@ def test_norm_is_torchs_norm(kernels: FusedDecode, rows: int, dim: int) -> None:
     # The sum of squares may add in another order: at most one bf16 step apart, rarely.
     torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
     assert (got != want).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64)])
+def test_add_then_norm_is_torchs_add_then_norm(kernels: FusedDecode, rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(torch.bfloat16)
+    delta = torch.randn(rows, dim, generator=gen).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(torch.bfloat16)
+    summed = x.clone()
+    got = kernels.add_rms_norm(summed, delta, w, 1e-5)
+    assert torch.equal(summed, x + delta)  # the residual stream, summed in place as torch sums
+    torch.testing.assert_close(got.float(), rms_norm(x + delta, w, 1e-5).float(), rtol=8e-3,
+                               atol=1e-6)
+    with pytest.raises(ValueError):
+        kernels.add_rms_norm(summed, delta[:, :-1].contiguous(), w, 1e-5)
+
+
+def test_silu_times_up_is_torchs_swiglu(kernels: FusedDecode) -> None:
+    gen = torch.Generator().manual_seed(1)
+    gate = torch.cat([torch.linspace(-30, 30, 961), torch.zeros(1), torch.randn(62, generator=gen)])
+    up = torch.randn(1024, generator=gen) * 2
+    gate_up = torch.stack([torch.cat([gate, up]), torch.cat([gate.flip(0), -up])])
+    gate_up = gate_up.to(torch.bfloat16)
+    g, u = gate_up.split(1024, dim=-1)
+    want = F.silu(g) * u
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == (2, 1024)
+    # The kernel's exponential is its own: now and then one bf16 step apart, never more.
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
+    assert (got != want).float().mean() < 0.01
+    with pytest.raises(ValueError):
+        kernels.silu_mul(gate_up.float())
 
 
 def _random_step(kernels: FusedDecode, lens: list[int], block_size: int, kv_heads: int,
@@ -172,6 +206,56 @@ def test_runner_fuses_decode_only_bf16_steps() -> None:
     assert fp32.fused is None  # fp32 keeps torch's ops (and the exact-reference tests)
     _, _, meta32, _, _ = _step(ModelRunner(fp32, num_blocks=32, block_size=16), decode)
     assert meta32.fused is None
+
+
+def test_small_decode_only_steps_run_the_layer_loop_and_compute_the_modules_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from batcher.models.loader import load_model
+
+    loaded = load_model("tiny", dtype="bfloat16", device="cpu")
+    model = loaded.model
+    loop = model.decode_loop
+    assert isinstance(loop, DecodeLoop)
+    runner = ModelRunner(loaded, num_blocks=32, block_size=16)
+    ran = []
+    run = loop.run
+    monkeypatch.setattr(loop, "run", lambda *a: ran.append(a[0].shape[0]) or run(*a))
+    decode = [ScheduledSeq("a", [5], 20, [0, 1], True, GREEDY),
+              ScheduledSeq("b", [6], 3, [2], True, GREEDY)]
+    ids, pos, meta, idx, _ = _step(runner, decode)
+    looped = model(ids, pos, meta, runner.kv_caches, idx).float()
+    assert ran == [2]
+    model.decode_loop = None
+    try:
+        modules = model(ids, pos, meta, runner.kv_caches, idx).float()
+    finally:
+        model.decode_loop = loop
+    assert torch.equal(looped.argmax(-1), modules.argmax(-1))
+    torch.testing.assert_close(looped, modules, rtol=0.02, atol=0.02)
+    # A step with a prompt chunk, and a step of more rows than the C norms take, keep the
+    # modules' path.
+    ids, pos, mixed, idx, _ = _step(runner, [*decode, ScheduledSeq("c", [7, 8], 0, [3], True,
+                                                                   GREEDY)])
+    model(ids, pos, mixed, runner.kv_caches, idx)
+    many = [ScheduledSeq(f"r{i}", [5], 2, [4 + i // 4], True, GREEDY) for i in range(65)]
+    ids, pos, wide, idx, _ = _step(runner, many)
+    model(ids, pos, wide, runner.kv_caches, idx)
+    assert ran == [2]
+
+
+def test_the_loop_is_for_plain_llama_layers_only() -> None:
+    from batcher.models.llama import MLP
+    from batcher.models.loader import load_model
+
+    loaded = load_model("tiny", dtype="bfloat16", device="cpu")
+    assert DecodeLoop.for_model(loaded.model, loaded.fused) is not None
+
+    class OtherMLP(MLP):  # a variant's part (a mixture of experts, GeGLU) is not the loop's
+        pass
+
+    layer = loaded.model.layers[-1]
+    layer.mlp = OtherMLP(loaded.config)
+    assert DecodeLoop.for_model(loaded.model, loaded.fused) is None
 
 
 @pytest.mark.slow

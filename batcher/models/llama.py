@@ -10,7 +10,7 @@ the MoE models) set `LlamaConfig`'s variant fields and are built by `batcher.mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from batcher.models import rope
 from batcher.runtime.attention import AttentionMetadata, paged_attention
 from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.token_ops import apply_rope, rms_norm
+
+if TYPE_CHECKING:
+    from batcher.models.llama_decode_loop import DecodeLoop
 
 
 @dataclass(slots=True)
@@ -242,6 +245,9 @@ def attach_fused(model: nn.Module, kernels: FusedDecode) -> int:
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head."""
 
+    # Small decode-only steps on the CPU, with the fused kernels: `llama_decode_loop`.
+    decode_loop: DecodeLoop | None = None
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
@@ -273,6 +279,9 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T]; logits_indices: [N] rows to project -> logits [N, vocab]."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary().lookup(positions)  # built once per step for all layers
+        loop = self.decode_loop
+        if loop is not None and loop.takes(x, meta):
+            return loop.run(x, cos, sin, meta, kv_caches, logits_indices)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
         x = self.norm(x.index_select(0, logits_indices))  # only rows that sample

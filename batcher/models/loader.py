@@ -41,6 +41,7 @@ from batcher.models.gguf_dense_cache import cache_dir, read_gguf_cached
 from batcher.models.gguf_int4 import load_int4_gguf
 from batcher.models.hf_checkpoint import build_from_hf_state, read_hf_config, read_hf_folder
 from batcher.models.llama import LlamaConfig, LlamaModel, attach_fused
+from batcher.models.llama_decode_loop import DecodeLoop
 from batcher.models.load_settings import resolve_device, resolve_dtype, resolve_quantization
 from batcher.models.memory import check_fits
 from batcher.models.tiny import tiny_config, tiny_state
@@ -169,8 +170,10 @@ def _attach_fused(model: LlamaModel) -> FusedDecode | None:
     n = attach_fused(model, kernels)
     cfg = model.config
     attends = kernels.takes_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    log.info("fused CPU kernels: %d norms%s", n,
-             ", and decode steps' attention" if attends else " (attention: heads do not fit)")
+    model.decode_loop = DecodeLoop.for_model(model, kernels) if attends else None
+    log.info("fused CPU kernels: %d norms%s%s", n,
+             ", and decode steps' attention" if attends else " (attention: heads do not fit)",
+             "; small decode steps run as one loop over the layers" if model.decode_loop else "")
     return kernels if attends else None
 
 

@@ -97,6 +97,37 @@ static inline float exp_nonpositive(float x) {
     return p * two_n.f;
 }
 
+/* The residual add before a norm, then the norm: x += delta in bf16 (each sum rounded, as torch's
+ * `x + delta` does), written back into x, and out = rms_norm(x) as `rms_norm_bf16` computes it.
+ * x, delta, out: [rows, dim]; weight: [dim]. */
+int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out,
+                      int rows, int dim, float eps) {
+    if (rows < 0 || dim <= 0) return -1;
+    for (size_t i = 0; i < (size_t)rows * dim; i++)
+        x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
+    return rms_norm_bf16(x, weight, out, rows, dim, eps);
+}
+
+/* A SwiGLU MLP's activation: out = silu(gate) * up, each rounded to bf16 as torch's
+ * `F.silu(gate) * up` rounds them. gate_up: [rows, 2 * inter] (gate then up, as the fused
+ * projection lays them); out: [rows, inter]. silu(g) = g * sigmoid(g), with e^-|g| from
+ * `exp_nonpositive`, so the sigmoid agrees with torch's to about 1e-7 relative. */
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter) {
+    if (rows < 0 || inter <= 0) return -1;
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (size_t)r * 2 * inter;
+        const uint16_t *u = g + inter;
+        uint16_t *o = out + (size_t)r * inter;
+        for (int i = 0; i < inter; i++) {
+            float x = bf16_to_float(g[i]);
+            float e = exp_nonpositive(-fabsf(x));
+            float sigmoid = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+            o[i] = float_to_bf16(round_bf16(x * sigmoid) * bf16_to_float(u[i]));
+        }
+    }
+    return 0;
+}
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 

@@ -1,7 +1,7 @@
 """Decode steps on the CPU in bf16 with fewer, fused ops.
 
 A one-row decode step of the bundled model is a few hundred microseconds of arithmetic spread
-over about 1,600 torch ops, each with its own dispatch cost. Two C kernels (`cpu_kernels.c`) take
+over about 1,600 torch ops, each with its own dispatch cost. C kernels (`cpu_kernels.c`) take
 the most numerous of them:
 - `rms_norm`: the norm's fp32 round trip (six ops) as one call;
 - `attend`: for a step of decode rows only, RoPE on Q and K, the new K and V written to the paged
@@ -9,7 +9,10 @@ the most numerous of them:
   of about twenty ops (slicing, rotation, cache writes, gathers, the mask and SDPA);
 - `attend_rotated`: the decode rows of a step that also reads a prompt, attention alone (torch's
   ops rotate and write every row of such a step). So a decode row costs about the same in either
-  kind of step, which the step-time model behind admission and chunking assumes.
+  kind of step, which the step-time model behind admission and chunking assumes;
+- `add_rms_norm` (the residual add before a norm) and `silu_mul` (a SwiGLU MLP's activation):
+  the ops between the projections, for a plain Llama model's decode loop
+  (`batcher.models.llama_decode_loop`).
 RoPE, the K/V written and the norm round as torch's ops do (the norm's sum of squares may add in
 another order); attention keeps its scores and probabilities in fp32 where torch's bf16 SDPA
 rounds some of them, so outputs agree to bf16 rounding, not bit for bit (checked against torch at
@@ -57,6 +60,12 @@ class FusedDecode:
         self._norm = lib.rms_norm_bf16
         self._norm.argtypes = [_p, _p, _p, _i, _i, _f]
         self._norm.restype = _i
+        self._add_norm = lib.add_rms_norm_bf16
+        self._add_norm.argtypes = [_p, _p, _p, _p, _i, _i, _f]
+        self._add_norm.restype = _i
+        self._silu_mul = lib.silu_mul_bf16
+        self._silu_mul.argtypes = [_p, _p, _i, _i]
+        self._silu_mul.restype = _i
         self._attend = lib.decode_attention_bf16
         self._attend.argtypes = [_p, _l, _p, _p, _p, _p, _i, _p, _p, _i, _p, _i, _i, _i, _i, _i,
                                  _f, _p]
@@ -77,6 +86,29 @@ class FusedDecode:
         if self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                       eps):
             raise ValueError(f"rms_norm cannot take {tuple(x.shape)}")
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta in place (x: [rows, dim] bf16 contiguous, as `takes_norm`; delta alike),
+        then the norm of the sum: torch's `x = x + delta; rms_norm(x, weight, eps)`."""
+        if not (delta.shape == x.shape and delta.dtype == x.dtype and delta.is_contiguous()):
+            raise ValueError(f"add_rms_norm takes like rows, got {tuple(delta.shape)} "
+                             f"for {tuple(x.shape)}")
+        out = torch.empty_like(x)
+        if self._add_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                          x.shape[0], x.shape[1], eps):
+            raise ValueError(f"add_rms_norm cannot take {tuple(x.shape)}")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [rows, 2 * inter] bf16 contiguous -> silu(gate) * up [rows, inter]."""
+        rows, width = gate_up.shape
+        if not (gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and width % 2 == 0):
+            raise ValueError(f"silu_mul takes bf16 rows of gate and up, got {tuple(gate_up.shape)}")
+        out = gate_up.new_empty(rows, width // 2)
+        if self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2):
+            raise ValueError(f"silu_mul cannot take {tuple(gate_up.shape)}")
         return out
 
     @staticmethod
@@ -174,6 +206,17 @@ def _check(kernels: FusedDecode) -> None:
     want = rms_norm(x, w, 1e-5)
     if not torch.allclose(kernels.rms_norm(x, w, 1e-5).float(), want.float(), rtol=1e-2):
         raise RuntimeError("rms_norm disagrees with torch")
+    delta = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    summed = x.clone()
+    normed = kernels.add_rms_norm(summed, delta, w, 1e-5)
+    if not (torch.equal(summed, x + delta) and torch.allclose(
+            normed.float(), rms_norm(x + delta, w, 1e-5).float(), rtol=1e-2)):
+        raise RuntimeError("add_rms_norm disagrees with torch")
+    gate_up = (4 * torch.randn(3, 2 * 64, generator=gen)).to(torch.bfloat16)
+    gate, up = gate_up.split(64, dim=-1)
+    if not torch.allclose(kernels.silu_mul(gate_up).float(), (F.silu(gate) * up).float(),
+                          rtol=1e-2, atol=1e-3):
+        raise RuntimeError("silu_mul disagrees with torch")
     heads, kv_heads, hd, bs = 4, 2, 32, 4
     caches = [(torch.randn(8, bs, kv_heads, hd, generator=gen).to(torch.bfloat16),
                torch.randn(8, bs, kv_heads, hd, generator=gen).to(torch.bfloat16))
