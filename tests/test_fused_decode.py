@@ -208,12 +208,22 @@ def test_runner_fuses_decode_only_bf16_steps() -> None:
     assert meta32.fused is None
 
 
+@pytest.mark.parametrize("qkv_bias", [False, True])
 def test_small_decode_only_steps_run_the_layer_loop_and_compute_the_modules_step(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, qkv_bias: bool) -> None:
     from batcher.models.loader import load_model
 
     loaded = load_model("tiny", dtype="bfloat16", device="cpu")
     model = loaded.model
+    if qkv_bias:  # as Qwen2's attention has
+        torch.manual_seed(0)
+        for layer in model.layers:
+            proj = layer.self_attn.qkv_proj
+            biased = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)
+            biased.weight.data, biased.bias.data = proj.weight.data, torch.randn(
+                proj.out_features).to(torch.bfloat16)
+            layer.self_attn.qkv_proj = biased
+        model.decode_loop = DecodeLoop.for_model(model, loaded.fused)
     loop = model.decode_loop
     assert isinstance(loop, DecodeLoop)
     runner = ModelRunner(loaded, num_blocks=32, block_size=16)

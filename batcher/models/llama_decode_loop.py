@@ -29,6 +29,7 @@ from torch import nn
 from batcher.models.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm
 from batcher.runtime.attention import AttentionMetadata
 from batcher.runtime.fused_decode import FusedDecode
+from batcher.runtime.quant import Int8Embedding
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -57,7 +58,9 @@ class DecodeLoop:
     @staticmethod
     def for_model(model: nn.Module, kernels: FusedDecode) -> DecodeLoop | None:
         """The loop for `model`, or None where it is not built of the plain Llama classes."""
-        plain = type(model) is LlamaModel and type(model.norm) is RMSNorm and all(
+        # The embedding's lookup must be a tensor of its own: the loop sums into it in place.
+        plain = (type(model) is LlamaModel and type(model.norm) is RMSNorm
+                 and type(model.embed_tokens) in (nn.Embedding, Int8Embedding)) and all(
             type(layer) is DecoderLayer and type(layer.self_attn) is Attention
             and type(layer.mlp) is MLP and type(layer.input_layernorm) is RMSNorm
             and type(layer.post_attention_layernorm) is RMSNorm for layer in model.layers)
