@@ -10,7 +10,7 @@ the MoE models) set `LlamaConfig`'s variant fields and are built by `batcher.mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,6 @@ from batcher.models import rope
 from batcher.runtime.attention import AttentionMetadata, paged_attention
 from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.token_ops import apply_rope, rms_norm
-
-if TYPE_CHECKING:
-    from batcher.models.llama_decode_loop import DecodeLoop
 
 
 @dataclass(slots=True)
@@ -242,11 +239,22 @@ def attach_fused(model: nn.Module, kernels: FusedDecode) -> int:
     return len(norms)
 
 
+class DecodeFastPath(Protocol):
+    """Another way to run some steps of the model, after the embedding lookup
+    (`batcher.models.llama_decode_loop.DecodeLoop`)."""
+
+    def takes(self, x: torch.Tensor, meta: object) -> bool: ...
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            logits_indices: torch.Tensor) -> torch.Tensor: ...
+
+
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head."""
 
     # Small decode-only steps on the CPU, with the fused kernels: `llama_decode_loop`.
-    decode_loop: DecodeLoop | None = None
+    decode_loop: DecodeFastPath | None = None
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
