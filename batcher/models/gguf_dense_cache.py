@@ -13,16 +13,11 @@ from pathlib import Path
 
 import torch
 
+from batcher.bundled import cache_root
 from batcher.models import gguf_weights
 from batcher.models.llama import LlamaConfig
 
 log = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("BATCHER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batcher")
-    return Path(root)
 
 
 def read_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
@@ -32,7 +27,7 @@ def read_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[LlamaConfig, dict[
 
     digest = _file_digest(path)
     dtype_name = str(dtype).removeprefix("torch.")
-    cached = cache_dir() / "weights" / f"{path.stem}-{digest[:16]}-{dtype_name}.safetensors"
+    cached = cache_root() / "weights" / f"{path.stem}-{digest[:16]}-{dtype_name}.safetensors"
     if cached.is_file():
         try:
             with safe_open(str(cached), framework="pt") as f:

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from batcher.bundled import smollm2_gguf_path
-from batcher.bundled import DEFAULT_MODEL
+from batcher.bundled import DEFAULT_MODEL, cache_root, smollm2_gguf_path
 from batcher.core.config import LOAD_FORMATS
 from batcher.models import dummy, gguf_weights
 from batcher.models.errors import ModelLoadError
@@ -37,7 +36,7 @@ from batcher.models.glibc_heap import (
     release_free_memory,
     set_mmap_threshold,
 )
-from batcher.models.gguf_dense_cache import cache_dir, read_gguf_cached
+from batcher.models.gguf_dense_cache import read_gguf_cached
 from batcher.models.gguf_int4 import load_int4_gguf
 from batcher.models.hf_checkpoint import build_from_hf_state, read_hf_config, read_hf_folder
 from batcher.models.llama import LlamaConfig, LlamaModel, attach_fused
@@ -164,7 +163,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
 def _attach_fused(model: LlamaModel) -> FusedDecode | None:
     """Small bf16 steps on the CPU run the norms, and decode steps the attention, as C kernels
     (`batcher.runtime.fused_decode`) where the machine can build them."""
-    kernels = fused_decode.load(cache_dir() / "kernels")
+    kernels = fused_decode.load(cache_root() / "kernels")
     if kernels is None:
         return None
     n = attach_fused(model, kernels)
@@ -180,7 +179,7 @@ def _attach_fused(model: LlamaModel) -> FusedDecode | None:
 def _attach_int4_unpacker(model: LlamaModel) -> None:
     """Without dense copies, big steps unpack each int4 layer into a reused dense buffer
     (`batcher.runtime.int4_unpack`) where the machine can build the small C function for it."""
-    unpacker = int4_unpack.load(cache_dir() / "kernels", INT4_GROUP)
+    unpacker = int4_unpack.load(cache_root() / "kernels", INT4_GROUP)
     if unpacker is None:
         return
     n = attach_unpacker(model, unpacker)

@@ -17,6 +17,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from batcher.bundled import cache_root
 from batcher.tokenizer.tokenizer_json import JsonTokenizer, can_load
 
 logger = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ def load_tokenizer(
 
     `source` is a `.gguf` file (default: the bundled SmolLM2 model) or a local Hugging Face folder.
     Converting a GGUF vocabulary takes seconds, so the converted tokenizer is saved under
-    `cache_dir` (default `$XDG_CACHE_HOME/batcher/tokenizers` or `~/.cache/batcher/tokenizers`),
+    `cache_dir` (default `tokenizers` in `batcher.bundled.cache_root()`),
     keyed by the file's name, size and mtime, and loaded from there next time (~0.25 s). A cached
     tokenizer that is a plain `tokenizer.json` is read without `transformers` (about 50 MiB less
     resident memory; `tokenizer_json`)."""
@@ -269,8 +270,7 @@ def _token_id(hf_tokenizer: Any, token: str) -> int | None:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "batcher" / "tokenizers"
+    return cache_root() / "tokenizers"
 
 
 def _load_cached(folder: Path) -> Any:
