@@ -217,3 +217,21 @@ async def test_api_middleware_holds_a_refusal_that_asks() -> None:
             assert resp.status == status
             assert (await resp.json())["error"]["code"] in ("oversize_cooldown", "invalid_value")
             assert least <= took < most, (path, took)
+
+
+@pytest.mark.parametrize("raw", ["0", "101", "-1", "2.5", "abc", "²", "1" * 5000, ""])
+def test_a_list_limit_out_of_range_or_not_a_number_is_a_400_naming_it(raw: str) -> None:
+    from batcher.http.errors import ApiError
+    from batcher.http.list_query import list_limit
+
+    with pytest.raises(ApiError) as err:
+        list_limit({"limit": raw})
+    assert err.value.status == 400 and err.value.param == "limit"
+
+
+def test_a_list_limit_is_read_as_given_or_twenty() -> None:
+    from batcher.http.list_query import MAX_LIST_LIMIT, list_limit
+
+    assert list_limit({}) == 20
+    assert list_limit({"limit": "1"}) == 1
+    assert list_limit({"limit": str(MAX_LIST_LIMIT)}) == MAX_LIST_LIMIT

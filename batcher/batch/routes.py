@@ -25,9 +25,9 @@ from batcher.batch.records import TERMINAL, new_id
 from batcher.batch.store import CreatedBounds
 from batcher.batch.validate import StagedInput
 from batcher.http.errors import ApiError, invalid
+from batcher.http.list_query import list_limit
 from batcher.http.responses import json_response
 
-MAX_LIST_LIMIT = 100  # files and batches per page, as OpenAI's API
 MAX_METADATA_KEYS = 16
 _WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -42,15 +42,6 @@ def parse_window(value: Any) -> float:
         raise invalid("'completion_window' must be a duration such as '24h' (a number and "
                       "s, m, h or d; at most 7 days)", "completion_window")
     return float(seconds)
-
-
-def _limit(request: web.Request) -> int:
-    raw = request.query.get("limit", "20")
-    # isascii: str.isdigit() also takes digits int() refuses ('²'), which would be a 500.
-    digits = raw.isascii() and raw.isdigit() and len(raw) <= 6  # int() of 5,000 digits raises
-    if not digits or not 1 <= int(raw) <= MAX_LIST_LIMIT:
-        raise invalid(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
-    return int(raw)
 
 
 def _created(request: web.Request) -> CreatedBounds | None:
@@ -83,7 +74,7 @@ async def list_files(request: web.Request) -> web.Response:
     after = request.query.get("after")
     if after is not None and svc.store.get_file(tenant, after) is None:
         raise invalid(f"'after' names no file of yours: {after!r}", "after")
-    files, more = svc.store.list_files(tenant, _limit(request), after, purpose, order == "asc",
+    files, more = svc.store.list_files(tenant, list_limit(request.query), after, purpose, order == "asc",
                                        _created(request))
     return json_response(_page([f.to_openai() for f in files], more))
 
@@ -206,7 +197,7 @@ async def list_batches(request: web.Request) -> web.Response:
     after = request.query.get("after")
     if after is not None and svc.store.get_batch(tenant, after) is None:
         raise invalid(f"'after' names no batch of yours: {after!r}", "after")
-    batches, more = svc.store.list_batches(tenant, _limit(request), after, _created(request))
+    batches, more = svc.store.list_batches(tenant, list_limit(request.query), after, _created(request))
     return json_response(_page([b.to_openai() for b in batches], more))
 
 

@@ -24,20 +24,14 @@ from batcher.fleet.router.batch_replicas import (
 )
 from batcher.fleet.router.registry import Replica
 from batcher.http.errors import ApiError, invalid
+from batcher.http.list_query import list_limit
 from batcher.http.responses import json_response
-
-MAX_LIST_LIMIT = 100
 
 
 async def _list(request: web.Request, kind: str) -> web.Response:
     proxy = request.app[PROXY]
     q = request.query
-    raw_limit = q.get("limit", "20")
-    # isascii: str.isdigit() also takes digits int() refuses ('²'), which would be a 500.
-    digits = raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 6
-    if not digits or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
-        raise invalid(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
-    limit = int(raw_limit)
+    limit = list_limit(q)
     order = q.get("order", "desc") if kind == "file" else "desc"
     if order not in ("asc", "desc"):
         raise invalid("'order' must be 'asc' or 'desc'", "order")
