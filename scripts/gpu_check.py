@@ -46,6 +46,7 @@ BUDGET_S = 460.0  # of the 8 minutes a device call may take, the rest for start-
 RETRIES = 20
 TESTS = ["tests/gpu", "tests/test_triton_attention.py", "tests/test_triton_decode_split.py",
          "tests/test_triton_prefill.py", "tests/test_triton_self_checks.py",
+         "tests/test_triton_norms.py",
          "tests/test_paged_forward.py"]
 
 

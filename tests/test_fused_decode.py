@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from batcher.core.outputs import ScheduledSeq, SchedulerOutput
 from batcher.models.llama import RMSNorm
-from batcher.models.llama_decode_loop import DecodeLoop
+from batcher.models.llama_layer_loop import LayerLoop
 from batcher.runtime import fused_decode
 from batcher.runtime.attention import FusedDecodeStep
 from batcher.runtime.fused_decode import FusedDecode, reference_attention
@@ -223,9 +223,9 @@ def test_small_decode_only_steps_run_the_layer_loop_and_compute_the_modules_step
             biased.weight.data, biased.bias.data = proj.weight.data, torch.randn(
                 proj.out_features).to(torch.bfloat16)
             layer.self_attn.qkv_proj = biased
-        model.decode_loop = DecodeLoop.for_model(model, loaded.fused)
-    loop = model.decode_loop
-    assert isinstance(loop, DecodeLoop)
+        model.layer_loop = LayerLoop.for_model(model, loaded.fused)
+    loop = model.layer_loop
+    assert isinstance(loop, LayerLoop)
     runner = ModelRunner(loaded, num_blocks=32, block_size=16)
     ran = []
     run = loop.run
@@ -235,11 +235,11 @@ def test_small_decode_only_steps_run_the_layer_loop_and_compute_the_modules_step
     ids, pos, meta, idx, _ = _step(runner, decode)
     looped = model(ids, pos, meta, runner.kv_caches, idx).float()
     assert ran == [2]
-    model.decode_loop = None
+    model.layer_loop = None
     try:
         modules = model(ids, pos, meta, runner.kv_caches, idx).float()
     finally:
-        model.decode_loop = loop
+        model.layer_loop = loop
     assert torch.equal(looped.argmax(-1), modules.argmax(-1))
     torch.testing.assert_close(looped, modules, rtol=0.02, atol=0.02)
     # A step with a prompt chunk, and a step of more rows than the C norms take, keep the
@@ -258,14 +258,14 @@ def test_the_loop_is_for_plain_llama_layers_only() -> None:
     from batcher.models.loader import load_model
 
     loaded = load_model("tiny", dtype="bfloat16", device="cpu")
-    assert DecodeLoop.for_model(loaded.model, loaded.fused) is not None
+    assert LayerLoop.for_model(loaded.model, loaded.fused) is not None
 
     class OtherMLP(MLP):  # a variant's part (a mixture of experts, GeGLU) is not the loop's
         pass
 
     layer = loaded.model.layers[-1]
     layer.mlp = OtherMLP(loaded.config)
-    assert DecodeLoop.for_model(loaded.model, loaded.fused) is None
+    assert LayerLoop.for_model(loaded.model, loaded.fused) is None
 
 
 @pytest.mark.slow

@@ -187,8 +187,14 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
                 ) -> torch.Tensor:
         # x: [T, hidden]
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        return self.attend(self.qkv_proj(x), cos, sin, meta, kv_cache)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
+               ) -> torch.Tensor:
+        """From the QKV projection's output [T, q_size + 2 * kv_size] on: RoPE, the cache
+        write, attention and the output projection."""
+        t = qkv.shape[0]
         if isinstance(meta, AttentionMetadata) and meta.fused is not None and \
                 meta.num_decodes == t:
             # A decode-only step on the CPU: RoPE, the cache write and attention in one call.
@@ -239,9 +245,9 @@ def attach_fused(model: nn.Module, kernels: FusedDecode) -> int:
     return len(norms)
 
 
-class DecodeFastPath(Protocol):
+class LayerFastPath(Protocol):
     """Another way to run some steps of the model, after the embedding lookup
-    (`batcher.models.llama_decode_loop.DecodeLoop`)."""
+    (`batcher.models.llama_layer_loop.LayerLoop`)."""
 
     def takes(self, x: torch.Tensor, meta: object) -> bool: ...
 
@@ -253,8 +259,8 @@ class DecodeFastPath(Protocol):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head."""
 
-    # Small decode-only steps on the CPU, with the fused kernels: `llama_decode_loop`.
-    decode_loop: DecodeFastPath | None = None
+    # Steps of a plain model through one loop over its layers' parts: `llama_layer_loop`.
+    layer_loop: LayerFastPath | None = None
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -287,7 +293,7 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T]; logits_indices: [N] rows to project -> logits [N, vocab]."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary().lookup(positions)  # built once per step for all layers
-        loop = self.decode_loop
+        loop = self.layer_loop
         if loop is not None and loop.takes(x, meta):
             return loop.run(x, cos, sin, meta, kv_caches, logits_indices)
         for layer, kv in zip(self.layers, kv_caches):

@@ -19,12 +19,15 @@ model's, a `config.json` or a folder holding one) and fills random weights in it
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from batcher.bundled import DEFAULT_MODEL, cache_root, smollm2_gguf_path
 from batcher.core.config import LOAD_FORMATS
@@ -40,7 +43,7 @@ from batcher.models.gguf_dense_cache import read_gguf_cached
 from batcher.models.gguf_int4 import load_int4_gguf
 from batcher.models.hf_checkpoint import build_from_hf_state, read_hf_config, read_hf_folder
 from batcher.models.llama import LlamaConfig, LlamaModel, attach_fused
-from batcher.models.llama_decode_loop import DecodeLoop
+from batcher.models.llama_layer_loop import LayerLoop
 from batcher.models.load_settings import resolve_device, resolve_dtype, resolve_quantization
 from batcher.models.memory import check_fits
 from batcher.models.tiny import tiny_config, tiny_state
@@ -154,6 +157,8 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
     # The fused kernels implement Llama's attention only (`LlamaConfig.plain_attention`).
     fused = (_attach_fused(model) if dev.type == "cpu" and dt == torch.bfloat16
              and cfg.plain_attention else None)
+    if dev.type == "cuda" and dt != torch.float32:
+        _attach_gpu_layer_loop(model, dev, dt)
     release_openmp_pool()  # steps run on another thread, whose pool must be the only one
     took = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s) in %.2fs", name, dt, dev, quantization, took)
@@ -169,11 +174,38 @@ def _attach_fused(model: LlamaModel) -> FusedDecode | None:
     n = attach_fused(model, kernels)
     cfg = model.config
     attends = kernels.takes_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    model.decode_loop = DecodeLoop.for_model(model, kernels) if attends else None
+    model.layer_loop = (LayerLoop.for_model(model, kernels)
+                        if attends and layer_loop_wanted() else None)
     log.info("fused CPU kernels: %d norms%s%s", n,
              ", and decode steps' attention" if attends else " (attention: heads do not fit)",
-             "; small decode steps run as one loop over the layers" if model.decode_loop else "")
+             "; small decode steps run as one loop over the layers" if model.layer_loop else "")
     return kernels if attends else None
+
+
+def layer_loop_wanted() -> bool:
+    """`BATCHER_LAYER_LOOP=0` keeps every step on the modules' path, to compare."""
+    return os.environ.get("BATCHER_LAYER_LOOP", "1") != "0"
+
+
+def _attach_gpu_layer_loop(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """A plain model's steps on a GPU run the ops between its matmuls as Triton kernels
+    (`batcher.runtime.triton_norms`) where Triton is installed and they agree with torch's ops
+    on this device in the model's sizes."""
+    if not layer_loop_wanted() or importlib.util.find_spec("triton") is None:
+        return
+    from batcher.runtime import triton_norms
+
+    loop = LayerLoop.for_model(model, triton_norms.TritonLayerOps())
+    if loop is None:
+        return
+    cfg = model.config
+    why = triton_norms.self_check(device, dtype, cfg.hidden_size, cfg.intermediate_size)
+    if why is not None:
+        log.warning("the Triton norm kernels failed their start-up check (%s): steps run the "
+                    "model's modules", why)
+        return
+    model.layer_loop = loop
+    log.info("steps run as one loop over the layers, norms and SwiGLU as Triton kernels")
 
 
 def _attach_int4_unpacker(model: LlamaModel) -> None:

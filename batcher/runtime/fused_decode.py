@@ -11,8 +11,8 @@ the most numerous of them:
   ops rotate and write every row of such a step). So a decode row costs about the same in either
   kind of step, which the step-time model behind admission and chunking assumes;
 - `add_rms_norm` (the residual add before a norm) and `silu_mul` (a SwiGLU MLP's activation):
-  the ops between the projections, for a plain Llama model's decode loop
-  (`batcher.models.llama_decode_loop`).
+  the ops between the projections, for a plain Llama model's layer loop
+  (`batcher.models.llama_layer_loop`), which takes decode-only steps of up to NORM_MAX_ROWS rows.
 RoPE, the K/V written and the norm round as torch's ops do (the norm's sum of squares may add in
 another order); attention keeps its scores and probabilities in fp32 where torch's bf16 SDPA
 rounds some of them, so outputs agree to bf16 rounding, not bit for bit (checked against torch at
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from batcher.runtime import cpu_kernels
-from batcher.runtime.attention import FusedDecodeStep, write_kv
+from batcher.runtime.attention import AttentionMetadata, FusedDecodeStep, write_kv
 from batcher.runtime.token_ops import apply_rope, rms_norm
 
 log = logging.getLogger("batcher.runtime.fused_decode")
@@ -110,6 +110,13 @@ class FusedDecode:
         if self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2):
             raise ValueError(f"silu_mul cannot take {tuple(gate_up.shape)}")
         return out
+
+    def takes_layer_loop(self, x: torch.Tensor, meta: object) -> bool:
+        """A plain model's layer loop (`batcher.models.llama_layer_loop`) runs a step whose
+        embedded rows are `x` here: decode rows only, through the fused attention, few enough
+        for the single-threaded norms."""
+        return (type(meta) is AttentionMetadata and meta.fused is not None
+                and meta.num_decodes == x.shape[0] and self.takes_norm(x))
 
     @staticmethod
     def takes_attention(heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -1,0 +1,127 @@
+"""The Triton kernels between a layer's matmuls (`batcher.runtime.triton_norms`) against torch's
+ops: the norm with and without the residual add, SiLU x up, their start-up check, and a whole
+plain model's steps through the layer loop with them against its modules. Compiled for the GPU
+where one is present, else through Triton's interpreter on the CPU (the machinery of
+tests/test_triton_attention.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batcher.runtime.token_ops import rms_norm
+from tests.test_triton_attention import DEVICE, compiled_already, kernel_module, run_interpreted
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
+MODULE, KERNEL = "batcher.runtime.triton_norms", "_rms_norm_kernel"
+
+
+def test_interpreted_in_a_fresh_process() -> None:
+    if not compiled_already(MODULE, KERNEL):
+        pytest.skip("the interpreted tests run in this process")
+    run_interpreted(__file__)
+
+
+@pytest.fixture(scope="module")
+def mod():
+    with kernel_module(MODULE, KERNEL) as m:
+        yield m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (3, 100)])
+def test_norms_are_torchs_norms(mod, dtype: torch.dtype, rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, dim, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+    ops = mod.TritonLayerOps(DEVICE)
+    plain = ops.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-5).cpu()
+    torch.testing.assert_close(plain.float(), rms_norm(x, w, 1e-5).float(), rtol=1e-2,
+                               atol=1e-5)
+    summed = x.to(DEVICE, copy=True)
+    normed = ops.add_rms_norm(summed, delta.to(DEVICE), w.to(DEVICE), 1e-5).cpu()
+    assert torch.equal(summed.cpu(), x + delta)  # the residual stream, summed as torch sums
+    torch.testing.assert_close(normed.float(), rms_norm(x + delta, w, 1e-5).float(), rtol=1e-2,
+                               atol=1e-5)
+    with pytest.raises(ValueError):
+        ops.add_rms_norm(summed, delta[:, :-1].contiguous().to(DEVICE), w.to(DEVICE), 1e-5)
+
+
+def test_silu_times_up_is_torchs_swiglu(mod) -> None:
+    gen = torch.Generator().manual_seed(1)
+    inter = 1500  # not a multiple of the kernel's block
+    gate = torch.linspace(-30, 30, inter)
+    up = torch.randn(inter, generator=gen) * 2
+    gate_up = torch.stack([torch.cat([gate, up]), torch.cat([gate.flip(0), -up])])
+    gate_up = gate_up.to(torch.bfloat16)
+    g, u = gate_up.split(inter, dim=-1)
+    got = mod.TritonLayerOps(DEVICE).silu_mul(gate_up.to(DEVICE)).cpu()
+    assert got.shape == (2, inter)
+    torch.testing.assert_close(got.float(), (F.silu(g) * u).float(), rtol=1e-2, atol=1e-5)
+
+
+def test_the_start_up_check_passes_and_names_a_wrong_kernel(mod, monkeypatch) -> None:
+    dev = torch.device(DEVICE)
+    assert mod.self_check(dev, torch.bfloat16, 576, 1536) is None
+    real = mod._norm
+
+    def off_by_one(x, delta, weight, eps):
+        return real(x, delta, weight, eps) + 1
+
+    monkeypatch.setattr(mod, "_norm", off_by_one)
+    assert "differs from torch's ops" in mod.self_check(dev, torch.bfloat16, 64, 96)
+
+
+def test_a_plain_models_steps_through_the_loop_are_its_modules_steps(mod) -> None:
+    """Every step (decode rows and a prompt chunk together) of the tiny model in bf16 through
+    the layer loop with the Triton kernels, against its modules."""
+    from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+    from batcher.core.sampling import SamplingParams
+    from batcher.models.llama_layer_loop import LayerLoop
+    from batcher.models.loader import load_model
+    from batcher.runtime.model_runner import ModelRunner
+
+    loaded = load_model("tiny", dtype="bfloat16", device=DEVICE)
+    model = loaded.model
+    loop = LayerLoop.for_model(model, mod.TritonLayerOps(DEVICE))
+    assert loop is not None
+    runner = ModelRunner(loaded, num_blocks=32, block_size=16)
+    greedy = SamplingParams(temperature=0.0)
+    step = SchedulerOutput([ScheduledSeq("a", [5], 20, [0, 1], True, greedy),
+                            ScheduledSeq("b", [6], 3, [2], True, greedy),
+                            ScheduledSeq("c", [7, 8, 9], 0, [3], True, greedy)])
+    ids, pos, meta, idx, _ = runner.prepare(step)
+    model.layer_loop = None
+    with torch.inference_mode():
+        modules = model(ids, pos, meta, runner.kv_caches, idx).float().cpu()
+        model.layer_loop = loop
+        assert loop.takes(model.embed_tokens(ids), meta)
+        looped = model(ids, pos, meta, runner.kv_caches, idx).float().cpu()
+    assert torch.equal(looped.argmax(-1), modules.argmax(-1))
+    torch.testing.assert_close(looped, modules, rtol=0.02, atol=0.02)
+
+
+def test_the_loader_attaches_the_loop_only_where_the_kernels_pass_their_check(
+        mod, monkeypatch) -> None:
+    from batcher.models import loader
+    from batcher.models.llama_layer_loop import LayerLoop
+
+    model = loader.load_model("tiny", dtype="bfloat16", device="cpu").model
+    model.layer_loop = None
+    dev = torch.device(DEVICE)
+    loader._attach_gpu_layer_loop(model, dev, torch.bfloat16)
+    assert isinstance(model.layer_loop, LayerLoop)
+    assert isinstance(model.layer_loop.ops, mod.TritonLayerOps)
+    model.layer_loop = None
+    monkeypatch.setenv("BATCHER_LAYER_LOOP", "0")  # off, to compare
+    loader._attach_gpu_layer_loop(model, dev, torch.bfloat16)
+    assert model.layer_loop is None
+    monkeypatch.delenv("BATCHER_LAYER_LOOP")
+    monkeypatch.setattr(mod, "self_check", lambda *a: "differs")
+    loader._attach_gpu_layer_loop(model, dev, torch.bfloat16)
+    assert model.layer_loop is None  # the modules' path
