@@ -74,7 +74,8 @@ async def list_files(request: web.Request) -> web.Response:
     after = request.query.get("after")
     if after is not None and svc.store.get_file(tenant, after) is None:
         raise invalid(f"'after' names no file of yours: {after!r}", "after")
-    files, more = svc.store.list_files(tenant, list_limit(request.query), after, purpose, order == "asc",
+    limit = list_limit(request.query)
+    files, more = svc.store.list_files(tenant, limit, after, purpose, order == "asc",
                                        _created(request))
     return json_response(_page([f.to_openai() for f in files], more))
 
@@ -197,7 +198,8 @@ async def list_batches(request: web.Request) -> web.Response:
     after = request.query.get("after")
     if after is not None and svc.store.get_batch(tenant, after) is None:
         raise invalid(f"'after' names no batch of yours: {after!r}", "after")
-    batches, more = svc.store.list_batches(tenant, list_limit(request.query), after, _created(request))
+    limit = list_limit(request.query)
+    batches, more = svc.store.list_batches(tenant, limit, after, _created(request))
     return json_response(_page([b.to_openai() for b in batches], more))
 
 

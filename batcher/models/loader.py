@@ -193,7 +193,12 @@ def _attach_gpu_layer_loop(model: nn.Module, device: torch.device, dtype: torch.
     on this device in the model's sizes."""
     if not layer_loop_wanted() or importlib.util.find_spec("triton") is None:
         return
-    from batcher.runtime import triton_norms
+    try:
+        from batcher.runtime import triton_norms
+    except Exception as exc:  # noqa: BLE001 (a Triton that is installed but cannot load)
+        log.warning("Triton cannot load (%s: %s): steps run the model's modules",
+                    type(exc).__name__, exc)
+        return
 
     loop = LayerLoop.for_model(model, triton_norms.TritonLayerOps())
     if loop is None:

@@ -28,6 +28,8 @@ def _round(x, dtype: tl.constexpr, IS_BF16: tl.constexpr):
     """fp32 values to `dtype`, rounded to nearest even."""
     if IS_BF16:
         u = x.to(tl.uint32, bitcast=True)
+        # A NaN stays a NaN (a GPU's 0x7FFFFFFF would carry into the sign bit and round to 0).
+        u = tl.where(x != x, 0x7FC00000, u)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
@@ -38,7 +40,7 @@ def _round(x, dtype: tl.constexpr, IS_BF16: tl.constexpr):
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, dim, eps,
                      HAS_DELTA: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements in big steps
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     x = tl.load(x_ptr + row * dim + cols, mask=mask, other=0.0)
@@ -56,7 +58,7 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, dim, eps,
 @triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(gate_up_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
