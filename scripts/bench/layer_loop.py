@@ -42,8 +42,8 @@ async def _measure(rounds: int) -> tuple[list[dict[str, float]], int]:
 
     async def one(req: Request) -> int:
         n = 0
-        async for _ in engine.generate(req):
-            n += 1
+        async for ev in engine.generate(req):
+            n += len(ev.token_ids)  # an event may carry several tokens
         return n
 
     runs = 0
