@@ -1,6 +1,6 @@
 """A GGUF file's weights dequantized once and kept as safetensors in the user's cache folder
-(`batcher.bundled.cache_root()`, which also holds the CPU kernels built at start-up), keyed by the file's hash and
-the dtype."""
+(`batcher.bundled.cache_root()`, which also holds the CPU kernels built at start-up), keyed by
+the file's hash and the dtype."""
 
 from __future__ import annotations
 

@@ -172,9 +172,8 @@ class Gateway:
 
     def note_refusal(self, request: web.Request, err: ApiError) -> None:
         """A request refused: one refused as malformed counts towards its caller's
-        `malformed_cooldown`; one whose
-        body read over `OVERSIZE_BYTES` was refused as longer than the context starts its
-        `oversize_cooldown`."""
+        `malformed_cooldown`; one whose body read over `OVERSIZE_BYTES` was refused as longer
+        than the context starts its `oversize_cooldown`."""
         key = cooldown_key(request)
         if key is None:
             return

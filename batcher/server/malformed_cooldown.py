@@ -1,9 +1,9 @@
 """A tenant that floods the server with malformed requests is refused everything for a while.
 
 Each malformed request (a body that is not JSON, nested past the limit, a field of the wrong
-type or value: a 400 with one of `MALFORMED_CODES`) is refused cheaply, but a client sending them in a loop is answered well over a
-thousand times a second, and the event loop every other tenant needs is spent reading, parsing
-and refusing. So `THRESHOLD` such refusals within `WINDOW_S` start a cool-down of `COOLDOWN_S`:
+type or value: a 400 with one of `MALFORMED_CODES`) is refused cheaply, but a client sending
+them in a loop is answered well over a thousand times a second, and the event loop every other
+tenant needs is spent reading, parsing and refusing. So `THRESHOLD` such refusals within `WINDOW_S` start a cool-down of `COOLDOWN_S`:
 the tenant's requests with a body are refused before it is read (429 `malformed_cooldown` +
 Retry-After, the connection closed, the answer held a second: `batcher.server.cooldown`). The
 rate is far past what a client with a bug sends, or a sequential client can: each of its requests
@@ -29,8 +29,8 @@ COOLDOWN_S = 10.0
 def malformed_cooldown(cooldown_s: float = COOLDOWN_S, threshold: int = THRESHOLD,
                        window_s: float = WINDOW_S,
                        clock: Callable[[], float] = time.monotonic) -> TenantCooldown:
-    """`note(tenant)` at each refusal of a request as malformed (`MALFORMED_CODES`); `check(tenant)` before reading a body
-    (429 `malformed_cooldown`, connection closed)."""
+    """`note(tenant)` at each refusal of a request as malformed (`MALFORMED_CODES`);
+    `check(tenant)` before reading a body (429 `malformed_cooldown`, connection closed)."""
     return TenantCooldown(cooldown_s, "malformed_cooldown",
                           f"{threshold} requests of yours were refused as malformed within "
                           f"{window_s:g} s; requests with a body are refused for {{seconds}} s "

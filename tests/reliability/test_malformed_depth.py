@@ -170,7 +170,8 @@ def test_only_malformed_refusals_count_towards_the_cool_down() -> None:
     for code in ("context_length_exceeded", "model_not_found", "duplicate_request_id") * 3:
         Gateway.note_refusal(gw, request, ApiError(400, "no", code=code))  # type: ignore[arg-type]
     gw.malformed_cooldown.check("alice")
+    malformed = ApiError(400, "no", code="invalid_json")
     for _ in range(3):
-        Gateway.note_refusal(gw, request, ApiError(400, "no", code="invalid_json"))  # type: ignore[arg-type]
+        Gateway.note_refusal(gw, request, malformed)  # type: ignore[arg-type]
     with pytest.raises(ApiError):
         gw.malformed_cooldown.check("alice")
