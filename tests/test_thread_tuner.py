@@ -57,6 +57,16 @@ def test_ties_go_to_more_threads_and_one_thread_is_never_tuned() -> None:
     assert set(run(one, 1, {1: 0.01}, 6)) == {1}
 
 
+def test_a_step_that_reads_a_prompt_runs_on_every_thread_and_is_not_a_sample() -> None:
+    tuner = ThreadTuner(2, samples=2)
+    run(tuner, 8, {2: 0.005, 1: 0.003}, 4)
+    assert tuner.chosen() == {8: 1}  # decode rows alone: one thread
+    assert tuner.threads(12, reads_prompt=True) == 2  # 8 of them with a 4-token chunk: all
+    tuner.record(12, 2, 0.5, reads_prompt=True)
+    tuner.record(12, 1, 0.5, reads_prompt=True)
+    assert tuner.chosen() == {8: 1} and tuner._groups[3].since == 0
+
+
 def test_a_sample_taken_with_another_count_than_the_turn_is_ignored() -> None:
     tuner = ThreadTuner(2, samples=1)
     tuner.record(1, 1, 0.5)  # the group's turn is 2 threads: not a sample
@@ -88,7 +98,7 @@ def test_the_cpu_runner_tunes_its_threads_and_answers_the_same(runner_on_two_thr
     assert runner.tuner is not None
     used = set()
     record = runner.tuner.record
-    runner.tuner.record = lambda rows, n, s: (used.add(n), record(rows, n, s))  # type: ignore
+    runner.tuner.record = lambda rows, n, *rest: (used.add(n), record(rows, n, *rest))  # type: ignore
     for _ in range(40):
         assert runner.execute(step).token_ids == first
     assert used == {1, 2} and set(runner.tuner.chosen()) == {1}
@@ -111,3 +121,24 @@ def test_a_step_on_fewer_threads_leaves_the_process_default_as_it_was(
     later.start()
     later.join()
     assert seen == [2] and runner.max_threads == 2
+
+
+def test_the_cpu_runner_reads_a_prompt_chunk_on_every_thread(runner_on_two_threads) -> None:
+    import torch
+
+    from batcher.sim.calibrate import Point, build_step
+
+    runner, decode = runner_on_two_threads
+    tuner = ThreadTuner(2, samples=2)
+    run(tuner, 1, {2: 0.01, 1: 0.001}, 4)  # one decode row, and four: one thread chosen
+    run(tuner, 4, {2: 0.01, 1: 0.001}, 4)
+    runner.tuner = tuner
+    mixed = build_step(Point(n_dec=1, ctx=40, chunks=1, chunk=3, start=0), 64, 16)
+    assert mixed.num_batched_tokens == 4
+    used: list[int] = []
+    execute = runner._execute
+    runner._execute = lambda sched: (  # type: ignore[method-assign]
+        used.append(torch.get_num_threads()), execute(sched))[1]
+    runner.execute(mixed)
+    runner.execute(decode)
+    assert used == [2, 1] and torch.get_num_threads() == 2

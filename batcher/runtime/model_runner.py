@@ -168,7 +168,8 @@ class ModelRunner:
             # it: another count would compile again, mid-serving).
             return self._execute(sched)
         rows = sched.num_batched_tokens
-        threads = self.tuner.threads(rows)
+        reads_prompt = sched.num_decodes < len(sched.seqs)
+        threads = self.tuner.threads(rows, reads_prompt)
         if threads != self.max_threads:
             torch.set_num_threads(threads)
         started = time.perf_counter()
@@ -177,7 +178,7 @@ class ModelRunner:
         finally:
             if threads != self.max_threads:
                 torch.set_num_threads(self.max_threads)
-        self.tuner.record(rows, threads, time.perf_counter() - started)
+        self.tuner.record(rows, threads, time.perf_counter() - started, reads_prompt)
         return out
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -3,10 +3,14 @@
 A decode step of a few rows is memory-bound: splitting its small matmuls over every core buys
 little, and on a machine with few cores the team's barrier waits on whichever core the server's
 event loop (detokenizing, writing streams) just took. A big step (many rows, a prefill chunk) is
-compute-bound and runs on every core. Below `TUNED_BELOW_ROWS` rows the best count depends on the
-CPU, the model and the load, so it is measured: steps are grouped by row count (powers of two),
-and each group tries its candidate thread counts in turn, a few steps each, interleaved so drift
-hits all alike, then keeps the one with the lowest median time per row. A group measures again
+compute-bound and runs on every core, however few its rows: a step that reads a prompt chunk
+beside decode rows is not measured with them (in one group, a tuner that picked one thread for
+8 decode rows ran their steps with a 4-token chunk on it too: 75 against 56 ms on two threads,
+and the chunk's own share 2x slower). Below `TUNED_BELOW_ROWS` rows the best count for decode
+rows alone depends on the CPU, the model and the load, so it is measured: steps are grouped by
+row count (powers of two), and each group tries its candidate thread counts in turn, a few steps
+each, interleaved so drift hits all alike, then keeps the one with the lowest median time per
+row. A group measures again
 every `recheck_every` of its steps. Never more threads than the process was given
 (`--torch-threads`).
 """
@@ -56,16 +60,18 @@ class ThreadTuner:
         self.on_choice = on_choice or _log_choice
         self._groups: dict[int, _Group] = {}
 
-    def threads(self, rows: int) -> int:
-        if rows >= TUNED_BELOW_ROWS:
+    def threads(self, rows: int, reads_prompt: bool = False) -> int:
+        """The count a step of `rows` rows runs with; `reads_prompt`: it carries a prompt
+        chunk (every thread, never a sample)."""
+        if rows >= TUNED_BELOW_ROWS or reads_prompt:
             return self.options[0]
         g = self._groups.setdefault(group_of(rows), _Group())
         if g.chosen is not None and g.since < self.recheck_every:
             return g.chosen
         return self.options[g.turn % len(self.options)]
 
-    def record(self, rows: int, threads: int, seconds: float) -> None:
-        if rows >= TUNED_BELOW_ROWS:
+    def record(self, rows: int, threads: int, seconds: float, reads_prompt: bool = False) -> None:
+        if rows >= TUNED_BELOW_ROWS or reads_prompt:
             return
         gid = group_of(rows)
         g = self._groups.setdefault(gid, _Group())
