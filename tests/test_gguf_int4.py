@@ -19,7 +19,7 @@ from batcher.models.llama import LlamaModel
 from batcher.models import load_settings
 from batcher.models.load_settings import resolve_quantization
 from batcher.models.loader import load_model
-from batcher.runtime.quant import Int8Embedding, PackedLinear
+from batcher.runtime.quant import HEAD_DENSE_ABOVE_ROWS, Int8Embedding, PackedLinear
 from batcher.app.serve_flags import add_serve_args
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 4500
@@ -211,10 +211,17 @@ def test_the_dense_copy_computes_what_the_packed_kernel_does(gguf_file: Path) ->
         whole = layer(x)  # 5 rows > 2: the dense copy
         torch.testing.assert_close(whole.float(), by_rows.float(), rtol=3e-2,
                                    atol=3e-2 * whole.abs().max().item())
-    no_copy = load_model(str(gguf_file), dtype="bfloat16", device="cpu", quantization="int4",
-                         dense_above=None).model.layers[0].mlp.gate_up_proj
+    bare = load_model(str(gguf_file), dtype="bfloat16", device="cpu", quantization="int4",
+                      dense_above=None).model
+    no_copy = bare.layers[0].mlp.gate_up_proj
     held = sum(b.numel() * b.element_size() for b in no_copy.buffers())
     assert no_copy.dense is None and held < INTER * 2 * HIDDEN * 2 / 3  # under a third of bf16
+    # Without the layers' copies the head still keeps its own, past HEAD_DENSE_ABOVE_ROWS rows.
+    assert bare.lm_head.dense is not None and bare.lm_head.dense_above == HEAD_DENSE_ABOVE_ROWS
+    x = x[:HEAD_DENSE_ABOVE_ROWS + 1]
+    torch.testing.assert_close(bare.lm_head(x).float(), torch.cat(
+        [bare.lm_head(x[:1]), bare.lm_head(x[1:])]).float(), rtol=3e-2,
+        atol=3e-2 * bare.lm_head(x).abs().max().item())
 
 
 def test_quantized_dense_above_flag_and_config() -> None:

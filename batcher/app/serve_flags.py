@@ -70,8 +70,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
       metavar="ROWS", help="with int8/int4 quantization, steps of more than ROWS rows use a "
       "dense bf16 copy of the weights: faster large batches for more resident memory "
-      "(BENCHMARKS.md); 0 keeps no copy, and int4 unpacks into one reused buffer for large "
-      "steps instead (default: %(default)s)")
+      "(BENCHMARKS.md); 0 keeps no copy of the layers, and int4 unpacks into one reused buffer "
+      "for large steps instead; a tied int8 LM head keeps its dense copy for steps of more "
+      "than 4 rows either way (default: %(default)s)")
     a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
     a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,
