@@ -1,8 +1,11 @@
 """What a prompt token costs read in small chunks beside running streams, against the whole
 budget: the floor under chunked prefill's two goals together.
 
-On the bundled model at the runner's defaults (int4 on a CPU with native bf16, the C kernels),
-its steps on a thread of their own as the engine runs them: 8 decode rows (a 300-token context)
+On the bundled model as `batcher serve` loads it by default (the runner `build_engine` makes
+from the default `EngineConfig`: int4 on a CPU with native bf16, no dense copy of the layers,
+the C kernels, the default KV pool, so a prompt read in chunks keeps its staged K/V, and the
+thread tuner), its steps on a thread of their own as the engine runs them: 8 decode rows (a
+300-token context)
 alone, and with a chunk of c tokens of a prompt whose first 1,000 tokens are already read, for
 c in 4, 8, 16, 32, 64 and the whole budget (320 tokens a step, less the decode rows). Each chunk
 case reads a fresh prompt chunk after chunk; its steps alternate with decode-only steps.
@@ -34,20 +37,27 @@ BLOCK = 16
 
 
 def _measure(steps: int, rounds: int) -> dict[str, list[float]]:
+    from batcher.bundled import DEFAULT_MODEL
     from batcher.core.config import CPU_MAX_NUM_BATCHED_TOKENS
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
     from batcher.core.sampling import SamplingParams
-    from batcher.models.loader import load_model
-    from batcher.runtime.model_runner import ModelRunner
+    from batcher.engine.config import EngineConfig
+    from batcher.engine.factory import build_engine
     from batcher.system.threads import release_openmp_pool
 
     greedy = SamplingParams(temperature=0.0)
     whole = CPU_MAX_NUM_BATCHED_TOKENS - STREAMS
-    loaded = load_model("smollm2-135m", device="cpu")
+    runner = build_engine(DEFAULT_MODEL, EngineConfig()).runner  # never started: steps by hand
+    if runner.block_size != BLOCK:
+        raise SystemExit(f"the default block size is {runner.block_size}, not {BLOCK}")
     stream_blocks = -(-(STREAM_CTX + 1) // BLOCK)
     prompt_blocks = -(-(READ + steps * whole + 1) // BLOCK)
-    runner = ModelRunner(loaded, num_blocks=STREAMS * stream_blocks + prompt_blocks + 1,
-                         block_size=BLOCK)
+    if STREAMS * stream_blocks + prompt_blocks > runner.num_blocks:
+        raise SystemExit(f"the default KV pool ({runner.num_blocks} blocks) is too small")
+    used = STREAMS * stream_blocks + prompt_blocks
+    for k_cache, v_cache in runner.kv_caches:  # resident, as a serving pool's reused blocks are
+        k_cache[:used].zero_()
+        v_cache[:used].zero_()
     release_openmp_pool()  # the steps run on another thread
     tables = [list(range(i * stream_blocks, (i + 1) * stream_blocks)) for i in range(STREAMS)]
     prompt_table = list(range(STREAMS * stream_blocks, STREAMS * stream_blocks + prompt_blocks))
@@ -114,6 +124,7 @@ def main(argv: list[str]) -> None:
              "most 1.5x and 3x); none where a step with such a chunk is itself over 1.5x.")
     text = ("" if a.no_append else
             append_rows("Chunk cost: a prompt token read in small chunks beside 8 streams vs the "
-                        "whole budget, bundled model, defaults", header, rows, notes,
+                        "whole budget, bundled model as `batcher serve` loads it", header, rows,
+                        notes,
                         command=command(__name__, *argv)))
     print(text or "\n".join(" | ".join(r) for r in rows))
