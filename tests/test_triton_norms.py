@@ -1,6 +1,7 @@
 """The Triton kernels between a layer's matmuls (`batcher.runtime.triton_norms`) against torch's
-ops: the norm with and without the residual add, SiLU x up, their start-up check, and a whole
-plain model's steps through the layer loop with them against its modules. Compiled for the GPU
+ops: the norm with and without the residual add, SiLU x up, a decode step's RoPE and cache write,
+their start-up check, and a whole plain model's steps through the layer loop with them against
+its modules. Compiled for the GPU
 where one is present, else through Triton's interpreter on the CPU (the machinery of
 tests/test_triton_attention.py)."""
 
@@ -94,6 +95,89 @@ def test_the_start_up_check_passes_and_names_a_wrong_kernel(mod, monkeypatch) ->
 
     monkeypatch.setattr(mod, "_norm", off_by_one)
     assert "differs from torch's ops" in mod.self_check(dev, torch.bfloat16, 64, 96)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16)])
+def test_rope_and_the_cache_write_are_torchs(mod, dtype: torch.dtype, heads: int, kv_heads: int,
+                                             head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    rows, width = 5, (heads + 2 * kv_heads) * head_dim
+    # Rows of a wider tensor (a row stride past their width), as a projection's view may be.
+    qkv = (4 * torch.randn(rows, width + 8, generator=gen)).to(dtype)[:, :width]
+    angle = torch.rand(rows, 1, head_dim, generator=gen) * 50
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    slots = torch.tensor([7, 0, 12, 3, 9])
+    want_cache = tuple(torch.zeros(8, 2, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    want = mod.rope_cache_reference(qkv, cos, sin, want_cache, slots, heads, kv_heads,
+                                    head_dim)
+    cache = tuple(torch.zeros_like(c, device=DEVICE) for c in want_cache)
+    got = mod.TritonLayerOps.rope_cache(qkv.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), cache,
+                                        slots.to(DEVICE), heads, kv_heads, head_dim)
+    assert torch.equal(got.cpu(), want)  # rounded where torch rounds: bit for bit
+    assert torch.equal(cache[0].cpu(), want_cache[0]) and torch.equal(cache[1].cpu(),
+                                                                      want_cache[1])
+    with pytest.raises(ValueError):
+        mod.TritonLayerOps.rope_cache(qkv.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), cache,
+                                      slots.to(DEVICE), heads, kv_heads, head_dim // 2)
+
+
+def test_the_start_up_check_covers_rope_and_the_cache_write(mod, monkeypatch) -> None:
+    dev = torch.device(DEVICE)
+    assert mod.self_check(dev, torch.bfloat16, 64, 96, 4, 2, 16) is None
+    monkeypatch.setattr(mod.TritonLayerOps, "rope_cache", staticmethod(
+        lambda qkv, cos, sin, cache, slots, heads, kv_heads, head_dim:
+        qkv[:, :heads * head_dim].reshape(-1, heads, head_dim)))  # no rotation, no write
+    assert "RoPE" in mod.self_check(dev, torch.bfloat16, 64, 96, 4, 2, 16)
+    assert mod.self_check(dev, torch.bfloat16, 64, 96, 4, 2, 12) is None  # not taken: 12
+
+
+def test_a_decode_step_through_the_loop_reads_and_writes_the_cache_as_the_modules_do(
+        mod) -> None:
+    """A decode-only step on the triton attention backend: RoPE and the cache write in one
+    kernel, then the decode kernel, against the loop with `Attention.attend` and the modules."""
+    from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+    from batcher.core.sampling import SamplingParams
+    from batcher.models.llama_layer_loop import LayerLoop
+    from batcher.models.loader import load_model
+    from batcher.runtime.model_runner import ModelRunner
+
+    loaded = load_model("tiny", dtype="bfloat16", device=DEVICE)
+    model = loaded.model
+    ops = mod.TritonLayerOps(DEVICE)
+    loop = LayerLoop.for_model(model, ops)
+    assert loop is not None and loop.rope_cache is ops
+    runner = ModelRunner(loaded, num_blocks=32, block_size=16)
+    greedy = SamplingParams(temperature=0.0)
+    prompt = SchedulerOutput([ScheduledSeq("a", list(range(5, 25)), 0, [0, 1], True, greedy),
+                              ScheduledSeq("b", [6, 7, 8], 0, [2], True, greedy)])
+    step = SchedulerOutput([ScheduledSeq("a", [5], 20, [0, 1], True, greedy),
+                            ScheduledSeq("b", [6], 3, [2], True, greedy)])
+    results = {}
+    model.layer_loop = None
+    with torch.inference_mode():
+        runner.execute(prompt)  # the prompts' K/V in the cache
+        base = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
+        for case in ("modules", "attend", "fused"):
+            for kv, saved in zip(runner.kv_caches, base):
+                kv[0].copy_(saved[0])
+                kv[1].copy_(saved[1])
+            ids, pos, meta, idx, _ = runner.prepare(step)
+            meta.fused = None  # the triton backend's metadata: the decode kernel reads tables
+            meta.decode_tables = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+            meta.decode_lens = torch.tensor([21, 4], dtype=torch.int32)
+            model.layer_loop = None if case == "modules" else loop
+            loop.rope_cache = ops if case == "fused" else None
+            assert case == "modules" or loop.takes(model.embed_tokens(ids), meta)
+            assert ops.takes_rope_cache(meta, ids.shape[0], loop.heads[2])
+            logits = model(ids, pos, meta, runner.kv_caches, idx).float().cpu()
+            results[case] = (logits, [tuple(c.clone() for c in kv) for kv in runner.kv_caches])
+    model.layer_loop, loop.rope_cache = None, ops
+    fused, attend = results["fused"], results["attend"]
+    assert torch.equal(fused[0], attend[0])  # the same function, bit for bit
+    assert all(torch.equal(a, b) for x, y in zip(fused[1], attend[1]) for a, b in zip(x, y))
+    assert torch.equal(fused[0].argmax(-1), results["modules"][0].argmax(-1))
+    torch.testing.assert_close(fused[0], results["modules"][0], rtol=0.02, atol=0.02)
 
 
 def test_a_plain_models_steps_through_the_loop_are_its_modules_steps(mod) -> None:

@@ -10,7 +10,8 @@ and the kernels for everything between them, per layer:
 
     norm (the previous layer's residual add folded in) -> QKV projection -> attention and the
     output projection (the layer's own `Attention.attend`; on the CPU's decode steps RoPE, the
-    cache write and attention are one C call) -> add + norm -> gate/up projection ->
+    cache write and attention are one C call; on a GPU's, RoPE and the cache write are one
+    Triton call before the decode kernel) -> add + norm -> gate/up projection ->
     SiLU(gate) * up -> down projection
 
 The adds round as torch's do and the norms as the modules' norms compute them, so a step computes
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from batcher.models.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm
-from batcher.runtime.attention import AttentionMetadata
+from batcher.runtime.attention import AttentionMetadata, decode_attention
 from batcher.runtime.quant import Int8Embedding
 
 if TYPE_CHECKING:
@@ -58,6 +59,17 @@ class LayerOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
+class RopeCacheOps(Protocol):
+    """Ops that also take a decode step's RoPE and cache write in one call (the GPU's)."""
+
+    def takes_rope_cache(self, meta: AttentionMetadata, rows: int, head_dim: int) -> bool: ...
+
+    def rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                   heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+        """Q rotated [rows, heads, head_dim]; K rotated and V written at `slots`."""
+
+
 class LayerLoop:
     """`run(...)` for the steps `takes(...)` accepts; made by `for_model`."""
 
@@ -73,6 +85,14 @@ class LayerLoop:
             for layer in model.layers]
         self.final_norm = (model.norm.weight, model.norm.eps)
         self.lm_head = model.lm_head.forward
+        attn = model.layers[0].self_attn if len(model.layers) else None
+        # (heads, kv heads, head size), and each layer's output projection, where the ops take
+        # RoPE and the cache write in one call: decode steps then skip `Attention.attend`.
+        self.rope_cache: RopeCacheOps | None = ops if (
+            attn is not None and hasattr(ops, "rope_cache")) else None  # type: ignore[assignment]
+        self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim) if attn else (0, 0, 0)
+        self.o_projs: list[Projection] = [layer.self_attn.o_proj.forward
+                                          for layer in model.layers]
 
     @staticmethod
     def for_model(model: nn.Module, ops: LayerOps) -> LayerLoop | None:
@@ -94,12 +114,23 @@ class LayerLoop:
         """x: the step's embedded rows [T, hidden], a tensor of its own (the residual stream is
         summed into it in place) -> logits [N, vocab] of the rows `logits_indices` names."""
         ops = self.ops
+        heads, kv_heads, head_dim = self.heads
+        fused = self.rope_cache
+        if fused is not None and not (fused.takes_rope_cache(meta, x.shape[0], head_dim)
+                                      and cos.is_contiguous() and sin.is_contiguous()):
+            fused = None
         delta = None  # the residual branch not yet added into x
         for (in_w, in_eps, qkv_proj, attend, post_w, post_eps, gate_up_proj,
-             down_proj), kv in zip(self.layers, kv_caches):
+             down_proj), o_proj, kv in zip(self.layers, self.o_projs, kv_caches):
             h = (ops.rms_norm(x, in_w, in_eps) if delta is None
                  else ops.add_rms_norm(x, delta, in_w, in_eps))
-            h = ops.add_rms_norm(x, attend(qkv_proj(h), cos, sin, meta, kv), post_w, post_eps)
+            if fused is not None:  # a decode step: RoPE and the cache write in one call
+                q = fused.rope_cache(qkv_proj(h), cos, sin, kv, meta.slot_mapping, heads,
+                                     kv_heads, head_dim)
+                a = o_proj(decode_attention(q, kv, meta))
+            else:
+                a = attend(qkv_proj(h), cos, sin, meta, kv)
+            h = ops.add_rms_norm(x, a, post_w, post_eps)
             delta = down_proj(ops.silu_mul(gate_up_proj(h)))
         w, eps = self.final_norm
         h = ops.rms_norm(x, w, eps) if delta is None else ops.add_rms_norm(x, delta, w, eps)

@@ -204,13 +204,15 @@ def _attach_gpu_layer_loop(model: nn.Module, device: torch.device, dtype: torch.
     if loop is None:
         return
     cfg = model.config
-    why = triton_norms.self_check(device, dtype, cfg.hidden_size, cfg.intermediate_size)
+    why = triton_norms.self_check(device, dtype, cfg.hidden_size, cfg.intermediate_size,
+                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     if why is not None:
         log.warning("the Triton norm kernels failed their start-up check (%s): steps run the "
                     "model's modules", why)
         return
     model.layer_loop = loop
-    log.info("steps run as one loop over the layers, norms and SwiGLU as Triton kernels")
+    log.info("steps run as one loop over the layers, norms, SwiGLU and decode steps' RoPE and "
+             "cache write as Triton kernels")
 
 
 def _attach_int4_unpacker(model: LlamaModel) -> None:

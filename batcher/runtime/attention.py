@@ -122,9 +122,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, tor
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                      meta: AttentionMetadata) -> torch.Tensor:
-    # q: [D, heads, head_dim] -> [D, heads * head_dim]
+def decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                     meta: AttentionMetadata) -> torch.Tensor:
+    """The decode rows' attention, their new K/V already in the cache: q [D, heads, head_dim]
+    (RoPE applied) -> [D, heads * head_dim]."""
     k_cache, v_cache = kv_cache
     d_rows, heads, hd = q.shape
     if meta.fused is not None:  # the CPU kernel, reading the blocks in place
@@ -256,11 +257,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _attend_blocks(q, kv_cache, meta.table, meta.mask, meta.block_size, meta.fold_gqa)
     t, heads, hd = q.shape
     if meta.num_decodes == t:
-        return _decode_attention(q, kv_cache, meta)
+        return decode_attention(q, kv_cache, meta)
     out = q.new_empty(t, heads * hd)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode_attention(q[:nd], kv_cache, meta)
+        out[:nd] = decode_attention(q[:nd], kv_cache, meta)
     if _prefill_in_kernel(meta, q):
         from batcher.runtime.triton_prefill import VarlenPrefill, paged_prefill_attention
 

@@ -2,6 +2,9 @@
 with the residual add folded in, and SwiGLU's SiLU(gate) x up, one launch each where torch's ops
 take about seven (the norm's fp32 round trip and the add) and two. A plain Llama model's layer
 loop (`batcher.models.llama_layer_loop`) calls them, as it calls the C kernels on the CPU.
+In a decode-only step on the triton attention backend, RoPE on Q and K and the new K/V's cache
+write are one launch too (`rope_cache`), where torch's ops take about six (the roll, two
+products, the sum, two slot copies); the decode kernel then reads the cache as before.
 
 They round as torch's ops do, to nearest even (`_round`; bf16 in integer arithmetic, since
 Triton's interpreter truncates a float cast to bf16): the residual sum to the activations' type,
@@ -68,6 +71,36 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, IS_BF16: tl.constexpr, BLOCK: 
              mask=mask)
 
 
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr,
+                       v_cache_ptr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr):
+    # One program per (row, head) of Q, K and V in turn: Q and K heads rotated (x * cos +
+    # roll(x, half) * sin, each product and the sum rounded as torch rounds them; `sin` carries
+    # the rotate-half minus), Q to `q`, K and V to the row's cache slot.
+    dtype = q_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    src = qkv_ptr + row * qkv_stride + head * HEAD_DIM
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if head < HEADS + KV_HEADS:
+        half = HEAD_DIM // 2
+        x = tl.load(src + d).to(tl.float32)
+        rolled = tl.load(src + tl.where(d < half, d + half, d - half)).to(tl.float32)
+        c = tl.load(cos_ptr + row * HEAD_DIM + d).to(tl.float32)
+        s = tl.load(sin_ptr + row * HEAD_DIM + d).to(tl.float32)
+        y = _round(_round(x * c, dtype, IS_BF16).to(tl.float32)
+                   + _round(rolled * s, dtype, IS_BF16).to(tl.float32), dtype, IS_BF16)
+        if head < HEADS:
+            tl.store(q_ptr + (row * HEADS + head) * HEAD_DIM + d, y)
+        else:
+            tl.store(k_cache_ptr + (slot * KV_HEADS + head - HEADS) * HEAD_DIM + d, y)
+    else:
+        v = tl.load(src + d)
+        tl.store(v_cache_ptr + (slot * KV_HEADS + head - HEADS - KV_HEADS) * HEAD_DIM + d, v)
+
+
 def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
           eps: float) -> torch.Tensor:
     if x.dim() != 2 or not x.is_contiguous() or (delta is not None and (
@@ -107,6 +140,37 @@ class TritonLayerOps:
         return _norm(x, delta, weight, eps)
 
     @staticmethod
+    def takes_rope_cache(meta: AttentionMetadata, rows: int, head_dim: int) -> bool:
+        """A decode-only step whose attention reads the cache through the triton kernel, in
+        heads of a power-of-two size."""
+        return (meta.decode_tables is not None and meta.num_decodes == rows
+                and head_dim >= 2 and head_dim & (head_dim - 1) == 0)
+
+    @staticmethod
+    def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                   heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+        """qkv: [rows, (heads + 2 * kv_heads) * head_dim], unit stride within a row; cos, sin:
+        [rows, 1, head_dim] contiguous; slots: [rows] -> Q rotated, [rows, heads, head_dim]. K
+        rotated and V are written to `kv_cache` ([blocks, block_size, kv_heads, head_dim]) at
+        each row's slot."""
+        k_cache, v_cache = kv_cache
+        rows = qkv.shape[0]
+        if not (qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
+                and cos.is_contiguous() and sin.is_contiguous()
+                and cos.numel() == sin.numel() == rows * head_dim
+                and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k_cache.shape[-2:] == (kv_heads, head_dim) and slots.shape == (rows,)):
+            raise ValueError(f"rope_cache cannot take qkv {tuple(qkv.shape)} in heads of "
+                             f"{head_dim}")
+        q = qkv.new_empty(rows, heads, head_dim)
+        if rows:
+            _rope_cache_kernel[(rows, heads + 2 * kv_heads)](
+                qkv, qkv.stride(0), cos, sin, slots, q, k_cache, v_cache, HEADS=heads,
+                KV_HEADS=kv_heads, HEAD_DIM=head_dim, IS_BF16=qkv.dtype == torch.bfloat16)
+        return q
+
+    @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * inter] contiguous -> silu(gate) * up [rows, inter]."""
         rows, width = gate_up.shape
@@ -120,13 +184,19 @@ class TritonLayerOps:
         return out
 
 
-def self_check(device: torch.device, dtype: torch.dtype, hidden: int,
-               intermediate: int) -> str | None:
+def self_check(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int,
+               heads: int = 0, kv_heads: int = 0, head_dim: int = 0) -> str | None:
     """Run the kernels once on random rows in the model's sizes and compare them with torch's
-    ops: None when they agree, else why not (the model then keeps its modules' path)."""
+    ops: None when they agree, else why not (the model then keeps its modules' path). With
+    the attention's shape, `rope_cache` too where it takes that head size."""
     import torch.nn.functional as F
 
     from batcher.runtime.token_ops import rms_norm
+
+    if heads and head_dim >= 2 and head_dim & (head_dim - 1) == 0:
+        why = _check_rope_cache(device, dtype, heads, kv_heads, head_dim)
+        if why is not None:
+            return why
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, hidden, generator=gen).to(dtype)
@@ -150,4 +220,44 @@ def self_check(device: torch.device, dtype: torch.dtype, hidden: int,
         if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1e-2):
             err = (got.float() - want.float()).abs().max().item()
             return f"{name} differs from torch's ops by {err:.3g}"
+    return None
+
+
+def rope_cache_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                         heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """What `TritonLayerOps.rope_cache` computes, in the modules' torch ops."""
+    from batcher.runtime.attention import write_kv
+    from batcher.runtime.token_ops import apply_rope
+
+    rows = qkv.shape[0]
+    qk_end = (heads + kv_heads) * head_dim
+    qk = apply_rope(qkv[:, :qk_end].view(rows, -1, head_dim), cos, sin)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    write_kv(k, qkv[:, qk_end:].view(rows, kv_heads, head_dim), kv_cache, slots)
+    return q
+
+
+def _check_rope_cache(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                      head_dim: int) -> str | None:
+    gen = torch.Generator().manual_seed(1)
+    rows, blocks, block_size = 3, 4, 2
+    qkv = (3 * torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)).to(dtype)
+    angle = torch.rand(rows, 1, head_dim, generator=gen) * 6.28
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    slots = torch.tensor([5, 0, 2])
+    want_cache = tuple(torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+                       for _ in range(2))
+    want = rope_cache_reference(qkv, cos, sin, want_cache, slots, heads, kv_heads, head_dim)
+    cache = tuple(c.to(device, copy=True) for c in want_cache)
+    cache[0].zero_()
+    cache[1].zero_()
+    try:
+        got = TritonLayerOps.rope_cache(qkv.to(device), cos.to(device), sin.to(device), cache,
+                                        slots.to(device), heads, kv_heads, head_dim).cpu()
+    except Exception as exc:  # a compiler or driver that refuses a kernel
+        return f"{type(exc).__name__}: {exc}"
+    if not (torch.equal(got, want) and torch.equal(cache[0].cpu(), want_cache[0])
+            and torch.equal(cache[1].cpu(), want_cache[1])):
+        return "RoPE and the cache write differ from torch's ops"
     return None
