@@ -98,7 +98,8 @@ def test_the_cpu_runner_tunes_its_threads_and_answers_the_same(runner_on_two_thr
     assert runner.tuner is not None
     used = set()
     record = runner.tuner.record
-    runner.tuner.record = lambda rows, n, *rest: (used.add(n), record(rows, n, *rest))  # type: ignore
+    runner.tuner.record = lambda rows, n, *rest: (  # type: ignore[method-assign]
+        used.add(n), record(rows, n, *rest))
     for _ in range(40):
         assert runner.execute(step).token_ids == first
     assert used == {1, 2} and set(runner.tuner.chosen()) == {1}
