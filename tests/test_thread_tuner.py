@@ -143,3 +143,24 @@ def test_the_cpu_runner_reads_a_prompt_chunk_on_every_thread(runner_on_two_threa
     runner.execute(mixed)
     runner.execute(decode)
     assert used == [2, 1] and torch.get_num_threads() == 2
+
+
+def test_a_step_verifying_drafts_is_tuned_as_decode_rows_are(runner_on_two_threads) -> None:
+    import torch
+
+    from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+    from batcher.sim.calibrate import GREEDY
+
+    runner, _ = runner_on_two_threads
+    tuner = ThreadTuner(2, samples=2)
+    run(tuner, 3, {2: 0.01, 1: 0.001}, 4)  # steps of 2-3 rows: one thread chosen
+    runner.tuner = tuner
+    # One real new token and two drafts: three rows, no prompt read.
+    verify = SchedulerOutput([ScheduledSeq("v", [5, 6, 7], 20, [0, 1], True, GREEDY,
+                                           output_index=1, draft_token_ids=(6, 7))])
+    used: list[int] = []
+    execute = runner._execute
+    runner._execute = lambda sched: (  # type: ignore[method-assign]
+        used.append(torch.get_num_threads()), execute(sched))[1]
+    runner.execute(verify)
+    assert used == [1]

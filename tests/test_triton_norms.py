@@ -122,14 +122,14 @@ def test_rope_and_the_cache_write_are_torchs(mod, dtype: torch.dtype, heads: int
                                       slots.to(DEVICE), heads, kv_heads, head_dim // 2)
 
 
-def test_the_start_up_check_covers_rope_and_the_cache_write(mod, monkeypatch) -> None:
+def test_the_start_up_check_of_rope_and_the_cache_write(mod, monkeypatch) -> None:
     dev = torch.device(DEVICE)
-    assert mod.self_check(dev, torch.bfloat16, 64, 96, 4, 2, 16) is None
+    assert mod.check_rope_cache(dev, torch.bfloat16, 4, 2, 16) is None
+    assert "power of two" in mod.check_rope_cache(dev, torch.bfloat16, 4, 2, 12)
     monkeypatch.setattr(mod.TritonLayerOps, "rope_cache", staticmethod(
         lambda qkv, cos, sin, cache, slots, heads, kv_heads, head_dim:
         qkv[:, :heads * head_dim].reshape(-1, heads, head_dim)))  # no rotation, no write
-    assert "RoPE" in mod.self_check(dev, torch.bfloat16, 64, 96, 4, 2, 16)
-    assert mod.self_check(dev, torch.bfloat16, 64, 96, 4, 2, 12) is None  # not taken: 12
+    assert "RoPE" in mod.check_rope_cache(dev, torch.bfloat16, 4, 2, 16)
 
 
 def test_a_decode_step_through_the_loop_reads_and_writes_the_cache_as_the_modules_do(
@@ -153,6 +153,17 @@ def test_a_decode_step_through_the_loop_reads_and_writes_the_cache_as_the_module
                               ScheduledSeq("b", [6, 7, 8], 0, [2], True, greedy)])
     step = SchedulerOutput([ScheduledSeq("a", [5], 20, [0, 1], True, greedy),
                             ScheduledSeq("b", [6], 3, [2], True, greedy)])
+    calls: list[int] = []
+
+    class Spy:  # the kernel, counted
+        takes_rope_cache = staticmethod(ops.takes_rope_cache)
+
+        @staticmethod
+        def rope_cache(*args):
+            calls.append(1)
+            return ops.rope_cache(*args)
+
+    spy = Spy()
     results = {}
     model.layer_loop = None
     with torch.inference_mode():
@@ -167,12 +178,13 @@ def test_a_decode_step_through_the_loop_reads_and_writes_the_cache_as_the_module
             meta.decode_tables = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
             meta.decode_lens = torch.tensor([21, 4], dtype=torch.int32)
             model.layer_loop = None if case == "modules" else loop
-            loop.rope_cache = ops if case == "fused" else None
+            loop.rope_cache = spy if case == "fused" else None
             assert case == "modules" or loop.takes(model.embed_tokens(ids), meta)
             assert ops.takes_rope_cache(meta, ids.shape[0], loop.heads[2])
             logits = model(ids, pos, meta, runner.kv_caches, idx).float().cpu()
             results[case] = (logits, [tuple(c.clone() for c in kv) for kv in runner.kv_caches])
     model.layer_loop, loop.rope_cache = None, ops
+    assert len(calls) == len(model.layers)  # every layer of the fused step, no other step
     fused, attend = results["fused"], results["attend"]
     assert torch.equal(fused[0], attend[0])  # the same function, bit for bit
     assert all(torch.equal(a, b) for x, y in zip(fused[1], attend[1]) for a, b in zip(x, y))
@@ -220,11 +232,16 @@ def test_the_loader_attaches_the_loop_only_where_the_kernels_pass_their_check(
     loader._attach_gpu_layer_loop(model, dev, torch.bfloat16)
     assert isinstance(model.layer_loop, LayerLoop)
     assert isinstance(model.layer_loop.ops, mod.TritonLayerOps)
+    assert model.layer_loop.rope_cache is model.layer_loop.ops
     model.layer_loop = None
     monkeypatch.setenv("BATCHER_LAYER_LOOP", "0")  # off, to compare
     loader._attach_gpu_layer_loop(model, dev, torch.bfloat16)
     assert model.layer_loop is None
     monkeypatch.delenv("BATCHER_LAYER_LOOP")
+    monkeypatch.setattr(mod, "check_rope_cache", lambda *a: "differs")
+    loader._attach_gpu_layer_loop(model, dev, torch.bfloat16)
+    assert model.layer_loop is not None and model.layer_loop.rope_cache is None  # attend
+    model.layer_loop = None
     monkeypatch.setattr(mod, "self_check", lambda *a: "differs")
     loader._attach_gpu_layer_loop(model, dev, torch.bfloat16)
     assert model.layer_loop is None  # the modules' path

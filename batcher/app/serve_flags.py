@@ -72,7 +72,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "dense bf16 copy of the weights: faster large batches for more resident memory "
       "(BENCHMARKS.md); 0 keeps no copy of the layers, and int4 unpacks into one reused buffer "
       "for large steps instead; a tied int8 LM head keeps its dense copy for steps of more "
-      "than 4 rows either way (default: %(default)s)")
+      "than 4 rows (or ROWS, if fewer) either way (default: %(default)s)")
     a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
     a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,

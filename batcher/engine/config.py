@@ -52,7 +52,8 @@ class EngineConfig:
     load_format: str = "auto"  # or "dummy": random weights in the model's shapes
     # Quantized steps with more rows than this use a dense copy of the quantized weights; 0: no
     # copy of the layers (packed kernels, and int4 weights unpacked per step for big steps: less
-    # memory). A tied int8 head keeps its copy past HEAD_DENSE_ABOVE_ROWS either way.
+    # memory). A tied int8 head keeps its copy past HEAD_DENSE_ABOVE_ROWS (or this, if fewer)
+    # either way.
     quantized_dense_above: int = 0
     attention_backend: str = "auto"
     cuda_graphs: bool = True

@@ -4,8 +4,9 @@ Q4_1 stores each group of 32 weights as a scale, a minimum and 4-bit values: the
 the CPU int4 kernel's groups of 32 (scale and zero point), so a block is re-laid out, never
 dequantized. No dense copy of the decoder layers exists at any point unless the layers keep one
 for large steps, which keeps both the peak and the resident memory of an int4 load low. A tied
-embedding table and LM head become one per-row int8 table too (with a dense copy of its values
-for steps past a few rows when the layers keep theirs).
+embedding table and LM head become one per-row int8 table too, with a dense copy of its values
+for steps past a few rows (HEAD_DENSE_ABOVE_ROWS, or the layers' own row count where smaller)
+whether or not the layers keep theirs.
 """
 
 from __future__ import annotations

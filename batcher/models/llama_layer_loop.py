@@ -116,8 +116,9 @@ class LayerLoop:
         ops = self.ops
         heads, kv_heads, head_dim = self.heads
         fused = self.rope_cache
-        if fused is not None and not (fused.takes_rope_cache(meta, x.shape[0], head_dim)
-                                      and cos.is_contiguous() and sin.is_contiguous()):
+        if fused is not None and not (
+                fused.takes_rope_cache(meta, x.shape[0], head_dim) and cos.is_contiguous()
+                and sin.is_contiguous() and all(c.is_contiguous() for c in kv_caches[0])):
             fused = None
         delta = None  # the residual branch not yet added into x
         for (in_w, in_eps, qkv_proj, attend, post_w, post_eps, gate_up_proj,

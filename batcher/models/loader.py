@@ -87,7 +87,8 @@ def load_model(source: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = "a
     """Load `source` (a name, a .gguf path or a Hugging Face folder) onto `device` in `dtype`.
     `quantization` int8/int4 packs the decoder layers' linears (CPU only; `auto`: see
     `resolve_quantization`); steps with more than
-    `dense_above` rows use a dense copy of the quantized weights (None: no copy). int4 from a
+    `dense_above` rows use a dense copy of the quantized weights (None: no copy of the layers; a
+    tied int8 head keeps its copy past HEAD_DENSE_ABOVE_ROWS rows either way). int4 from a
     GGUF file takes its Q4_1 blocks as they are; `int4_via_dense` instead dequantizes the whole
     model and re-quantizes it (the slower, larger load, kept to compare the two).
     `load_format` "dummy" reads only `source`'s config (see `dummy_config`) and builds random
@@ -204,15 +205,20 @@ def _attach_gpu_layer_loop(model: nn.Module, device: torch.device, dtype: torch.
     if loop is None:
         return
     cfg = model.config
-    why = triton_norms.self_check(device, dtype, cfg.hidden_size, cfg.intermediate_size,
-                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    why = triton_norms.self_check(device, dtype, cfg.hidden_size, cfg.intermediate_size)
     if why is not None:
         log.warning("the Triton norm kernels failed their start-up check (%s): steps run the "
                     "model's modules", why)
         return
+    why = triton_norms.check_rope_cache(device, dtype, cfg.num_heads, cfg.num_kv_heads,
+                                        cfg.head_dim)
+    if why is not None:
+        loop.rope_cache = None
+        log.info("decode steps' RoPE and cache write stay torch's ops in the layer loop (%s)", why)
     model.layer_loop = loop
-    log.info("steps run as one loop over the layers, norms, SwiGLU and decode steps' RoPE and "
-             "cache write as Triton kernels")
+    log.info("steps run as one loop over the layers, norms and SwiGLU as Triton kernels%s",
+             "" if loop.rope_cache is None else
+             "; with the triton attention backend, decode steps' RoPE and cache write too")
 
 
 def _attach_int4_unpacker(model: LlamaModel) -> None:

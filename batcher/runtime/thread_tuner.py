@@ -7,12 +7,11 @@ compute-bound and runs on every core, however few its rows: a step that reads a 
 beside decode rows is not measured with them (in one group, a tuner that picked one thread for
 8 decode rows ran their steps with a 4-token chunk on it too: 75 against 56 ms on two threads,
 and the chunk's own share 2x slower). Below `TUNED_BELOW_ROWS` rows the best count for decode
-rows alone depends on the CPU, the model and the load, so it is measured: steps are grouped by
-row count (powers of two), and each group tries its candidate thread counts in turn, a few steps
-each, interleaved so drift hits all alike, then keeps the one with the lowest median time per
-row. A group measures again
-every `recheck_every` of its steps. Never more threads than the process was given
-(`--torch-threads`).
+rows (and rows verifying drafts) depends on the CPU, the model and the load, so it is measured:
+steps are grouped by row count (powers of two), and each group tries its candidate thread counts
+in turn, a few steps each, interleaved so drift hits all alike, then keeps the one with the
+lowest median time per row. A group measures again every `recheck_every` of its steps. Never
+more threads than the process was given (`--torch-threads`).
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ class _Group:
 
 
 class ThreadTuner:
-    """`threads(rows)` before a step, `record(rows, threads, seconds)` after it. Not thread-safe:
-    the model thread owns it."""
+    """`threads(rows, reads_prompt)` before a step, `record(rows, threads, seconds,
+    reads_prompt)` after it. Not thread-safe: the model thread owns it."""
 
     def __init__(self, full: int, samples: int = 8, recheck_every: int = 4096,
                  on_choice: Callable[[int, int, dict[int, float]], None] | None = None) -> None:

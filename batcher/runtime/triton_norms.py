@@ -140,11 +140,15 @@ class TritonLayerOps:
         return _norm(x, delta, weight, eps)
 
     @staticmethod
+    def takes_head_dim(head_dim: int) -> bool:
+        return head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+    @staticmethod
     def takes_rope_cache(meta: AttentionMetadata, rows: int, head_dim: int) -> bool:
         """A decode-only step whose attention reads the cache through the triton kernel, in
         heads of a power-of-two size."""
         return (meta.decode_tables is not None and meta.num_decodes == rows
-                and head_dim >= 2 and head_dim & (head_dim - 1) == 0)
+                and TritonLayerOps.takes_head_dim(head_dim))
 
     @staticmethod
     def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -184,19 +188,14 @@ class TritonLayerOps:
         return out
 
 
-def self_check(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int,
-               heads: int = 0, kv_heads: int = 0, head_dim: int = 0) -> str | None:
-    """Run the kernels once on random rows in the model's sizes and compare them with torch's
-    ops: None when they agree, else why not (the model then keeps its modules' path). With
-    the attention's shape, `rope_cache` too where it takes that head size."""
+def self_check(device: torch.device, dtype: torch.dtype, hidden: int,
+               intermediate: int) -> str | None:
+    """Run the norm and SwiGLU kernels once on random rows in the model's sizes and compare them
+    with torch's ops: None when they agree, else why not (the model then keeps its modules'
+    path)."""
     import torch.nn.functional as F
 
     from batcher.runtime.token_ops import rms_norm
-
-    if heads and head_dim >= 2 and head_dim & (head_dim - 1) == 0:
-        why = _check_rope_cache(device, dtype, heads, kv_heads, head_dim)
-        if why is not None:
-            return why
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, hidden, generator=gen).to(dtype)
@@ -238,8 +237,13 @@ def rope_cache_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return q
 
 
-def _check_rope_cache(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                      head_dim: int) -> str | None:
+def check_rope_cache(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                     head_dim: int) -> str | None:
+    """Run `rope_cache` once on random rows in the model's attention shape and compare it with
+    torch's ops: None when it is equal bit for bit, else why not (decode steps then keep
+    `Attention.attend`)."""
+    if not TritonLayerOps.takes_head_dim(head_dim):
+        return f"heads of {head_dim} (it takes a power of two)"
     gen = torch.Generator().manual_seed(1)
     rows, blocks, block_size = 3, 4, 2
     qkv = (3 * torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)).to(dtype)

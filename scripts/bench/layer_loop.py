@@ -55,6 +55,7 @@ def _decode_steps(part: str, row_counts: list[int], steps: int) -> list[list[str
     from batcher.core.sampling import SamplingParams
     from batcher.engine.config import EngineConfig
     from batcher.engine.factory import build_engine
+    from batcher.runtime.thread_tuner import TUNED_BELOW_ROWS, group_of
     from batcher.system.threads import release_openmp_pool
 
     runner = build_engine(DEFAULT_MODEL, EngineConfig()).runner  # never started: steps by hand
@@ -69,11 +70,22 @@ def _decode_steps(part: str, row_counts: list[int], steps: int) -> list[list[str
     greedy = SamplingParams(temperature=0.0)
     table: list[list[str]] = []
 
+    def settle(step: SchedulerOutput, rows: int) -> None:
+        # The thread tuner picks a count for small steps from their first few: timed steps
+        # come after its choice (made from steps with the part off and on alike), not during.
+        tuner, group = runner.tuner, 1 << group_of(rows)
+        for i in range(64):
+            if tuner is None or rows >= TUNED_BELOW_ROWS or group in tuner.chosen():
+                return
+            setattr(holder, attr, attached if i % 2 else None)
+            runner.execute(step)
+
     def run() -> None:
         for n in row_counts:
             step = [ScheduledSeq(f"s{i}", [7], DECODE_CTX,
                                  list(range(i * per_row, (i + 1) * per_row)), True, greedy)
                     for i in range(n)]
+            settle(SchedulerOutput(step), n)
             times: dict[str, list[float]] = {"off": [], "on": []}
             for r in range(steps + 2):  # the first two of each are warm-up
                 cases = (("off", None), ("on", attached))
@@ -165,7 +177,8 @@ def main(argv: list[str]) -> None:
         notes = (f"Decode-only steps, {DECODE_CTX}-token contexts, through the runner the "
                  "engine builds at its defaults (not started: steps by hand, on a thread of "
                  f"their own); medians of {a.steps} steps a case, off and on alternating step "
-                 "by step after two warm-up pairs.")
+                 "by step after two warm-up pairs, and for steps the thread tuner measures, "
+                 "after it chose.")
         text = ("" if a.no_append else
                 append_rows(f"{PARTS[a.part]} off vs on: decode steps, bundled model, defaults",
                             header, steps, notes, command=command(__name__, *argv)))
