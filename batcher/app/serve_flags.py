@@ -69,10 +69,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "BENCHMARKS.md (default: %(default)s)")
     a("--quantized-dense-above", type=non_negative_int, default=_E.quantized_dense_above,
       metavar="ROWS", help="with int8/int4 quantization, steps of more than ROWS rows use a "
-      "dense bf16 copy of the weights: faster large batches for more resident memory "
-      "(BENCHMARKS.md); 0 keeps no copy of the layers, and int4 unpacks into one reused buffer "
-      "for large steps instead; a tied int8 LM head keeps its dense copy for steps of more "
-      "than 4 rows (or ROWS, if fewer) either way (default: %(default)s)")
+      "dense bf16 copy of the layers' weights, for more resident memory; 0 keeps none (int4 "
+      "unpacks per step instead). A tied int8 LM head keeps a copy either way, used past 4 "
+      "rows (past ROWS if fewer) (default: %(default)s)")
     a("--device", default=_E.device, type=lower, choices=DEVICES, help="auto picks cuda when a GPU "
       "is visible (default: %(default)s)")
     a("--kv-cache-memory", type=byte_size, default=_E.kv_cache_memory,
