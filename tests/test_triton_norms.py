@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from batcher.runtime.attention import rotate_and_write_kv
 from batcher.runtime.token_ops import rms_norm
 from tests.test_triton_attention import DEVICE, compiled_already, kernel_module, run_interpreted
 
@@ -109,8 +110,7 @@ def test_rope_and_the_cache_write_are_torchs(mod, dtype: torch.dtype, heads: int
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
     slots = torch.tensor([7, 0, 12, 3, 9])
     want_cache = tuple(torch.zeros(8, 2, kv_heads, head_dim, dtype=dtype) for _ in range(2))
-    want = mod.rope_cache_reference(qkv, cos, sin, want_cache, slots, heads, kv_heads,
-                                    head_dim)
+    want = rotate_and_write_kv(qkv, cos, sin, want_cache, slots, heads, kv_heads, head_dim)
     cache = tuple(torch.zeros_like(c, device=DEVICE) for c in want_cache)
     got = mod.TritonLayerOps.rope_cache(qkv.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), cache,
                                         slots.to(DEVICE), heads, kv_heads, head_dim)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from batcher.runtime.prefill_staging import StagedKV
+from batcher.runtime.token_ops import apply_rope
 
 if TYPE_CHECKING:
     from batcher.runtime.triton_prefill import VarlenPrefill
@@ -120,6 +121,21 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, tor
     kvh, d = k_cache.shape[-2:]
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+def rotate_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                        heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """From a fused QKV projection's rows [T, (heads + 2 * kv_heads) * head_dim] in torch's ops:
+    RoPE on Q and K, K and V written at `slots` -> Q rotated [T, heads, head_dim]. What the fused
+    kernels that do this in one call (the CPU's decode attention, the GPU's `rope_cache`) are
+    checked against."""
+    rows = qkv.shape[0]
+    qk_end = (heads + kv_heads) * head_dim
+    qk = apply_rope(qkv[:, :qk_end].reshape(rows, heads + kv_heads, head_dim), cos, sin)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    write_kv(k, qkv[:, qk_end:].reshape(rows, kv_heads, head_dim), kv_cache, slots)
+    return q
 
 
 def decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

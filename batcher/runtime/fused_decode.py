@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from batcher.runtime import cpu_kernels
-from batcher.runtime.attention import AttentionMetadata, FusedDecodeStep, write_kv
+from batcher.runtime.attention import AttentionMetadata, FusedDecodeStep, rotate_and_write_kv
 from batcher.runtime.token_ops import apply_rope, rms_norm
 
 log = logging.getLogger("batcher.runtime.fused_decode")
@@ -185,13 +185,8 @@ def reference_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         kv_cache: tuple[torch.Tensor, torch.Tensor], step: FusedDecodeStep,
                         heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     """What `FusedDecode.attend` computes, in torch ops (the model's own path, row by row)."""
-    rows = qkv.shape[0]
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qk = qkv[:, :q_size + kv_size].reshape(rows, heads + kv_heads, head_dim)
-    qk = apply_rope(qk, cos, sin)
-    q, k = qk.split([heads, kv_heads], dim=1)
-    v = qkv[:, q_size + kv_size:].reshape(rows, kv_heads, head_dim)
-    write_kv(k, v, kv_cache, step.slots)
+    rows, q_size = qkv.shape[0], heads * head_dim
+    q = rotate_and_write_kv(qkv, cos, sin, kv_cache, step.slots, heads, kv_heads, head_dim)
     k_cache, v_cache = kv_cache
     out = []
     for r in range(rows):

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batcher.runtime.attention import AttentionMetadata
+from batcher.runtime.attention import AttentionMetadata, rotate_and_write_kv
 
 SILU_BLOCK = 1024
 
@@ -222,21 +222,6 @@ def self_check(device: torch.device, dtype: torch.dtype, hidden: int,
     return None
 
 
-def rope_cache_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
-                         heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """What `TritonLayerOps.rope_cache` computes, in the modules' torch ops."""
-    from batcher.runtime.attention import write_kv
-    from batcher.runtime.token_ops import apply_rope
-
-    rows = qkv.shape[0]
-    qk_end = (heads + kv_heads) * head_dim
-    qk = apply_rope(qkv[:, :qk_end].view(rows, -1, head_dim), cos, sin)
-    q, k = qk.split([heads, kv_heads], dim=1)
-    write_kv(k, qkv[:, qk_end:].view(rows, kv_heads, head_dim), kv_cache, slots)
-    return q
-
-
 def check_rope_cache(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                      head_dim: int) -> str | None:
     """Run `rope_cache` once on random rows in the model's attention shape and compare it with
@@ -252,7 +237,7 @@ def check_rope_cache(device: torch.device, dtype: torch.dtype, heads: int, kv_he
     slots = torch.tensor([5, 0, 2])
     want_cache = tuple(torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype)
                        for _ in range(2))
-    want = rope_cache_reference(qkv, cos, sin, want_cache, slots, heads, kv_heads, head_dim)
+    want = rotate_and_write_kv(qkv, cos, sin, want_cache, slots, heads, kv_heads, head_dim)
     cache = tuple(c.to(device, copy=True) for c in want_cache)
     cache[0].zero_()
     cache[1].zero_()
