@@ -1,6 +1,6 @@
 """What the scenarios share: the checkout's root, a scenario's parser and command line, a
-scenario run again in a child process, another checkout's server, and the transformers
-baseline's padded batches. The measuring helpers every bench uses (workloads, percentiles,
+scenario run again in a child process, another checkout's server, the runner `batcher serve`
+builds stepped by hand on a model thread, and the transformers baseline's padded batches. The measuring helpers every bench uses (workloads, percentiles,
 BENCHMARKS.md rows) are the installed `batcher.bench.common`."""
 
 from __future__ import annotations
@@ -14,6 +14,35 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = __package__ or "scripts.bench"
+
+
+def serving_runner(blocks: int):
+    """The model runner `build_engine` makes from the default `EngineConfig` (the bundled model
+    as `batcher serve` loads it, never started: its steps are run by hand), with its first
+    `blocks` KV blocks made resident, as a serving pool's reused blocks are. Run its steps
+    through `on_model_thread`."""
+    from batcher.bundled import DEFAULT_MODEL
+    from batcher.engine.config import EngineConfig
+    from batcher.engine.factory import build_engine
+    from batcher.system.threads import release_openmp_pool
+
+    runner = build_engine(DEFAULT_MODEL, EngineConfig()).runner
+    if blocks > runner.num_blocks:
+        raise SystemExit(f"the default KV pool ({runner.num_blocks} blocks) is too small")
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache[:blocks].zero_()
+        v_cache[:blocks].zero_()
+    release_openmp_pool()  # the steps run on another thread
+    return runner
+
+
+def on_model_thread(run) -> None:
+    """`run()` on a fresh thread named as the engine's model thread, waited for."""
+    import threading
+
+    worker = threading.Thread(target=run, name="batcher-model")
+    worker.start()
+    worker.join()
 
 
 def scenario(module: str) -> str:

@@ -24,11 +24,10 @@ cannot meet both.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 
 from batcher.bench.common import append_rows
-from scripts.bench._shared import command, parser
+from scripts.bench._shared import command, on_model_thread, parser, serving_runner
 
 STREAMS, STREAM_CTX, READ = 8, 300, 1000
 CHUNKS = (4, 8, 16, 32, 64)
@@ -37,28 +36,17 @@ BLOCK = 16
 
 
 def _measure(steps: int, rounds: int) -> dict[str, list[float]]:
-    from batcher.bundled import DEFAULT_MODEL
     from batcher.core.config import CPU_MAX_NUM_BATCHED_TOKENS
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
     from batcher.core.sampling import SamplingParams
-    from batcher.engine.config import EngineConfig
-    from batcher.engine.factory import build_engine
-    from batcher.system.threads import release_openmp_pool
 
     greedy = SamplingParams(temperature=0.0)
     whole = CPU_MAX_NUM_BATCHED_TOKENS - STREAMS
-    runner = build_engine(DEFAULT_MODEL, EngineConfig()).runner  # never started: steps by hand
-    if runner.block_size != BLOCK:
-        raise SystemExit(f"the default block size is {runner.block_size}, not {BLOCK}")
     stream_blocks = -(-(STREAM_CTX + 1) // BLOCK)
     prompt_blocks = -(-(READ + steps * whole + 1) // BLOCK)
-    if STREAMS * stream_blocks + prompt_blocks > runner.num_blocks:
-        raise SystemExit(f"the default KV pool ({runner.num_blocks} blocks) is too small")
-    used = STREAMS * stream_blocks + prompt_blocks
-    for k_cache, v_cache in runner.kv_caches:  # resident, as a serving pool's reused blocks are
-        k_cache[:used].zero_()
-        v_cache[:used].zero_()
-    release_openmp_pool()  # the steps run on another thread
+    runner = serving_runner(STREAMS * stream_blocks + prompt_blocks)
+    if runner.block_size != BLOCK:
+        raise SystemExit(f"the default block size is {runner.block_size}, not {BLOCK}")
     tables = [list(range(i * stream_blocks, (i + 1) * stream_blocks)) for i in range(STREAMS)]
     prompt_table = list(range(STREAMS * stream_blocks, STREAMS * stream_blocks + prompt_blocks))
     decodes = [ScheduledSeq(f"s{i}", [7], STREAM_CTX, tables[i], True, greedy)
@@ -84,9 +72,7 @@ def _measure(steps: int, rounds: int) -> dict[str, list[float]]:
                     times.setdefault(name, []).append(timed([*decodes, chunk]))
                     times.setdefault("decode", []).append(timed(decodes))
 
-    worker = threading.Thread(target=run, name="batcher-model")
-    worker.start()
-    worker.join()
+    on_model_thread(run)
     return times
 
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import threading
 import time
 
 from batcher.bench.common import append_rows, load_workload
-from scripts.bench._shared import command, parser
+from scripts.bench._shared import command, on_model_thread, parser, serving_runner
 
 FIRST_TOKEN = 1000  # plus the run's number: each run's prompts share no cached prefix
 DECODE_CTX = 300  # tokens of context of each row in --decode-rows steps
+DECODE_BLOCK = 16  # the default block size, which the row tables are laid out in
 
 
 PARTS = {"layer_loop": "Layer loop", "head_copy": "The LM head's dense copy"}
@@ -50,23 +50,15 @@ def _part(model: object, part: str) -> tuple[object, str, object]:
 
 
 def _decode_steps(part: str, row_counts: list[int], steps: int) -> list[list[str]]:
-    from batcher.bundled import DEFAULT_MODEL
     from batcher.core.outputs import ScheduledSeq, SchedulerOutput
     from batcher.core.sampling import SamplingParams
-    from batcher.engine.config import EngineConfig
-    from batcher.engine.factory import build_engine
     from batcher.runtime.thread_tuner import TUNED_BELOW_ROWS, group_of
-    from batcher.system.threads import release_openmp_pool
 
-    runner = build_engine(DEFAULT_MODEL, EngineConfig()).runner  # never started: steps by hand
+    per_row = -(-(DECODE_CTX + 1) // DECODE_BLOCK)
+    runner = serving_runner(max(row_counts) * per_row)
+    if runner.block_size != DECODE_BLOCK:
+        raise SystemExit(f"the default block size is {runner.block_size}, not {DECODE_BLOCK}")
     holder, attr, attached = _part(runner.model, part)
-    per_row = -(-(DECODE_CTX + 1) // runner.block_size)
-    if max(row_counts) * per_row > runner.num_blocks:
-        raise SystemExit(f"the default KV pool ({runner.num_blocks} blocks) is too small")
-    for k_cache, v_cache in runner.kv_caches:  # resident, as a serving pool's reused blocks are
-        k_cache[:max(row_counts) * per_row].zero_()
-        v_cache[:max(row_counts) * per_row].zero_()
-    release_openmp_pool()  # the steps run on another thread
     greedy = SamplingParams(temperature=0.0)
     table: list[list[str]] = []
 
@@ -99,10 +91,8 @@ def _decode_steps(part: str, row_counts: list[int], steps: int) -> list[list[str
             table.append([str(n), f"{off * 1e3:.1f}", f"{on * 1e3:.1f}", f"x{on / off:.2f}"])
             print(f"# {n} rows: off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms", flush=True)
 
-    worker = threading.Thread(target=run, name="batcher-model")
     try:
-        worker.start()
-        worker.join()
+        on_model_thread(run)
     finally:
         setattr(holder, attr, attached)
     return table
