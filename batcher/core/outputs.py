@@ -69,6 +69,12 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.seqs)
 
     @property
+    def reads_prompt(self) -> bool:
+        """Some sequence reads a prompt chunk: more new tokens than its one plus its drafts."""
+        return any(len(s.token_ids) > 1 + len(s.draft_token_ids)
+                   for s in self.seqs[self.num_decodes:])
+
+    @property
     def is_empty(self) -> bool:
         return not self.seqs
 

@@ -168,9 +168,7 @@ class ModelRunner:
             # it: another count would compile again, mid-serving).
             return self._execute(sched)
         rows = sched.num_batched_tokens
-        # A prompt chunk, not a row verifying drafts (its drafts follow its one new token).
-        reads_prompt = any(len(s.token_ids) > 1 + len(s.draft_token_ids)
-                           for s in sched.seqs[sched.num_decodes:])
+        reads_prompt = sched.reads_prompt
         threads = self.tuner.threads(rows, reads_prompt)
         if threads != self.max_threads:
             torch.set_num_threads(threads)
