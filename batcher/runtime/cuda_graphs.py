@@ -81,7 +81,9 @@ class DecodeGraphs:
 
     def can_run(self, sched: SchedulerOutput) -> bool:
         seqs = sched.seqs
-        if not seqs or sched.num_decodes != len(seqs):
+        # Every row samples (the logits come back in row order): a prompt's one-token chunk
+        # that does not end it is a step for `mixed_graphs` or the eager path.
+        if not seqs or sched.num_decodes != len(seqs) or not all(s.sample for s in seqs):
             return False
         if pick_size(len(seqs), self.sizes) is None:
             return False
