@@ -36,3 +36,33 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], new_tokens: i
         sched = SchedulerOutput([ScheduledSeq(str(i), [s[-1]], len(s) - 1, tables[i], True,
                                               greedy) for i, s in enumerate(seqs)])
     return [s[len(p):] for s, p in zip(seqs, prompts)]
+
+
+def staggered_generate(runner: ModelRunner, prompts: list[list[int]], new_tokens: int
+                       ) -> list[list[int]]:
+    """Greedy through `runner.execute`, prompt i read whole at step i beside the decode rows of
+    the prompts before it: steps with a prompt chunk and decode rows together, as under traffic,
+    then decode-only steps."""
+    bs = runner.block_size
+    tables, next_block = [], 0
+    for p in prompts:
+        n = -(-(len(p) + new_tokens) // bs)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    assert next_block <= runner.num_blocks
+    greedy = SamplingParams(temperature=0.0)
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in range(len(prompts) + new_tokens):
+        seqs = []
+        for i, p in enumerate(prompts):
+            if i > step or len(out[i]) >= new_tokens:
+                continue
+            seqs.append(ScheduledSeq(str(i), list(p), 0, tables[i], True, greedy) if i == step
+                        else ScheduledSeq(str(i), [out[i][-1]], len(p) + len(out[i]) - 1,
+                                          tables[i], True, greedy))
+        if not seqs:
+            break
+        res = runner.execute(SchedulerOutput(seqs))
+        for rid, tok in zip(res.request_ids, res.token_ids):
+            out[int(rid)].append(tok)
+    return out

@@ -73,18 +73,29 @@ def kernel_module(module: str = MODULE, kernel: str = "_paged_decode_kernel"
     """The kernels' module in the mode DEVICE needs. Triton reads TRITON_INTERPRET when
     `@triton.jit` runs, at the module's import: the module is imported again if it was imported
     in the other mode, and the variable is restored afterwards."""
-    if compiled_already(module, kernel):
+    with kernel_modules((module, kernel)) as (mod,):
+        yield mod
+
+
+@contextlib.contextmanager
+def kernel_modules(*pairs: tuple[str, str]) -> Iterator[list[ModuleType]]:
+    """`kernel_module` for several (module, kernel) pairs at once, all checked before any is
+    imported (importing one imports Triton, after which an unimported one counts as compiled)."""
+    if any(compiled_already(module, kernel) for module, kernel in pairs):
         pytest.skip("Triton was imported compiled here; test_interpreted_in_a_fresh_process "
                     "runs these")
     interpret = "1" if DEVICE == "cpu" else "0"
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = interpret
     try:
-        mod = sys.modules.get(module)
-        mod = importlib.import_module(module) if mod is None else importlib.reload(mod)
-        interpreted = type(getattr(mod, kernel)).__name__ == "InterpretedFunction"
-        assert interpreted == (DEVICE == "cpu"), type(getattr(mod, kernel))
-        yield mod
+        mods = []
+        for module, kernel in pairs:
+            mod = sys.modules.get(module)
+            mod = importlib.import_module(module) if mod is None else importlib.reload(mod)
+            interpreted = type(getattr(mod, kernel)).__name__ == "InterpretedFunction"
+            assert interpreted == (DEVICE == "cpu"), type(getattr(mod, kernel))
+            mods.append(mod)
+        yield mods
     finally:
         if before is None:
             os.environ.pop("TRITON_INTERPRET", None)

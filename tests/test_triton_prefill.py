@@ -142,7 +142,7 @@ def test_mixed_step_dispatch(kernel, monkeypatch):
     monkeypatch.setattr(kernel, "paged_prefill_attention",
                         lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     out = paged_attention(q, k, v, cache, meta)
-    assert len(calls) == 1 and meta._varlen is not None
+    assert len(calls) == 1 and meta.varlen is not None
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 

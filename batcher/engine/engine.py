@@ -126,6 +126,7 @@ class AsyncEngine:
                              attention_backend=attention_backend, cuda_graphs=cuda_graphs,
                              compile_decode=compile_decode,
                              max_graph_batch=sched_config.max_num_seqs,
+                             max_graph_tokens=sched_config.max_num_batched_tokens,
                              max_model_len=sched_config.max_model_len)
         return cls(runner, tokenizer, sched_config,
                    enable_prefix_caching=cache_config.enable_prefix_caching,

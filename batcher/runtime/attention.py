@@ -96,7 +96,10 @@ class AttentionMetadata:
     # switch (`decode_tables` set, on CUDA), so a mixed step takes it; a prefill-only step has
     # no decode tables, so the triton backend's runner must set True there.
     triton_prefill: bool | None = None
-    _varlen: VarlenPrefill | None = None  # the kernel's chunk layout, built by the first layer
+    # The kernel's chunk layout: built from `prefills` by the first layer, or given (a captured
+    # step of `mixed_graphs`). Given, `num_decodes` counts the decode kernel's padded rows,
+    # which may run past the step's decode rows: the kernel's chunks then overwrite those rows.
+    varlen: VarlenPrefill | None = None
     # Fold GQA into the query length for decode rows: one-token `enable_gqa` SDPA takes a much
     # slower kernel path on CPU in bf16; in fp32 `enable_gqa` is as fast or faster.
     fold_gqa: bool = True
@@ -256,6 +259,8 @@ def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
 def _prefill_in_kernel(meta: AttentionMetadata, q: torch.Tensor) -> bool:
     # The kernel does everything this path does for a plain layer (variant layers run
     # `variant_attention`) except reading a CPU prompt's staged K/V; the CPU keeps this path.
+    if meta.varlen is not None:
+        return True
     on = meta.triton_prefill
     if on is None:
         on = meta.decode_tables is not None and q.device.type == "cuda"
@@ -272,18 +277,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if isinstance(meta, OneGroupDecode):
         return _attend_blocks(q, kv_cache, meta.table, meta.mask, meta.block_size, meta.fold_gqa)
     t, heads, hd = q.shape
-    if meta.num_decodes == t:
+    if meta.num_decodes == t and meta.varlen is None:
         return decode_attention(q, kv_cache, meta)
     out = q.new_empty(t, heads * hd)
     nd = meta.num_decodes
-    if nd:
+    if nd:  # a captured step's padded decode rows may run over chunk rows, written below
         out[:nd] = decode_attention(q[:nd], kv_cache, meta)
     if _prefill_in_kernel(meta, q):
         from batcher.runtime.triton_prefill import VarlenPrefill, paged_prefill_attention
 
-        if meta._varlen is None:
-            meta._varlen = VarlenPrefill.build(meta.prefills, q.device)
-        return paged_prefill_attention(q, k, v, *kv_cache, meta._varlen, out)
+        if meta.varlen is None:
+            meta.varlen = VarlenPrefill.build(meta.prefills, q.device)
+        return paged_prefill_attention(q, k, v, *kv_cache, meta.varlen, out)
     for chunk in meta.prefills:
         rows = slice(chunk.row, chunk.row + chunk.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk,

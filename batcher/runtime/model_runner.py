@@ -59,7 +59,7 @@ class ModelRunner:
     def __init__(self, loaded: Loaded, num_blocks: int, block_size: int,
                  attention_backend: str = "auto", cuda_graphs: bool = True,
                  max_graph_batch: int = 256, max_model_len: int = 8192,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, max_graph_tokens: int = 8192):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -100,12 +100,21 @@ class ModelRunner:
         # precision; in fp32 it is the faster choice.
         self.fold_gqa = loaded.dtype != torch.float32 or loaded.device.type != "cpu"
         self.graphs = None
+        self.mixed_graphs = None
         if use_graphs:
             from batcher.runtime.cuda_graphs import DecodeGraphs, graph_sizes
 
+            max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, block_size, num_blocks,
-                                       -(-max_model_len // block_size),
-                                       graph_sizes(max_graph_batch), self.device)
+                                       max_blocks, graph_sizes(max_graph_batch), self.device)
+            if self.triton_prefill:
+                # Steps with prompt chunks: every row through the varlen kernel, in token
+                # buckets (`mixed_graphs`).
+                from batcher.runtime.mixed_graphs import MixedGraphs
+
+                self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, block_size,
+                                                num_blocks, max_blocks, max_graph_batch,
+                                                max_graph_tokens, self.device)
         # CPU: intra-op threads per step size, measured, under the count the process was given
         # (read here, at load: torch's count is also the default of threads started later, so a
         # step that lowers it puts it back when it ends).
@@ -191,6 +200,11 @@ class ModelRunner:
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)  # masks fill while the model runs
             logits = self.graphs.run(sched)
+        elif self.mixed_graphs is not None and not scored and self.mixed_graphs.can_run(sched):
+            sample_seqs = sampled_rows(sched)
+            if self.grammar is not None:
+                pending = self.grammar.start(sample_seqs)
+            logits = self.mixed_graphs.run(sched)
         else:
             ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched)
             if self.grammar is not None:
@@ -285,10 +299,7 @@ class ModelRunner:
                 row=row, length=n, start_pos=s.start_pos, mask=mask, stage=stage,
                 block_ids=torch.tensor(s.block_ids[:nblocks], dtype=torch.long, device=dev)))
             row += n
-        # A row with drafts samples each of its positions: `core/spec_verify` keeps the prefix
-        # plain decoding would have produced.
-        sample_seqs: list[ScheduledSeq] = [r for s in sched.seqs if s.sample
-                                           for r in verify_rows(s)]
+        sample_seqs = sampled_rows(sched)
         sample_rows = [row for s in sched.seqs if s.sample
                        for row in range(row_of[id(s)] - len(s.draft_token_ids), row_of[id(s)] + 1)]
         # NOTE: prompt-logprob rows follow the sampling rows, in scheduled order (as
@@ -337,6 +348,13 @@ class ModelRunner:
             meta.decode_groups.append(DecodeGroup(
                 end - start, blocks, torch.tensor(flat, dtype=torch.long, device=dev), mask))
             start = end
+
+
+def sampled_rows(sched: SchedulerOutput) -> list[ScheduledSeq]:
+    """The step's sampling rows in the order its logits come: scheduled order, a row with
+    drafts once per drafted position (`core/spec_verify` keeps what plain decoding would have
+    produced)."""
+    return [r for s in sched.seqs if s.sample for r in verify_rows(s)]
 
 
 def score_prompts(logits: torch.Tensor, seqs: list[ScheduledSeq]

@@ -148,7 +148,7 @@ class TritonLayerOps:
         """A decode-only step whose attention reads the cache through the triton kernel, in
         heads of a power-of-two size."""
         return (meta.decode_tables is not None and meta.num_decodes == rows
-                and TritonLayerOps.takes_head_dim(head_dim))
+                and meta.varlen is None and TritonLayerOps.takes_head_dim(head_dim))
 
     @staticmethod
     def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -19,7 +19,7 @@ from batcher.runtime.model_runner import ModelRunner
 from batcher.core.sampling import SamplingParams
 from batcher.tokenizer.tokenizer import load_tokenizer
 from tests.gpu.conftest import bundled_weights_missing
-from tests.greedy_loop import greedy_generate
+from tests.greedy_loop import greedy_generate, staggered_generate
 from tests.test_smollm_reference import CHAT_PROMPTS, NEW_TOKENS, chat_ids
 
 pytestmark = pytest.mark.gpu
@@ -85,6 +85,27 @@ def test_graphs_equal_eager(model, request):
     graphed = ModelRunner(loaded, 128, 16, cuda_graphs=True)
     assert graphed.graphs is not None
     assert greedy_generate(graphed, prompts, 24) == greedy_generate(eager, prompts, 24)
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2-135m"])
+def test_steps_with_prompt_chunks_replay_as_graphs(model, request):
+    """Prompts arriving while others decode, through `execute`: steps with a prompt chunk and
+    decode rows replay a token bucket's graph (`mixed_graphs`), decode-only steps theirs, and
+    the tokens are the eager runner's (fp32)."""
+    loaded = (load_model("tiny", dtype="float32", device="cuda") if model == "tiny"
+              else request.getfixturevalue("cuda_fp32"))
+    prompts = [[100 + 3 * i + j for j in range(20 + 11 * i)] for i in range(5)]
+    eager = ModelRunner(loaded, 128, 16, cuda_graphs=False)
+    graphed = ModelRunner(loaded, 128, 16, cuda_graphs=True)
+    assert graphed.graphs is not None and graphed.mixed_graphs is not None
+    replays = {"mixed": 0, "decode": 0}
+    for name, graphs in (("mixed", graphed.mixed_graphs), ("decode", graphed.graphs)):
+        def counted(sched, run=graphs.run, name=name):
+            replays[name] += 1
+            return run(sched)
+        graphs.run = counted
+    assert staggered_generate(graphed, prompts, 12) == staggered_generate(eager, prompts, 12)
+    assert replays == {"mixed": 5, "decode": 11}
 
 
 def test_engine_sizes_kv_from_free_memory_and_serves():
