@@ -305,6 +305,9 @@ def check_decode(c: Check, e: Env, big: bool) -> None:
                 f"({d['tok_s']:.0f} tok/s), floor {d['floor_ms']:.2f} ms (weights "
                 f"{d['weight_bytes'] / 1e9:.2f} GB + KV {d['kv_bytes'] / 1e9:.2f} GB at "
                 f"{res['device']}): x{d['ratio']:.1f} the floor; {what}")
+    if "mixed_ms" in d:
+        c.figure += (f"; with a {d['mixed_chunk']}-token prompt chunk: {d['mixed_ms']:.2f} ms "
+                     f"graphed vs {d['mixed_eager_ms']:.2f} ms eager")
     c.details = res
 
 

@@ -124,7 +124,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--attention-backend", default=_E.attention_backend, choices=ATTENTION_BACKENDS,
       help="decode attention: the fused Triton kernel on CUDA when available (default: "
       "%(default)s)")
-    a("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    a("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA (by default "
+      "decode steps, and steps of up to 512 tokens with prompt chunks, replay CUDA graphs)")
     a("--no-warm-start", action="store_true", help="report ready once the model is loaded, "
       "without first running each step shape (compiling kernels, capturing graphs) and "
       "calibrating admission to this device; the first requests then pay for both")

@@ -90,12 +90,32 @@ def weight_bytes_read(loaded) -> int:
     return total
 
 
+# The prompt chunk of the mixed step timed beside each decode batch.
+MIXED_CHUNK = 64
+
+
 def decode_step_ms(runner: ModelRunner, batch: int, ctx: int, reps: int = 20) -> float:
     """Mean time of a decode-only step: `batch` sequences, each `ctx` tokens already cached."""
+    return step_ms(runner, bench_step(runner, batch, ctx), reps)
+
+
+def bench_step(runner: ModelRunner, batch: int, ctx: int, chunk: int = 0) -> SchedulerOutput:
+    """`batch` decode rows, each `ctx` tokens already cached; with `chunk`, also a new prompt's
+    first `chunk` tokens (a mixed step)."""
     sp = SamplingParams(temperature=0.0)
     nb = -(-(ctx + 1) // runner.block_size)
-    sched = SchedulerOutput([ScheduledSeq(str(i), [7], ctx, list(range(i * nb, (i + 1) * nb)),
-                                          True, sp) for i in range(batch)])
+    seqs = [ScheduledSeq(str(i), [7], ctx, list(range(i * nb, (i + 1) * nb)), True, sp)
+            for i in range(batch)]
+    if chunk:
+        first = batch * nb
+        seqs.append(ScheduledSeq("prompt", [7] * chunk, 0,
+                                 list(range(first, first + -(-chunk // runner.block_size))),
+                                 True, sp))
+    return SchedulerOutput(seqs)
+
+
+def step_ms(runner: ModelRunner, sched: SchedulerOutput, reps: int) -> float:
+    """Mean time of `runner` executing `sched`, after three unmeasured runs."""
     for _ in range(3):
         runner.execute(sched)
     sync(runner.device)
@@ -111,8 +131,9 @@ def run_decode(args: argparse.Namespace, bw: float) -> list[dict]:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, **fmt)
     batches = [int(b) for b in args.batches.split(",")]
     nb = -(-(args.ctx + 1) // 16)
-    runner = ModelRunner(loaded, num_blocks=max(batches) * nb, block_size=16,
-                         max_graph_batch=max(batches), max_model_len=args.ctx + 16)
+    runner = ModelRunner(loaded, num_blocks=max(batches) * nb + MIXED_CHUNK // 16,
+                         block_size=16, max_graph_batch=max(batches),
+                         max_model_len=args.ctx + 16)
     for k, v in runner.kv_caches:  # defined values (random bits could be NaN in bf16)
         k.zero_()
         v.zero_()
@@ -123,13 +144,33 @@ def run_decode(args: argparse.Namespace, bw: float) -> list[dict]:
         ms = decode_step_ms(runner, b, args.ctx)
         kv = b * args.ctx * kv_tok
         floor = (weights + kv) / bw * 1000
-        out.append({"model": loaded.name, "load_format": args.load_format,
-                    "dtype": str(loaded.dtype).removeprefix("torch."), "batch": b,
-                    "ctx": args.ctx, "step_ms": ms, "floor_ms": floor, "ratio": ms / floor,
-                    "weight_bytes": weights, "kv_bytes": kv, "tok_s": b / ms * 1000})
+        row = {"model": loaded.name, "load_format": args.load_format,
+               "dtype": str(loaded.dtype).removeprefix("torch."), "batch": b,
+               "ctx": args.ctx, "step_ms": ms, "floor_ms": floor, "ratio": ms / floor,
+               "weight_bytes": weights, "kv_bytes": kv, "tok_s": b / ms * 1000}
         print(f"decode {loaded.name} batch {b} ctx {args.ctx}: {ms:.3f} ms, floor "
               f"{floor:.3f} ms, x{ms / floor:.2f}", flush=True)
+        row.update(mixed_step(runner, b, args.ctx))
+        out.append(row)
     return out
+
+
+def mixed_step(runner: ModelRunner, batch: int, ctx: int) -> dict:
+    """The batch's decode rows beside a MIXED_CHUNK-token prompt chunk: replayed from a token
+    bucket's graph and run eagerly, side by side (empty where no bucket's graph holds it)."""
+    graphs = runner.mixed_graphs
+    sched = bench_step(runner, batch, ctx, chunk=MIXED_CHUNK)
+    if graphs is None or not graphs.can_run(sched):
+        return {}
+    graphed = step_ms(runner, sched, 20)
+    runner.mixed_graphs = None
+    try:
+        eager = step_ms(runner, sched, 20)
+    finally:
+        runner.mixed_graphs = graphs
+    print(f"mixed step, batch {batch} + a {MIXED_CHUNK}-token chunk: {graphed:.3f} ms "
+          f"graphed, {eager:.3f} ms eager", flush=True)
+    return {"mixed_chunk": MIXED_CHUNK, "mixed_ms": graphed, "mixed_eager_ms": eager}
 
 
 def engine_for(args: argparse.Namespace):
@@ -303,6 +344,10 @@ def main(argv: list[str]) -> int:
     rows = [[f"decode step, {d['model']}, batch {d['batch']}, ctx {d['ctx']}",
              f"{d['step_ms']:.3f} ms", f"{d['floor_ms']:.3f} ms", f"{d['ratio']:.2f}x",
              f"{d['tok_s']:.0f} tok/s"] for d in result.get("decode", [])]
+    rows += [[f"mixed step, {d['model']}, batch {d['batch']} + {d['mixed_chunk']}-token chunk, "
+              f"graphed", f"{d['mixed_ms']:.3f} ms", f"eager {d['mixed_eager_ms']:.3f} ms",
+              f"{d['mixed_eager_ms'] / d['mixed_ms']:.2f}x", "-"]
+             for d in result.get("decode", []) if "mixed_ms" in d]
     chat = result.get("chat")
     if chat:
         ours, n = chat["engine"], chat["requests"]
