@@ -243,3 +243,57 @@ def test_padded_steps_through_the_gpu_layer_loop(kernel) -> None:
         # bf16 attention through other kernels: a step of bf16 apart here and there.
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         torch.testing.assert_close(got, want, rtol=0.02, atol=0.1)
+
+
+def test_a_mixed_step_reads_its_own_keys_from_the_cache_as_from_its_rows(kernel) -> None:
+    """A GPU step with decode rows and prompt chunks through the layer loop: RoPE and the cache
+    write first, in one kernel, then the attention kernels reading every key from the cache,
+    against the loop with `Attention.attend` (the chunks' own keys from the step's rows): equal
+    logits and caches, bit for bit."""
+    from batcher.models.llama_layer_loop import LayerLoop
+    from batcher.models.loader import load_model
+    from batcher.runtime.model_runner import ModelRunner
+
+    loaded = load_model("tiny", dtype="bfloat16", device=DEVICE)
+    model = loaded.model
+    ops = kernel.TritonLayerOps(DEVICE)
+    loop = LayerLoop.for_model(model, ops)
+    assert loop is not None and loop.rope_cache is ops
+    runner = ModelRunner(loaded, num_blocks=BLOCKS, block_size=16, cuda_graphs=False)
+    calls: list[int] = []
+
+    class Spy:  # the kernel, counted
+        takes_rope_cache = staticmethod(ops.takes_rope_cache)
+
+        @staticmethod
+        def rope_cache(*args):
+            calls.append(1)
+            return ops.rope_cache(*args)
+
+    model.layer_loop = None
+    results = {}
+    with torch.inference_mode():
+        runner.execute(SchedulerOutput(STEPS[0]))  # the prompts' K/V in the cache
+        base = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
+        for case in ("attend", "fused"):
+            for kv, saved in zip(runner.kv_caches, base):
+                kv[0].copy_(saved[0])
+                kv[1].copy_(saved[1])
+            ids, pos, meta, idx, _ = runner.prepare(SchedulerOutput(STEPS[1]))
+            # The triton backend's metadata: decode rows by their tables (the longest first,
+            # as `prepare` orders them), chunks through the varlen kernel.
+            meta.fused, meta.decode_groups = None, []
+            meta.decode_tables = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEVICE)
+            meta.decode_lens = torch.tensor([21, 4], dtype=torch.int32, device=DEVICE)
+            meta.triton_prefill = True
+            for chunk in meta.prefills:
+                chunk.stage = None  # a CPU runner's staged prompt K/V: none on a GPU
+            model.layer_loop = loop
+            loop.rope_cache = Spy() if case == "fused" else None
+            logits = model(ids, pos, meta, runner.kv_caches, idx).float().cpu()
+            results[case] = (logits, [c.clone() for kv in runner.kv_caches for c in kv])
+    model.layer_loop, loop.rope_cache = None, ops
+    assert len(calls) == len(model.layers)
+    (fused, fused_kv), (attend, attend_kv) = results["fused"], results["attend"]
+    assert torch.equal(fused, attend)
+    assert all(torch.equal(a, b) for a, b in zip(fused_kv, attend_kv))

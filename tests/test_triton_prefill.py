@@ -130,6 +130,23 @@ def test_kernel_variants_match_reference(kernel, spec):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,spec", [(torch.float32, AttentionVariant()),
+                                        (torch.bfloat16, AttentionVariant()),
+                                        (torch.float32, AttentionVariant(window=9, softcap=3.0))])
+def test_own_keys_from_the_cache_are_the_rows_own_keys(kernel, dtype, spec):
+    """With the step's K/V already written, reading the chunks' own keys through the block
+    tables computes what reading the step's rows does, bit for bit (the same values, the same
+    order of operations)."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, cache, meta = make_step(gen, LENGTHS, PREFIXES, 4, 2, 64, dtype)
+    kw = dict(scale=spec.scale, window=spec.window, softcap=spec.softcap)
+    rows = run_kernel(kernel, q, k, v, cache, meta, **kw)  # writes the step's K/V first
+    out = torch.zeros_like(rows)
+    batch = kernel.VarlenPrefill.build(meta.prefills, q.device)
+    cached = kernel.paged_prefill_attention(q, None, None, *cache, batch, out, **kw)
+    assert torch.equal(cached, rows)
+
+
 def test_mixed_step_dispatch(kernel, monkeypatch):
     """`paged_attention` with the kernel switched on: decode rows on their own path, the prefill
     rows of the same step in one launch, every row equal to the torch path's."""

@@ -10,8 +10,9 @@ and the kernels for everything between them, per layer:
 
     norm (the previous layer's residual add folded in) -> QKV projection -> attention and the
     output projection (the layer's own `Attention.attend`; on the CPU's decode steps RoPE, the
-    cache write and attention are one C call; on a GPU's, RoPE and the cache write are one
-    Triton call before the decode kernel) -> add + norm -> gate/up projection ->
+    cache write and attention are one C call; on a GPU, RoPE and the cache write are one Triton
+    call before the attention kernels read every key from the cache) -> add + norm -> gate/up
+    projection ->
     SiLU(gate) * up -> down projection
 
 The adds round as torch's do and the norms as the modules' norms compute them, so a step computes
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from batcher.models.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm
-from batcher.runtime.attention import AttentionMetadata, decode_attention
+from batcher.runtime.attention import AttentionMetadata, attend_written
 from batcher.runtime.quant import Int8Embedding
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ class LayerOps(Protocol):
 
 
 class RopeCacheOps(Protocol):
-    """Ops that also take a decode step's RoPE and cache write in one call (the GPU's)."""
+    """Ops that also take a step's RoPE and cache write in one call (the GPU's), where its
+    attention then reads every key from the cache."""
 
     def takes_rope_cache(self, meta: AttentionMetadata, rows: int, head_dim: int) -> bool: ...
 
@@ -87,7 +89,7 @@ class LayerLoop:
         self.lm_head = model.lm_head.forward
         attn = model.layers[0].self_attn if len(model.layers) else None
         # (heads, kv heads, head size), and each layer's output projection, where the ops take
-        # RoPE and the cache write in one call: decode steps then skip `Attention.attend`.
+        # RoPE and the cache write in one call: such steps then skip `Attention.attend`.
         self.rope_cache: RopeCacheOps | None = ops if (
             attn is not None and hasattr(ops, "rope_cache")) else None  # type: ignore[assignment]
         self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim) if attn else (0, 0, 0)
@@ -125,10 +127,10 @@ class LayerLoop:
              down_proj), o_proj, kv in zip(self.layers, self.o_projs, kv_caches):
             h = (ops.rms_norm(x, in_w, in_eps) if delta is None
                  else ops.add_rms_norm(x, delta, in_w, in_eps))
-            if fused is not None:  # a decode step: RoPE and the cache write in one call
+            if fused is not None:  # RoPE and the cache write in one call, then attention
                 q = fused.rope_cache(qkv_proj(h), cos, sin, kv, meta.slot_mapping, heads,
                                      kv_heads, head_dim)
-                a = o_proj(decode_attention(q, kv, meta))
+                a = o_proj(attend_written(q, kv, meta))
             else:
                 a = attend(qkv_proj(h), cos, sin, meta, kv)
             h = ops.add_rms_norm(x, a, post_w, post_eps)

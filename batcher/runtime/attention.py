@@ -259,12 +259,23 @@ def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
 def _prefill_in_kernel(meta: AttentionMetadata, q: torch.Tensor) -> bool:
     # The kernel does everything this path does for a plain layer (variant layers run
     # `variant_attention`) except reading a CPU prompt's staged K/V; the CPU keeps this path.
+    # `q`: any tensor on the step's device.
     if meta.varlen is not None:
         return True
     on = meta.triton_prefill
     if on is None:
         on = meta.decode_tables is not None and q.device.type == "cuda"
     return on and bool(meta.prefills) and all(c.stage is None for c in meta.prefills)
+
+
+def reads_cache_only(meta: AttentionMetadata, rows: int) -> bool:
+    """Whether a step of `rows` rows can attend with every row's K/V already in the cache (so
+    RoPE and the cache write may run first, as one kernel: `attend_written` without K/V): its
+    decode rows through the Triton decode kernel, its prompt chunks through the varlen one."""
+    nd = meta.num_decodes
+    if meta.fused is not None or (nd and meta.decode_tables is None):
+        return False
+    return (nd == rows and meta.varlen is None) or _prefill_in_kernel(meta, meta.slot_mapping)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -276,6 +287,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     write_kv(k, v, kv_cache, meta.slot_mapping)
     if isinstance(meta, OneGroupDecode):
         return _attend_blocks(q, kv_cache, meta.table, meta.mask, meta.block_size, meta.fold_gqa)
+    return attend_written(q, kv_cache, meta, k, v)
+
+
+def attend_written(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata, k: torch.Tensor | None = None,
+                   v: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's attention, its new K/V already in the cache: q [T, heads, head_dim] (RoPE
+    applied) -> [T, heads * head_dim]. `k`, `v`: the step's K/V rows, which prompt chunks on
+    the torch path read; without them (where `reads_cache_only`) the varlen kernel reads the
+    chunks' own keys from the cache."""
     t, heads, hd = q.shape
     if meta.num_decodes == t and meta.varlen is None:
         return decode_attention(q, kv_cache, meta)
@@ -283,12 +304,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     nd = meta.num_decodes
     if nd:  # a captured step's padded decode rows may run over chunk rows, written below
         out[:nd] = decode_attention(q[:nd], kv_cache, meta)
-    if _prefill_in_kernel(meta, q):
+    if k is None or _prefill_in_kernel(meta, q):
         from batcher.runtime.triton_prefill import VarlenPrefill, paged_prefill_attention
 
         if meta.varlen is None:
             meta.varlen = VarlenPrefill.build(meta.prefills, q.device)
         return paged_prefill_attention(q, k, v, *kv_cache, meta.varlen, out)
+    assert v is not None
     for chunk in meta.prefills:
         rows = slice(chunk.row, chunk.row + chunk.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk,

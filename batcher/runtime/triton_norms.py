@@ -2,9 +2,9 @@
 with the residual add folded in, and SwiGLU's SiLU(gate) x up, one launch each where torch's ops
 take about seven (the norm's fp32 round trip and the add) and two. A plain Llama model's layer
 loop (`batcher.models.llama_layer_loop`) calls them, as it calls the C kernels on the CPU.
-In a decode-only step on the triton attention backend, RoPE on Q and K and the new K/V's cache
+In a step whose attention runs on the Triton kernels, RoPE on Q and K and the new K/V's cache
 write are one launch too (`rope_cache`), where torch's ops take about six (the roll, two
-products, the sum, two slot copies); the decode kernel then reads the cache as before.
+products, the sum, two slot copies); the attention kernels then read every key from the cache.
 
 They round as torch's ops do, to nearest even (`_round`; bf16 in integer arithmetic, since
 Triton's interpreter truncates a float cast to bf16): the residual sum to the activations' type,
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batcher.runtime.attention import AttentionMetadata, rotate_and_write_kv
+from batcher.runtime.attention import AttentionMetadata, reads_cache_only, rotate_and_write_kv
 
 SILU_BLOCK = 1024
 
@@ -145,10 +145,9 @@ class TritonLayerOps:
 
     @staticmethod
     def takes_rope_cache(meta: AttentionMetadata, rows: int, head_dim: int) -> bool:
-        """A decode-only step whose attention reads the cache through the triton kernel, in
-        heads of a power-of-two size."""
-        return (meta.decode_tables is not None and meta.num_decodes == rows
-                and meta.varlen is None and TritonLayerOps.takes_head_dim(head_dim))
+        """A step whose attention reads every key from the cache through the Triton kernels
+        (`attention.reads_cache_only`), in heads of a power-of-two size."""
+        return TritonLayerOps.takes_head_dim(head_dim) and reads_cache_only(meta, rows)
 
     @staticmethod
     def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -74,8 +74,8 @@ def _paged_prefill_kernel(
     stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, OWN_IN_CACHE: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -120,19 +120,29 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = _online_update(q, k, v, valid, m_i, l_i, acc, scale, softcap,
                                        HAS_SOFTCAP, PRECISION, DOT)
 
-    # 2. The chunk's own keys (rows of the step's K/V), causal: keys [lo, the tile's end).
+    # 2. The chunk's own keys, causal: keys [lo, the tile's end). From the step's K/V rows, or
+    # (OWN_IN_CACHE: already written there) from the cache through the block table.
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):
         c = start + j  # [N] key rows within the chunk
         cmask = c < n
-        krows = (row0 + c).to(tl.int64)
         kvmask = cmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + krows[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                    mask=kvmask, other=0.0)
-        v = tl.load(v_ptr + krows[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=kvmask, other=0.0)
+        if OWN_IN_CACHE:
+            tok = prefix + c
+            blk = tl.load(tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=cmask,
+                          other=0).to(tl.int64)
+            offs = (blk[:, None] * stride_cb + (tok % BLOCK_SIZE)[:, None] * stride_cs
+                    + kvh * stride_ch + d[None, :])
+            k = tl.load(kc_ptr + offs, mask=kvmask, other=0.0)
+            v = tl.load(vc_ptr + offs, mask=kvmask, other=0.0)
+        else:
+            krows = (row0 + c).to(tl.int64)
+            k = tl.load(k_ptr + krows[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                        mask=kvmask, other=0.0)
+            v = tl.load(v_ptr + krows[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                        mask=kvmask, other=0.0)
         valid = cmask[None, :] & (c[None, :] <= m[:, None])
         if HAS_WINDOW:
             valid = valid & (c[None, :] > m[:, None] - window)
@@ -173,20 +183,26 @@ class VarlenPrefill:
         return cls(tables, idx[:3 * ns].view(3, ns), idx[3 * ns:].view(2, -1), block_m)
 
 
-def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, batch: VarlenPrefill,
                             out: torch.Tensor, *, scale: float | None = None,
                             window: int | None = None, softcap: float | None = None
                             ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim], the step's new K/V (rows as in
-    q); caches: [num_blocks, block_size, kv_heads, head_dim], same dtype as q (fp32, bf16 or
-    fp16), holding each chunk's cached prefix; out: [T, heads * head_dim] (or [T, heads,
-    head_dim]). Writes the rows of `batch`'s chunks into `out` (other rows are left alone) and
-    returns it. Optional: `scale` (default 1/sqrt(head_dim)), a sliding `window` (query i sees
-    keys j with i - window < j <= i) and a tanh `softcap` on the scores."""
+    q), or both None where the step's K/V are already in the cache (then every key is read
+    through the block tables); caches: [num_blocks, block_size, kv_heads, head_dim], same dtype
+    as q (fp32, bf16 or fp16), holding each chunk's cached prefix; out: [T, heads * head_dim]
+    (or [T, heads, head_dim]). Writes the rows of `batch`'s chunks into `out` (other rows are
+    left alone) and returns it. Optional: `scale` (default 1/sqrt(head_dim)), a sliding `window`
+    (query i sees keys j with i - window < j <= i) and a tanh `softcap` on the scores."""
     t, heads, hd = q.shape
     _, block_size, kvh, _ = k_cache.shape
-    assert heads % kvh == 0 and k.shape[1] == kvh and v_cache.stride() == k_cache.stride()
+    own_in_cache = k is None
+    if own_in_cache:
+        assert v is None
+        k = v = q  # unread: the kernel's pointers need a tensor
+    assert heads % kvh == 0 and v_cache.stride() == k_cache.stride()
+    assert own_in_cache or k.shape[1] == kvh
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == 1
     o = out.view(t, heads, hd)
     tiles = batch.tiles.shape[1]
@@ -205,7 +221,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         GROUP=heads // kvh, HEAD_DIM=hd, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=batch.block_m, BLOCK_N=BLOCK_N if dim_pad <= 128 else BLOCK_N // 2,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", DOT=dot)
+        OWN_IN_CACHE=own_in_cache, PRECISION="ieee" if dot == tl.float32 else "tf32", DOT=dot)
     return out
 
 
@@ -216,17 +232,21 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: i
     plain torch attention: None when they agree, else why not. A device whose compiler rejects
     the kernel, or computes it wrongly, then keeps the torch path (the runner calls this once,
     before serving) instead of failing requests or answering with wrong tokens."""
-    # (chunk length, cached prefix): a first chunk, one after a cached prefix, a long one.
+    # (chunk length, cached prefix): a first chunk, one after a cached prefix, a long one;
+    # each with the chunks' own keys from the step's rows and from the cache.
     steps = ([(5, 0)], [(5, 0), (19, 21)], [(5, 0), (19, 21), (70, 3)])
     for step in steps:
-        why = _check_step(step, device, dtype, heads, kv_heads, head_dim, block_size)
-        if why is not None:
-            return why
+        for own_in_cache in (False, True):
+            why = _check_step(step, device, dtype, heads, kv_heads, head_dim, block_size,
+                              own_in_cache)
+            if why is not None:
+                return why + (" (own keys from the cache)" if own_in_cache else "")
     return None
 
 
 def _check_step(step: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
-                heads: int, kv_heads: int, head_dim: int, block_size: int) -> str | None:
+                heads: int, kv_heads: int, head_dim: int, block_size: int,
+                own_in_cache: bool = False) -> str | None:
     gen = torch.Generator().manual_seed(len(step))
     blocks = [-(-(n + p) // block_size) for n, p in step]
     kc = torch.randn(sum(blocks), block_size, kv_heads, head_dim, generator=gen)
@@ -256,8 +276,9 @@ def _check_step(step: list[tuple[int, int]], device: torch.device, dtype: torch.
     try:
         to = dict(device=device, dtype=dtype)
         out = torch.zeros(t, heads * head_dim, **to)
-        got = paged_prefill_attention(q.to(**to), k.to(**to), v.to(**to), kc.to(**to),
-                                      vc.to(**to), VarlenPrefill.build(chunks, device), out)
+        kv = (None, None) if own_in_cache else (k.to(**to), v.to(**to))
+        got = paged_prefill_attention(q.to(**to), *kv, kc.to(**to), vc.to(**to),
+                                      VarlenPrefill.build(chunks, device), out)
         err = (got.float().cpu() - want_out).abs().max().item()
     except Exception as exc:  # a compiler or driver that refuses the kernel
         return f"{type(exc).__name__}: {exc}"
