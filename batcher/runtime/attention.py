@@ -142,18 +142,23 @@ def rotate_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                     meta: AttentionMetadata) -> torch.Tensor:
+                     meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
     """The decode rows' attention, their new K/V already in the cache: q [D, heads, head_dim]
-    (RoPE applied) -> [D, heads * head_dim]."""
+    (RoPE applied) -> [D, heads * head_dim], written into `out` where given (the Triton kernel
+    writes it in place; the other paths copy)."""
     k_cache, v_cache = kv_cache
     d_rows, heads, hd = q.shape
-    if meta.fused is not None:  # the CPU kernel, reading the blocks in place
-        return meta.fused.kernels.attend_rotated(q, kv_cache, meta.fused)
-    if meta.decode_tables is not None:
+    if meta.decode_tables is not None and meta.fused is None:
         from batcher.runtime.triton_attention import paged_decode_attention
 
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
-                                      meta.decode_lens).view(d_rows, heads * hd)
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_tables, meta.decode_lens,
+            out=None if out is None else out.view(d_rows, heads, hd)).view(d_rows, heads * hd)
+    if out is not None:
+        out.copy_(decode_attention(q, kv_cache, meta))
+        return out
+    if meta.fused is not None:  # the CPU kernel, reading the blocks in place
+        return meta.fused.kernels.attend_rotated(q, kv_cache, meta.fused)
     groups = meta.decode_groups
     if len(groups) == 1:
         return _decode_group(q, kv_cache, meta, groups[0], 0)
@@ -303,7 +308,7 @@ def attend_written(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
     out = q.new_empty(t, heads * hd)
     nd = meta.num_decodes
     if nd:  # a captured step's padded decode rows may run over chunk rows, written below
-        out[:nd] = decode_attention(q[:nd], kv_cache, meta)
+        decode_attention(q[:nd], kv_cache, meta, out=out[:nd])
     if k is None or _prefill_in_kernel(meta, q):
         from batcher.runtime.triton_prefill import VarlenPrefill, paged_prefill_attention
 
