@@ -1,0 +1,34 @@
+"""The launch-count scenario (`python -m scripts.bench launches`) on the bundled model: its counts
+are a function of the step's shape alone, so they are exact here and say what a GPU step
+launches (a floor: some torch ops launch more than one kernel)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_steps_with_a_prompt_chunk_launch_what_the_counts_say() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "launches", "--decode-rows", "2", "--ctx", "32",
+         "--chunk", "8", "--no-append"],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in proc.stdout.splitlines()
+            if " | " in line}
+    launches = {what.split(" (")[0]: int(cols[4]) for what, cols in rows.items()}
+    attend = launches["eager, RoPE and cache write through torch's ops"]
+    fused = launches["eager, RoPE and cache write in one kernel"]
+    graph = launches["captured: graph nodes"]
+    layers = 30
+    # RoPE and the K/V writes through torch's ops are several launches a layer; one kernel here.
+    assert attend - fused >= 4 * layers
+    # Per layer in the graph: two norms, the QKV, output, gate/up and down projections, RoPE
+    # with the cache write, decode and prefill attention, SiLU x up: ten; and the step's ends.
+    assert 10 * layers <= graph <= 10 * layers + 8
+    # A replay: the bucket's buffers (rows, the kernels' index, two runs of block tables) and
+    # the graph.
+    assert launches["captured: launches per replay"] == 5
