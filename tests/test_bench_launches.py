@@ -4,11 +4,16 @@ launches (a floor: some torch ops launch more than one kernel)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
 
 
 def test_steps_with_a_prompt_chunk_launch_what_the_counts_say() -> None:

@@ -226,9 +226,9 @@ def test_prompts_arriving_while_others_decode(kernel) -> None:
 
 
 def test_padded_steps_through_the_gpu_layer_loop(kernel) -> None:
-    """bf16 through the layer loop with the Triton kernels a GPU runs: a bucket whose padded
-    decode rows cover every row keeps RoPE and the cache write apart from attention (the decode
-    step's fused `rope_cache` would skip the chunks), and matches the eager step."""
+    """bf16 through the layer loop with the Triton kernels a GPU runs, RoPE and the cache write
+    as one kernel: a bucket whose padded decode rows cover every row still attends its chunks
+    (as a decode-only step would not) and matches the eager step."""
     from batcher.models.llama_layer_loop import LayerLoop
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
@@ -297,3 +297,25 @@ def test_a_mixed_step_reads_its_own_keys_from_the_cache_as_from_its_rows(kernel)
     (fused, fused_kv), (attend, attend_kv) = results["fused"], results["attend"]
     assert torch.equal(fused, attend)
     assert all(torch.equal(a, b) for a, b in zip(fused_kv, attend_kv))
+
+
+def test_the_gpu_bench_times_a_mixed_step_both_ways(kernel) -> None:
+    """`scripts.bench.gpu.mixed_step` (what the GPU check's decode line reports) runs the step
+    through the buckets and eagerly, on a runner sized as the bench sizes it (one sequence
+    more than the batch: the prompt beside it)."""
+    from batcher.models.loader import load_model
+    from batcher.runtime.model_runner import ModelRunner
+    from scripts.bench.gpu import MIXED_CHUNK, mixed_step
+
+    loaded = load_model("tiny", dtype="float32", device=DEVICE)
+    batch, ctx = 2, 32
+    runner = ModelRunner(loaded, num_blocks=BLOCKS, block_size=16, cuda_graphs=False)
+    Eager = eager_buckets()
+    runner.mixed_graphs = Eager(loaded.model, runner.kv_caches, 16, BLOCKS - 1, 4, batch + 1,
+                                128, torch.device(DEVICE))
+    got = mixed_step(runner, batch, ctx, reps=1)
+    assert got["mixed_chunk"] == MIXED_CHUNK and got["mixed_ms"] > 0 and got["mixed_eager_ms"] > 0
+    assert set(Eager.taken) == {128} and runner.mixed_graphs is not None
+    runner.mixed_graphs = Eager(loaded.model, runner.kv_caches, 16, BLOCKS - 1, 4, batch, 128,
+                                torch.device(DEVICE))
+    assert mixed_step(runner, batch, ctx, reps=1) == {}  # no bucket holds batch + 1 sequences

@@ -214,11 +214,11 @@ def _attach_gpu_layer_loop(model: nn.Module, device: torch.device, dtype: torch.
                                         cfg.head_dim)
     if why is not None:
         loop.rope_cache = None
-        log.info("decode steps' RoPE and cache write stay torch's ops in the layer loop (%s)", why)
+        log.info("RoPE and the cache write stay torch's ops in the layer loop (%s)", why)
     model.layer_loop = loop
     log.info("steps run as one loop over the layers, norms and SwiGLU as Triton kernels%s",
              "" if loop.rope_cache is None else
-             "; with the triton attention backend, decode steps' RoPE and cache write too")
+             "; with the triton attention backend, RoPE and the cache write too")
 
 
 def _attach_int4_unpacker(model: LlamaModel) -> None:

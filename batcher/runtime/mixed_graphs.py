@@ -209,8 +209,10 @@ class MixedStepInputs:
             tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.rows.copy_(rows, non_blocking=True)
         self.index.copy_(idx, non_blocking=True)
-        self.tables[:nd].copy_(tables[:nd], non_blocking=True)
-        self.tables[d:d + k].copy_(tables[d:d + k], non_blocking=True)
+        if nd:
+            self.tables[:nd].copy_(tables[:nd], non_blocking=True)
+        if k:
+            self.tables[d:d + k].copy_(tables[d:d + k], non_blocking=True)
         if rows.is_pinned():
             self._copied = torch.cuda.Event()
             self._copied.record()

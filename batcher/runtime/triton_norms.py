@@ -224,7 +224,7 @@ def self_check(device: torch.device, dtype: torch.dtype, hidden: int,
 def check_rope_cache(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                      head_dim: int) -> str | None:
     """Run `rope_cache` once on random rows in the model's attention shape and compare it with
-    torch's ops: None when it is equal bit for bit, else why not (decode steps then keep
+    torch's ops: None when it is equal bit for bit, else why not (steps then keep
     `Attention.attend`)."""
     if not TritonLayerOps.takes_head_dim(head_dim):
         return f"heads of {head_dim} (it takes a power of two)"

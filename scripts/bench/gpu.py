@@ -131,8 +131,9 @@ def run_decode(args: argparse.Namespace, bw: float) -> list[dict]:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, **fmt)
     batches = [int(b) for b in args.batches.split(",")]
     nb = -(-(args.ctx + 1) // 16)
+    # One sequence more than the largest batch: the mixed step's prompt beside it.
     runner = ModelRunner(loaded, num_blocks=max(batches) * nb + MIXED_CHUNK // 16,
-                         block_size=16, max_graph_batch=max(batches),
+                         block_size=16, max_graph_batch=max(batches) + 1,
                          max_model_len=args.ctx + 16)
     for k, v in runner.kv_caches:  # defined values (random bits could be NaN in bf16)
         k.zero_()
@@ -155,17 +156,17 @@ def run_decode(args: argparse.Namespace, bw: float) -> list[dict]:
     return out
 
 
-def mixed_step(runner: ModelRunner, batch: int, ctx: int) -> dict:
+def mixed_step(runner: ModelRunner, batch: int, ctx: int, reps: int = 20) -> dict:
     """The batch's decode rows beside a MIXED_CHUNK-token prompt chunk: replayed from a token
     bucket's graph and run eagerly, side by side (empty where no bucket's graph holds it)."""
     graphs = runner.mixed_graphs
     sched = bench_step(runner, batch, ctx, chunk=MIXED_CHUNK)
     if graphs is None or not graphs.can_run(sched):
         return {}
-    graphed = step_ms(runner, sched, 20)
+    graphed = step_ms(runner, sched, reps)
     runner.mixed_graphs = None
     try:
-        eager = step_ms(runner, sched, 20)
+        eager = step_ms(runner, sched, reps)
     finally:
         runner.mixed_graphs = graphs
     print(f"mixed step, batch {batch} + a {MIXED_CHUNK}-token chunk: {graphed:.3f} ms "
