@@ -10,9 +10,9 @@ from batcher.runtime.model_runner import ModelRunner
 from batcher.core.sampling import SamplingParams
 
 
-def greedy_generate(runner: ModelRunner, prompts: list[list[int]], new_tokens: int,
-                    suppress: tuple[int, ...] = ()) -> list[list[int]]:
-    """`suppress`: token ids never chosen (EOS, to generate exactly `new_tokens`)."""
+def block_tables(runner: ModelRunner, prompts: list[list[int]], new_tokens: int
+                 ) -> list[list[int]]:
+    """Contiguous blocks per prompt, enough for it and `new_tokens` more, from block 0 on."""
     bs = runner.block_size
     tables, next_block = [], 0
     for p in prompts:
@@ -20,6 +20,13 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], new_tokens: i
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
     assert next_block <= runner.num_blocks
+    return tables
+
+
+def greedy_generate(runner: ModelRunner, prompts: list[list[int]], new_tokens: int,
+                    suppress: tuple[int, ...] = ()) -> list[list[int]]:
+    """`suppress`: token ids never chosen (EOS, to generate exactly `new_tokens`)."""
+    tables = block_tables(runner, prompts, new_tokens)
     seqs = [list(p) for p in prompts]
     greedy = SamplingParams(temperature=0.0)
     sched = SchedulerOutput([ScheduledSeq(str(i), list(p), 0, tables[i], True, greedy)
@@ -43,13 +50,7 @@ def staggered_generate(runner: ModelRunner, prompts: list[list[int]], new_tokens
     """Greedy through `runner.execute`, prompt i read whole at step i beside the decode rows of
     the prompts before it: steps with a prompt chunk and decode rows together, as under traffic,
     then decode-only steps."""
-    bs = runner.block_size
-    tables, next_block = [], 0
-    for p in prompts:
-        n = -(-(len(p) + new_tokens) // bs)
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    assert next_block <= runner.num_blocks
+    tables = block_tables(runner, prompts, new_tokens)
     greedy = SamplingParams(temperature=0.0)
     out: list[list[int]] = [[] for _ in prompts]
     for step in range(len(prompts) + new_tokens):

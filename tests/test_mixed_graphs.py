@@ -253,6 +253,7 @@ def test_a_mixed_step_reads_its_own_keys_from_the_cache_as_from_its_rows(kernel)
     from batcher.models.llama_layer_loop import LayerLoop
     from batcher.models.loader import load_model
     from batcher.runtime.model_runner import ModelRunner
+    from tests.test_triton_norms import CountedRopeCache
 
     loaded = load_model("tiny", dtype="bfloat16", device=DEVICE)
     model = loaded.model
@@ -261,15 +262,6 @@ def test_a_mixed_step_reads_its_own_keys_from_the_cache_as_from_its_rows(kernel)
     assert loop is not None and loop.rope_cache is ops
     runner = ModelRunner(loaded, num_blocks=BLOCKS, block_size=16, cuda_graphs=False)
     calls: list[int] = []
-
-    class Spy:  # the kernel, counted
-        takes_rope_cache = staticmethod(ops.takes_rope_cache)
-
-        @staticmethod
-        def rope_cache(*args):
-            calls.append(1)
-            return ops.rope_cache(*args)
-
     model.layer_loop = None
     results = {}
     with torch.inference_mode():
@@ -289,7 +281,7 @@ def test_a_mixed_step_reads_its_own_keys_from_the_cache_as_from_its_rows(kernel)
             for chunk in meta.prefills:
                 chunk.stage = None  # a CPU runner's staged prompt K/V: none on a GPU
             model.layer_loop = loop
-            loop.rope_cache = Spy() if case == "fused" else None
+            loop.rope_cache = CountedRopeCache(ops, calls) if case == "fused" else None
             logits = model(ids, pos, meta, runner.kv_caches, idx).float().cpu()
             results[case] = (logits, [c.clone() for kv in runner.kv_caches for c in kv])
     model.layer_loop, loop.rope_cache = None, ops

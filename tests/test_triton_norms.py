@@ -132,6 +132,18 @@ def test_the_start_up_check_of_rope_and_the_cache_write(mod, monkeypatch) -> Non
     assert "RoPE" in mod.check_rope_cache(dev, torch.bfloat16, 4, 2, 16)
 
 
+class CountedRopeCache:
+    """The ops' `rope_cache`, each call counted in `calls`."""
+
+    def __init__(self, ops, calls: list[int]) -> None:
+        self.ops, self.calls = ops, calls
+        self.takes_rope_cache = ops.takes_rope_cache
+
+    def rope_cache(self, *args):
+        self.calls.append(1)
+        return self.ops.rope_cache(*args)
+
+
 def test_a_decode_step_through_the_loop_reads_and_writes_the_cache_as_the_modules_do(
         mod) -> None:
     """A decode-only step on the triton attention backend: RoPE and the cache write in one
@@ -154,16 +166,7 @@ def test_a_decode_step_through_the_loop_reads_and_writes_the_cache_as_the_module
     step = SchedulerOutput([ScheduledSeq("a", [5], 20, [0, 1], True, greedy),
                             ScheduledSeq("b", [6], 3, [2], True, greedy)])
     calls: list[int] = []
-
-    class Spy:  # the kernel, counted
-        takes_rope_cache = staticmethod(ops.takes_rope_cache)
-
-        @staticmethod
-        def rope_cache(*args):
-            calls.append(1)
-            return ops.rope_cache(*args)
-
-    spy = Spy()
+    spy = CountedRopeCache(ops, calls)
     results = {}
     model.layer_loop = None
     with torch.inference_mode():
