@@ -108,6 +108,33 @@ def test_steps_with_prompt_chunks_replay_as_graphs(model, request):
     assert replays == {"mixed": 5, "decode": 11}
 
 
+def test_a_prompt_read_in_chunks_that_sample_nothing_replays_its_own_inputs():
+    """A long prompt read in 96-token chunks with nothing else running: consecutive replays
+    that sample nothing (so nothing syncs with the device between them) each copy their own
+    step's inputs, so the cache holds the whole prompt and the first token is the eager
+    runner's (fp32)."""
+    from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+
+    loaded = load_model("tiny", dtype="float32", device="cuda")
+    prompt = [(37 * i) % 5000 + 100 for i in range(96 * 6)]
+    blocks = list(range(-(-(len(prompt) + 8) // 16)))
+    greedy = SamplingParams(temperature=0.0)
+    caches = {}
+    for mode in (False, True):
+        runner = ModelRunner(loaded, 64, 16, cuda_graphs=mode)
+        assert (runner.mixed_graphs is not None) == mode
+        for start in range(0, len(prompt), 96):
+            last = start + 96 == len(prompt)
+            out = runner.execute(SchedulerOutput([ScheduledSeq(
+                "p", prompt[start:start + 96], start, blocks, last, greedy)]))
+        caches[mode] = ([t.float().cpu() for kv in runner.kv_caches for t in kv], out.token_ids)
+    (eager_kv, eager_tok), (graph_kv, graph_tok) = caches[False], caches[True]
+    assert graph_tok == eager_tok
+    used = len(blocks)
+    for e, g in zip(eager_kv, graph_kv):
+        torch.testing.assert_close(g[:used], e[:used], rtol=1e-4, atol=1e-4)
+
+
 def test_engine_sizes_kv_from_free_memory_and_serves():
     # Sizing and serving do not depend on the weights' values: random ones in the bundled
     # model's shapes stand in where its weights were not carried.
