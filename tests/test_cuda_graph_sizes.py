@@ -33,3 +33,38 @@ def test_decode_graphs_take_steps_whose_every_row_samples():
     partial = ScheduledSeq("c", [3], 5, [3], False, sp)
     assert not graphs.can_run(SchedulerOutput([*decodes, partial]))
     assert not graphs.can_run(SchedulerOutput([ScheduledSeq("d", [1], 64, [0] * 5, True, sp)]))
+
+
+def test_a_replay_copies_each_rows_inputs_and_table():
+    """The host side of a replay (the graph itself stubbed, on the CPU): each row's token,
+    position, slot, length and block ids land in the captured buffers; padding rows write the
+    scratch slot and attend to one token, whatever an earlier, larger step left there."""
+    import torch
+
+    from batcher.core.outputs import ScheduledSeq, SchedulerOutput
+    from batcher.core.sampling import SamplingParams
+    from batcher.runtime.cuda_graphs import DecodeGraphs
+
+    replayed: list[int] = []
+
+    class Stub(DecodeGraphs):
+        def _capture(self, device: torch.device) -> None:
+            for b in self.sizes:
+                self.graphs[b] = type("G", (), {"replay": lambda s, b=b: replayed.append(b)})()
+                self.outputs[b] = torch.zeros(b, 3)
+
+    graphs = Stub(None, None, 16, 9, 4, graph_sizes(4), torch.device("cpu"))
+    sp = SamplingParams(temperature=0.0)
+    three = [ScheduledSeq("a", [11], 40, [5, 6, 7], True, sp),
+             ScheduledSeq("b", [12], 3, [2], True, sp),
+             ScheduledSeq("c", [13], 16, [0, 8], True, sp)]
+    graphs.run(SchedulerOutput(three))
+    assert graphs.ids[:3].tolist() == [11, 12, 13]
+    assert graphs.positions[:3].tolist() == [40, 3, 16]
+    assert graphs.slots[:4].tolist() == [7 * 16 + 8, 2 * 16 + 3, 8 * 16, 9 * 16]
+    assert graphs.lens[:4].tolist() == [41, 4, 17, 1]
+    assert graphs.tables[0, :3].tolist() == [5, 6, 7] and graphs.tables[1, 0] == 2
+    assert graphs.tables[2, :2].tolist() == [0, 8]
+    out = graphs.run(SchedulerOutput([ScheduledSeq("b", [14], 4, [2], True, sp)]))
+    assert out.shape[0] == 1 and replayed == [4, 1]
+    assert graphs.ids[0] == 14 and graphs.slots[0] == 2 * 16 + 4 and graphs.lens[0] == 5

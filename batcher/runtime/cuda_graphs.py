@@ -13,6 +13,7 @@ import torch
 
 from batcher.core.outputs import SchedulerOutput
 from batcher.runtime.attention import AttentionMetadata
+from batcher.runtime.block_table_rows import write_rows
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -47,9 +48,12 @@ class DecodeGraphs:
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.lens = torch.ones(top, dtype=torch.int32, device=device)
         self.rows = torch.arange(top, device=device)
-        # Host staging, pinned so the copies are asynchronous.
-        self._host = torch.zeros(4, top, dtype=torch.long).pin_memory()
-        self._host_tables = torch.zeros(top, max_blocks, dtype=torch.int32).pin_memory()
+        # Host staging, pinned (on CUDA) so the copies are asynchronous.
+        self._host = torch.zeros(4, top, dtype=torch.long)
+        self._host_tables = torch.zeros(top, max_blocks, dtype=torch.int32)
+        if device.type == "cuda":
+            self._host, self._host_tables = self._host.pin_memory(), self._host_tables.pin_memory()
+        self._host_np = self._host.numpy()  # a step writes its lists through it
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture(device)
@@ -96,19 +100,18 @@ class DecodeGraphs:
         b = pick_size(n, self.sizes)
         assert b is not None
         host, tables = self._host, self._host_tables
-        host[:, :b] = 0
-        host[2, :b] = self.scratch_slot
-        host[3, :b] = 1
-        tables[:b] = 0
+        h = self._host_np
+        h[:, n:b] = 0
+        h[2, n:b] = self.scratch_slot
+        h[3, n:b] = 1
         bs = self.block_size
-        for i, s in enumerate(seqs):
-            pos = s.start_pos
-            host[0, i] = s.token_ids[0]
-            host[1, i] = pos
-            host[2, i] = s.block_ids[pos // bs] * bs + pos % bs
-            host[3, i] = pos + 1
-            used = s.block_ids[: pos // bs + 1]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        pos = [s.start_pos for s in seqs]
+        h[0, :n] = [s.token_ids[0] for s in seqs]
+        h[1, :n] = pos
+        h[2, :n] = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        h[3, :n] = [p + 1 for p in pos]
+        # Padding rows read entry 0 of their table row: any valid block id.
+        write_rows(tables, range(n), [s.block_ids[:p // bs + 1] for s, p in zip(seqs, pos)])
         self.ids[:b].copy_(host[0, :b], non_blocking=True)
         self.positions[:b].copy_(host[1, :b], non_blocking=True)
         self.slots[:b].copy_(host[2, :b], non_blocking=True)

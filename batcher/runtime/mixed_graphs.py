@@ -30,6 +30,7 @@ import torch
 
 from batcher.core.outputs import SchedulerOutput
 from batcher.runtime.attention import AttentionMetadata
+from batcher.runtime.block_table_rows import write_rows
 
 # The largest step captured: past it, a step's matmuls outweigh its launches.
 MAX_GRAPH_TOKENS = 512
@@ -71,25 +72,27 @@ class StepRows:
 def lay_out(sched: SchedulerOutput, block_size: int) -> StepRows:
     """The step's rows, its decode rows' lengths and its chunks; a row with drafts samples each
     of its positions (as `ModelRunner.prepare` orders them)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    decode_lens: list[int] = []
     chunks: list[tuple[int, int, int]] = []
-    tables: list[list[int]] = []
-    sample_rows: list[int] = []
     bs = block_size
-    for i, s in enumerate(sched.seqs):
+    nd = sched.num_decodes
+    seqs = sched.seqs
+    # The decode rows (first): one token each, laid out list by list (a host cost per row of
+    # every replayed step).
+    starts = [s.start_pos for s in seqs[:nd]]
+    ids = [s.token_ids[0] for s in seqs[:nd]]
+    positions = list(starts)
+    slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
+    decode_lens = [p + 1 for p in starts]
+    tables = [s.block_ids[:p // bs + 1] for s, p in zip(seqs, starts)]
+    sample_rows = [i for i, s in enumerate(seqs[:nd]) if s.sample]
+    for s in seqs[nd:]:
         n = len(s.token_ids)
         row = len(ids)
         ids.extend(s.token_ids)
         pos = range(s.start_pos, s.start_pos + n)
         positions.extend(pos)
         slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
-        if i < sched.num_decodes:
-            decode_lens.append(s.start_pos + 1)
-        else:
-            chunks.append((row, n, s.start_pos))
+        chunks.append((row, n, s.start_pos))
         tables.append(s.block_ids[:-(-(s.start_pos + n) // bs)])
         if s.sample:
             last = row + n - 1
@@ -151,6 +154,10 @@ class MixedStepInputs:
         self.decode_tables = self.tables[:d]
         self.varlen = VarlenPrefill(self.tables[d:], self.index[d:d + 3 * c].view(3, c),
                                     self.index[d + 3 * c:].view(2, self.max_tiles), self.block_m)
+        # numpy views of the host buffers: a step writes its lists through them (a torch op
+        # per slice costs several times more, on every replayed step).
+        self._rows_np = self._host_rows.numpy()
+        self._index_np = self._host_index.numpy()
         self._reset_host()
         self.rows.copy_(self._host_rows)
         self.index.copy_(self._host_index)
@@ -159,10 +166,10 @@ class MixedStepInputs:
         """The host buffers as an empty step: padding everywhere."""
         d, c = self._index_layout
         t = self.tokens
-        self._host_rows.zero_()
-        self._host_rows[2 * t:3 * t] = self.scratch_slot
-        idx = self._host_index
-        idx.zero_()
+        rows, idx = self._rows_np, self._index_np
+        rows.fill(0)
+        rows[2 * t:3 * t] = self.scratch_slot
+        idx.fill(0)
         idx[:d] = 1  # a padding decode row attends to one token (block 0's first)
         idx[d + 3 * c:d + 3 * c + self.max_tiles] = c - 1  # padding tiles: the empty chunk
 
@@ -186,34 +193,31 @@ class MixedStepInputs:
         self._reset_host()
         t, n = self.tokens, len(step.ids)
         d, c = self._index_layout
-        rows = self._host_rows
-        rows[:n] = torch.tensor(step.ids)
-        rows[t:t + n] = torch.tensor(step.positions)
-        rows[2 * t:2 * t + n] = torch.tensor(step.slots)
-        rows[3 * t:3 * t + len(step.sample_rows)] = torch.tensor(step.sample_rows, dtype=torch.long)
-        idx = self._host_index
+        rows = self._rows_np
+        rows[:n] = step.ids
+        rows[t:t + n] = step.positions
+        rows[2 * t:2 * t + n] = step.slots
+        rows[3 * t:3 * t + len(step.sample_rows)] = step.sample_rows
+        idx = self._index_np
         nd, k = len(step.decode_lens), len(step.chunks)
-        idx[:nd] = torch.tensor(step.decode_lens, dtype=torch.int32)
+        idx[:nd] = step.decode_lens
         if k:
-            idx[d:d + 3 * c].view(3, c)[:, :k] = torch.tensor(step.chunks, dtype=torch.int32).T
+            idx[d:d + 3 * c].reshape(3, c)[:, :k] = list(zip(*step.chunks))
         tile_seq, tile_first = tiles_of([ch[1] for ch in step.chunks], self.block_m)
-        tiles = idx[d + 3 * c:].view(2, self.max_tiles)
-        tiles[0, :len(tile_seq)] = torch.tensor(tile_seq, dtype=torch.int32)
-        tiles[1, :len(tile_first)] = torch.tensor(tile_first, dtype=torch.int32)
+        tiles = idx[d + 3 * c:].reshape(2, self.max_tiles)
+        tiles[0, :len(tile_seq)] = tile_seq
+        tiles[1, :len(tile_first)] = tile_first
         # Tables past the step's rows are not copied: an empty chunk's is never read, and a
         # padding decode row reads entry 0 of its row, a valid block id from any step.
         tables = self._host_tables
-        used = list(range(nd)) + list(range(d, d + k))
-        for i, blocks in zip(used, step.tables):
-            tables[i].zero_()
-            tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.rows.copy_(rows, non_blocking=True)
-        self.index.copy_(idx, non_blocking=True)
+        write_rows(tables, [*range(nd), *range(d, d + k)], step.tables)
+        self.rows.copy_(self._host_rows, non_blocking=True)
+        self.index.copy_(self._host_index, non_blocking=True)
         if nd:
             self.tables[:nd].copy_(tables[:nd], non_blocking=True)
         if k:
             self.tables[d:d + k].copy_(tables[d:d + k], non_blocking=True)
-        if rows.is_pinned():
+        if self._host_rows.is_pinned():
             self._copied = torch.cuda.Event()
             self._copied.record()
         return len(step.sample_rows)

@@ -1,6 +1,7 @@
-"""The launch-count scenario (`python -m scripts.bench launches`) on the bundled model: its counts
-are a function of the step's shape alone, so they are exact here and say what a GPU step
-launches (a floor: some torch ops launch more than one kernel)."""
+"""The GPU path's host-side scenarios, run on the CPU: the launch count (`python -m scripts.bench
+launches`, on the bundled model: its counts are a function of the step's shape alone, so they
+are exact here and say what a GPU step launches, a floor since some torch ops launch more than
+one kernel), and the host time to fill a replayed step's inputs (`graph_inputs`)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def test_steps_with_a_prompt_chunk_launch_what_the_counts_say() -> None:
     # A replay: the bucket's buffers (rows, the kernels' index, two runs of block tables) and
     # the graph.
     assert launches["captured: launches per replay"] == 5
+
+
+def test_the_graph_inputs_scenario_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "graph_inputs", "--rows", "1,9", "--ctx", "40",
+         "--reps", "2", "--no-append"],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = [line.split(" | ") for line in proc.stdout.splitlines() if " | " in line]
+    assert [(n, what) for n, what, *_ in lines if what == "decode fill"] == \
+        [("1", "decode fill"), ("9", "decode fill")]
+    assert all(float(ms.split()[0]) > 0 for _, _, ms, _ in lines)
