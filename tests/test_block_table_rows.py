@@ -24,3 +24,9 @@ def test_rows_get_their_ids_and_nothing_else_changes(count: int) -> None:
     assert torch.equal(table, want)
     write_rows(table, [], [])
     assert torch.equal(table, want)
+
+
+def test_a_row_wider_than_the_table_is_refused() -> None:
+    table = torch.zeros(8, 3, dtype=torch.int32)
+    with pytest.raises(ValueError):
+        write_rows(table, range(FEW_ROWS + 1), [[1, 2, 3, 4]] * (FEW_ROWS + 1))

@@ -21,7 +21,8 @@ FEW_ROWS = 4
 
 def write_rows(table: torch.Tensor, rows: Sequence[int], blocks: Sequence[Sequence[int]]) -> None:
     """`table[r, :len(b)] = b` for each row `r` of `rows` and its block ids `b` of `blocks`;
-    `table`: a contiguous int32 tensor in host memory (pinned or not)."""
+    `table`: a contiguous int32 tensor in host memory (pinned or not), each `b` no wider."""
+    assert table.is_contiguous() and table.device.type == "cpu"
     if len(rows) <= FEW_ROWS:  # a few rows: a plain loop costs less than the setup below
         flat = table.numpy()
         for r, ids in zip(rows, blocks):
@@ -30,6 +31,8 @@ def write_rows(table: torch.Tensor, rows: Sequence[int], blocks: Sequence[Sequen
     width = table.shape[1]
     lens = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
     total = int(lens.sum())
+    if lens.max() > table.shape[1]:
+        raise ValueError(f"{int(lens.max())} block ids for a table {table.shape[1]} wide")
     values = np.fromiter(itertools.chain.from_iterable(blocks), dtype=np.int32, count=total)
     firsts = np.asarray(rows, dtype=np.int64) * width - (np.cumsum(lens) - lens)
     flat = table.numpy().reshape(-1)

@@ -54,6 +54,7 @@ class DecodeGraphs:
         if device.type == "cuda":
             self._host, self._host_tables = self._host.pin_memory(), self._host_tables.pin_memory()
         self._host_np = self._host.numpy()  # a step writes its lists through it
+        self._copied: torch.cuda.Event | None = None  # after the last step's copies
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture(device)
@@ -99,6 +100,8 @@ class DecodeGraphs:
         n = len(seqs)
         b = pick_size(n, self.sizes)
         assert b is not None
+        if self._copied is not None:  # the last step's copies have read the host buffers
+            self._copied.synchronize()
         host, tables = self._host, self._host_tables
         h = self._host_np
         h[:, n:b] = 0
@@ -117,5 +120,8 @@ class DecodeGraphs:
         self.slots[:b].copy_(host[2, :b], non_blocking=True)
         self.lens[:b].copy_(host[3, :b], non_blocking=True)
         self.tables[:b].copy_(tables[:b], non_blocking=True)
+        if host.is_pinned():
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -6,7 +6,7 @@ block table into the graph's buffers; with a GPU step of about a millisecond, th
 the step's floor. Measured here on the CPU (the host's work is the same there; the graph is
 stubbed, the buffers are CPU tensors), side by side in alternating rounds:
 - a decode-only step's fill (`DecodeGraphs.run`) and a step with a 64-token prompt chunk
-  (`MixedStepInputs.fill`);
+  (the bucket's choice and `MixedStepInputs.fill`);
 - the same decode fill written row by row (a small tensor and a slice per row: how it was
   written before `batcher/runtime/block_table_rows.py`), kept here as the baseline;
 - `ModelRunner.prepare` on the same steps: what the eager path builds.
@@ -109,11 +109,11 @@ def main(argv: list[str]) -> int:
         prompt = ScheduledSeq("p", [7] * CHUNK, 0, list(range(first, first + CHUNK // BLOCK)),
                               True, sp)
         decode, mixed = SchedulerOutput(decodes), SchedulerOutput([*decodes, prompt])
-        i = pick_bucket(buckets, mixed)
         cases = [("decode fill", lambda: graphs.run(decode)),
                  ("decode fill, row by row (baseline)", lambda: row_by_row(graphs, decode)),
                  ("decode step, eager prepare", lambda: runner.prepare(decode)),
-                 (f"+{CHUNK}-token chunk: bucket fill", lambda: buckets[i].fill(mixed)),
+                 (f"+{CHUNK}-token chunk: bucket fill",
+                  lambda: buckets[pick_bucket(buckets, mixed)].fill(mixed)),
                  (f"+{CHUNK}-token chunk: eager prepare", lambda: runner.prepare(mixed))]
         got: dict[str, list[float]] = {name: [] for name, _ in cases}
         for r in range(3):  # alternating rounds, each order reversed in turn
