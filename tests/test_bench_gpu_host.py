@@ -17,14 +17,17 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 
-def test_steps_with_a_prompt_chunk_launch_what_the_counts_say() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench", "launches", "--decode-rows", "2", "--ctx", "32",
-         "--chunk", "8", "--no-append"],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def scenario_rows(*args: str) -> list[list[str]]:
+    """The table rows a scenario prints (run with `args` and --no-append), split in columns."""
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench", *args, "--no-append"],
+                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = {line.split(" | ")[0]: line.split(" | ") for line in proc.stdout.splitlines()
-            if " | " in line}
+    return [line.split(" | ") for line in proc.stdout.splitlines() if " | " in line]
+
+
+def test_steps_with_a_prompt_chunk_launch_what_the_counts_say() -> None:
+    rows = {cols[0]: cols for cols in scenario_rows("launches", "--decode-rows", "2", "--ctx",
+                                                    "32", "--chunk", "8")}
     launches = {what.split(" (")[0]: int(cols[4]) for what, cols in rows.items()}
     attend = launches["eager, RoPE and cache write through torch's ops"]
     fused = launches["eager, RoPE and cache write in one kernel"]
@@ -41,12 +44,7 @@ def test_steps_with_a_prompt_chunk_launch_what_the_counts_say() -> None:
 
 
 def test_the_graph_inputs_scenario_runs() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench", "graph_inputs", "--rows", "1,9", "--ctx", "40",
-         "--reps", "2", "--no-append"],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    lines = [line.split(" | ") for line in proc.stdout.splitlines() if " | " in line]
+    lines = scenario_rows("graph_inputs", "--rows", "1,9", "--ctx", "40", "--reps", "2")
     assert [(n, what) for n, what, *_ in lines if what == "decode fill"] == \
         [("1", "decode fill"), ("9", "decode fill")]
     assert all(float(ms.split()[0]) > 0 for _, _, ms, _ in lines)
