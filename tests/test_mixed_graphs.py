@@ -73,7 +73,7 @@ def test_buckets_cover_every_step_up_to_the_bound(kernel) -> None:
 
 
 def test_tiles_name_each_chunk_and_never_straddle_two(kernel) -> None:
-    from batcher.runtime.mixed_graphs import tiles_of
+    from batcher.runtime.triton_prefill import tiles_of
 
     assert tiles_of([1, 40, 16, 1], 16) == ([0, 1, 1, 1, 2, 3], [0, 0, 16, 32, 0, 0])
 

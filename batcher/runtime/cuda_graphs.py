@@ -13,7 +13,7 @@ import torch
 
 from batcher.core.outputs import SchedulerOutput
 from batcher.runtime.attention import AttentionMetadata
-from batcher.runtime.block_table_rows import write_rows
+from batcher.runtime.step_rows import CopyFence, host_buffer, lay_out, write_rows
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -48,13 +48,11 @@ class DecodeGraphs:
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.lens = torch.ones(top, dtype=torch.int32, device=device)
         self.rows = torch.arange(top, device=device)
-        # Host staging, pinned (on CUDA) so the copies are asynchronous.
-        self._host = torch.zeros(4, top, dtype=torch.long)
-        self._host_tables = torch.zeros(top, max_blocks, dtype=torch.int32)
-        if device.type == "cuda":
-            self._host, self._host_tables = self._host.pin_memory(), self._host_tables.pin_memory()
+        # Host staging: [ids, positions, slots, lengths] per row, and the block tables.
+        self._host = host_buffer(4, top, dtype=torch.long, device=device)
+        self._host_tables = host_buffer(top, max_blocks, dtype=torch.int32, device=device)
         self._host_np = self._host.numpy()  # a step writes its lists through it
-        self._copied: torch.cuda.Event | None = None  # after the last step's copies
+        self._fence = CopyFence()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture(device)
@@ -100,28 +98,24 @@ class DecodeGraphs:
         n = len(seqs)
         b = pick_size(n, self.sizes)
         assert b is not None
-        if self._copied is not None:  # the last step's copies have read the host buffers
-            self._copied.synchronize()
+        step = lay_out(sched, self.block_size)
+        self._fence.wait()
         host, tables = self._host, self._host_tables
         h = self._host_np
         h[:, n:b] = 0
         h[2, n:b] = self.scratch_slot
         h[3, n:b] = 1
-        bs = self.block_size
-        pos = [s.start_pos for s in seqs]
-        h[0, :n] = [s.token_ids[0] for s in seqs]
-        h[1, :n] = pos
-        h[2, :n] = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
-        h[3, :n] = [p + 1 for p in pos]
+        h[0, :n] = step.ids
+        h[1, :n] = step.positions
+        h[2, :n] = step.slots
+        h[3, :n] = step.decode_lens
         # Padding rows read entry 0 of their table row: any valid block id.
-        write_rows(tables, range(n), [s.block_ids[:p // bs + 1] for s, p in zip(seqs, pos)])
+        write_rows(tables, range(n), step.tables)
         self.ids[:b].copy_(host[0, :b], non_blocking=True)
         self.positions[:b].copy_(host[1, :b], non_blocking=True)
         self.slots[:b].copy_(host[2, :b], non_blocking=True)
         self.lens[:b].copy_(host[3, :b], non_blocking=True)
         self.tables[:b].copy_(tables[:b], non_blocking=True)
-        if host.is_pinned():
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._fence.copied(host.is_pinned())
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -24,13 +24,12 @@ they feed) and runs eagerly anywhere; `MixedGraphs` captures and replays its for
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 import torch
 
 from batcher.core.outputs import SchedulerOutput
 from batcher.runtime.attention import AttentionMetadata
-from batcher.runtime.block_table_rows import write_rows
+from batcher.runtime.step_rows import CopyFence, host_buffer, lay_out, write_rows
 
 # The largest step captured: past it, a step's matmuls outweigh its launches.
 MAX_GRAPH_TOKENS = 512
@@ -55,70 +54,15 @@ def bucket_block_m(tokens: int) -> int:
     return min(64, max(16, 1 << ((tokens // 8).bit_length() - 1)))
 
 
-@dataclass(slots=True, frozen=True)
-class StepRows:
-    """A step laid out row by row in scheduled order (decode rows first), as a bucket's buffers
-    take it."""
-
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    decode_lens: list[int]  # per decode row: the tokens it attends to, its own included
-    chunks: list[tuple[int, int, int]]  # per prompt chunk: first row, length, cached prefix
-    tables: list[list[int]]  # per sequence: the blocks its context covers
-    sample_rows: list[int]  # rows whose logits are sampled, in `verify_rows` order
-
-
-def lay_out(sched: SchedulerOutput, block_size: int) -> StepRows:
-    """The step's rows, its decode rows' lengths and its chunks; a row with drafts samples each
-    of its positions (as `ModelRunner.prepare` orders them)."""
-    chunks: list[tuple[int, int, int]] = []
-    bs = block_size
-    nd = sched.num_decodes
-    seqs = sched.seqs
-    # The decode rows (first): one token each, laid out list by list (a host cost per row of
-    # every replayed step).
-    starts = [s.start_pos for s in seqs[:nd]]
-    ids = [s.token_ids[0] for s in seqs[:nd]]
-    positions = list(starts)
-    slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
-    decode_lens = [p + 1 for p in starts]
-    tables = [s.block_ids[:p // bs + 1] for s, p in zip(seqs, starts)]
-    sample_rows = [i for i, s in enumerate(seqs[:nd]) if s.sample]
-    for s in seqs[nd:]:
-        n = len(s.token_ids)
-        row = len(ids)
-        ids.extend(s.token_ids)
-        pos = range(s.start_pos, s.start_pos + n)
-        positions.extend(pos)
-        slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
-        chunks.append((row, n, s.start_pos))
-        tables.append(s.block_ids[:-(-(s.start_pos + n) // bs)])
-        if s.sample:
-            last = row + n - 1
-            sample_rows.extend(range(last - len(s.draft_token_ids), last + 1))
-    return StepRows(ids, positions, slots, decode_lens, chunks, tables, sample_rows)
-
-
-def tiles_of(lengths: list[int], block_m: int) -> tuple[list[int], list[int]]:
-    """The kernel's query tiles: (chunk, first row within the chunk) per tile."""
-    seq: list[int] = []
-    first: list[int] = []
-    for i, n in enumerate(lengths):
-        starts = range(0, n, block_m)
-        seq.extend([i] * len(starts))
-        first.extend(starts)
-    return seq, first
-
-
 class MixedStepInputs:
     """The fixed-shape inputs of one token bucket: a step of up to `tokens` rows and
     `max_seqs` sequences, each sequence's context within `max_blocks` blocks."""
 
     def __init__(self, tokens: int, max_seqs: int, max_blocks: int, block_size: int,
                  scratch_slot: int, device: torch.device):
-        from batcher.runtime.triton_prefill import VarlenPrefill
+        from batcher.runtime.triton_prefill import VarlenPrefill, tiles_of
 
+        self._tiles_of = tiles_of  # the kernel's tile layout (imported where Triton is)
         self.tokens = tokens
         self.max_seqs = min(tokens, max_seqs)
         self.max_blocks = max_blocks
@@ -131,19 +75,14 @@ class MixedStepInputs:
         d = self.max_seqs  # decode rows the decode kernel runs over
         c = self.max_seqs + 1  # chunks: the last is always empty, and padding tiles name it
         self._index_layout = (d, c)
-        self._copied = None  # CUDA: the event after the last step's copies from `_host_*`
-        pin = device.type == "cuda"  # pinned host buffers: the copies are asynchronous
-
-        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            t = torch.zeros(*shape, dtype=dtype)
-            return t.pin_memory() if pin else t
-
+        self._fence = CopyFence()
         # [ids, positions, slots] per row, then the sampled rows' indices.
-        self._host_rows = host(3 * tokens + self.rows_out, dtype=torch.long)
+        self._host_rows = host_buffer(3 * tokens + self.rows_out, dtype=torch.long, device=device)
         # The decode rows' lengths [d]; the chunks [3, c]; the tiles [2, tiles]: flat.
-        self._host_index = host(d + 3 * c + 2 * self.max_tiles, dtype=torch.int32)
+        self._host_index = host_buffer(d + 3 * c + 2 * self.max_tiles, dtype=torch.int32,
+                                       device=device)
         # Block tables: the decode rows', then the chunks'.
-        self._host_tables = host(d + c, max_blocks, dtype=torch.int32)
+        self._host_tables = host_buffer(d + c, max_blocks, dtype=torch.int32, device=device)
         self.rows = torch.zeros_like(self._host_rows, device=device)
         self.index = torch.zeros_like(self._host_index, device=device)
         self.tables = torch.zeros_like(self._host_tables, device=device)
@@ -186,10 +125,7 @@ class MixedStepInputs:
     def fill(self, sched: SchedulerOutput) -> int:
         """Copy `sched` into the buffers -> how many rows it samples (the logits' first rows)."""
         step = lay_out(sched, self.block_size)
-        if self._copied is not None:
-            # The previous step's copies read these host buffers: a step that samples nothing
-            # never waited for them.
-            self._copied.synchronize()
+        self._fence.wait()
         self._reset_host()
         t, n = self.tokens, len(step.ids)
         d, c = self._index_layout
@@ -203,7 +139,7 @@ class MixedStepInputs:
         idx[:nd] = step.decode_lens
         if k:
             idx[d:d + 3 * c].reshape(3, c)[:, :k] = list(zip(*step.chunks))
-        tile_seq, tile_first = tiles_of([ch[1] for ch in step.chunks], self.block_m)
+        tile_seq, tile_first = self._tiles_of([ch[1] for ch in step.chunks], self.block_m)
         tiles = idx[d + 3 * c:].reshape(2, self.max_tiles)
         tiles[0, :len(tile_seq)] = tile_seq
         tiles[1, :len(tile_first)] = tile_first
@@ -217,9 +153,7 @@ class MixedStepInputs:
             self.tables[:nd].copy_(tables[:nd], non_blocking=True)
         if k:
             self.tables[d:d + k].copy_(tables[d:d + k], non_blocking=True)
-        if self._host_rows.is_pinned():
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._fence.copied(self._host_rows.is_pinned())
         return len(step.sample_rows)
 
     def metadata(self) -> AttentionMetadata:

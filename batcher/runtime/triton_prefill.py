@@ -154,6 +154,18 @@ def _paged_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
+def tiles_of(lengths: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """The kernel's query tiles for chunks of `lengths`: (chunk, first row within the chunk)
+    per tile, `block_m` rows each, never two chunks in one tile."""
+    seq: list[int] = []
+    first: list[int] = []
+    for i, n in enumerate(lengths):
+        starts = range(0, n, block_m)
+        seq.extend([i] * len(starts))
+        first.extend(starts)
+    return seq, first
+
+
 @dataclass(slots=True)
 class VarlenPrefill:
     """A step's prefill chunks as the kernel takes them, built once per step (first layer) and
@@ -168,12 +180,7 @@ class VarlenPrefill:
     def build(cls, chunks: list[Chunk], device: torch.device) -> VarlenPrefill:
         longest = max(c.length for c in chunks)
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(longest)))
-        tile_seq: list[int] = []
-        tile_row: list[int] = []
-        for i, c in enumerate(chunks):
-            starts = range(0, c.length, block_m)
-            tile_seq.extend([i] * len(starts))
-            tile_row.extend(starts)
+        tile_seq, tile_row = tiles_of([c.length for c in chunks], block_m)
         idx = torch.tensor([c.row for c in chunks] + [c.length for c in chunks]
                            + [c.start_pos for c in chunks] + tile_seq + tile_row,
                            dtype=torch.int32).to(device, non_blocking=True)

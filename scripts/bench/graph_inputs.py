@@ -8,7 +8,7 @@ stubbed, the buffers are CPU tensors), side by side in alternating rounds:
 - a decode-only step's fill (`DecodeGraphs.run`) and a step with a 64-token prompt chunk
   (the bucket's choice and `MixedStepInputs.fill`);
 - the same decode fill written row by row (a small tensor and a slice per row: how it was
-  written before `batcher/runtime/block_table_rows.py`), kept here as the baseline;
+  written before `batcher/runtime/step_rows.py`), kept here as the baseline;
 - `ModelRunner.prepare` on the same steps: what the eager path builds.
 
     python -m scripts.bench graph_inputs [--rows 1,32,256] [--ctx 512] [--no-append]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from batcher.runtime.block_table_rows import FEW_ROWS, write_rows
+from batcher.runtime.step_rows import FEW_ROWS, write_rows
 
 
 @pytest.mark.parametrize("count", [FEW_ROWS, FEW_ROWS + 5])
