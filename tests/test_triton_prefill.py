@@ -11,12 +11,11 @@ import torch
 
 from batcher.runtime.attention import (
     AttentionMetadata,
-    AttentionVariant,
     DecodeGroup,
     PrefillChunk,
     paged_attention,
-    variant_attention,
 )
+from batcher.runtime.variant_attention import AttentionVariant, variant_attention
 from tests.test_triton_attention import (
     DEVICE,
     assert_self_check_names_faults,

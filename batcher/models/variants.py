@@ -29,7 +29,8 @@ from batcher.models.llama import (
     RotaryTables,
 )
 from batcher.models.moe import SparseMoE
-from batcher.runtime.attention import AttentionMetadata, AttentionVariant, variant_attention
+from batcher.runtime.attention import AttentionMetadata
+from batcher.runtime.variant_attention import AttentionVariant, variant_attention
 from batcher.runtime.token_ops import apply_rope, rms_norm
 
 

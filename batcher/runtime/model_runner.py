@@ -68,7 +68,7 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = resolve_backend(attention_backend, loaded.device)
         # Windows, soft-capped scores, Q/K norms: the fused kernels implement Llama's attention
-        # only, so such a model runs the torch path (`attention.variant_attention`).
+        # only, so such a model runs the torch path (`runtime/variant_attention.py`).
         self.plain_attention = getattr(loaded.config, "plain_attention", True)
         # Every layer windowed: the scheduler frees blocks behind the window (`kv_cache_manager`).
         self.kv_window: int | None = getattr(loaded.config, "kv_window", None)
