@@ -77,6 +77,7 @@ def test_the_fake_model_takes_the_device_defaults_unless_told() -> None:
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (CUDA_MAX_NUM_SEQS,
                                                                CUDA_MAX_NUM_BATCHED_TOKENS)
     assert engine.kv.num_total_blocks == FAKE_NUM_BLOCKS
+    assert engine.overlap  # each step launched before the last one is emitted
     # A full batch of 128-token prompts and 256-token answers fits at once.
     assert FAKE_NUM_BLOCKS * cache.block_size >= CUDA_MAX_NUM_SEQS * (128 + 256)
     args = serve_args("--max-num-seqs", "8", "--max-num-batched-tokens", "100",
@@ -85,6 +86,9 @@ def test_the_fake_model_takes_the_device_defaults_unless_told() -> None:
     assert (engine.scheduler.config.max_num_seqs,
             engine.scheduler.config.max_num_batched_tokens) == (8, 100)
     assert engine.kv.num_total_blocks == 64
+    args = serve_args("--no-step-overlap")
+    engine = build_engine("fake", engine_config_from_args(args), fake=fake_device_from_args(args))
+    assert not engine.overlap
 
 
 def test_a_step_without_drafts_gives_what_the_rule_gives() -> None:

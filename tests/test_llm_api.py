@@ -24,11 +24,11 @@ def test_engine_config_defaults_are_the_flags_defaults() -> None:
     add_serve_args(parser)
     flags = vars(parser.parse_args([]))
     config = EngineConfig()
+    negated = {"enable_prefix_caching": "no_prefix_caching", "cuda_graphs": "no_cuda_graphs",
+               "step_overlap": "no_step_overlap"}  # on by default, a --no- flag turns off
     for f in dataclasses.fields(config):
-        if f.name == "enable_prefix_caching":
-            assert config.enable_prefix_caching is not flags["no_prefix_caching"]
-        elif f.name == "cuda_graphs":
-            assert config.cuda_graphs is not flags["no_cuda_graphs"]
+        if f.name in negated:
+            assert getattr(config, f.name) is not flags[negated[f.name]], f.name
         else:
             assert getattr(config, f.name) == flags[f.name], f.name
     assert flags["max_model_len"] == 8192

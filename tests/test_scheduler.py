@@ -345,6 +345,10 @@ def test_abort_frees_waiting_and_running_requests_at_the_next_schedule() -> None
     assert sched.update(out, run(out)) == []  # output of an aborted request is dropped
     out = sched.schedule()
     assert sorted(out.freed_ids) == ["a", "c"] and [s.request_id for s in out.seqs] == ["b"]
+    # The requests themselves too, in the same order: an ID may name a new request by the time
+    # the report is read.
+    assert [r.request_id for r in out.freed] == out.freed_ids
+    assert {id(r) for r in out.freed} == {id(a), id(c)}
     assert a.status is c.status is RequestStatus.FINISHED_ABORTED and a.block_ids == []
     assert sched.get_request("a") is None and not sched.abort("a")
     assert sched.num_running == 1 and sched.num_waiting == 0

@@ -126,6 +126,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "%(default)s)")
     a("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA (by default "
       "decode steps, and steps of up to 512 tokens with prompt chunks, replay CUDA graphs)")
+    a("--no-step-overlap", action="store_true", help="emit each step's tokens before scheduling "
+      "the next step (by default the next step is launched first, so the model runs it while "
+      "the host detokenizes and streams; a request a stop string ends may then compute one row "
+      "more, which is dropped)")
     a("--no-warm-start", action="store_true", help="report ready once the model is loaded, "
       "without first running each step shape (compiling kernels, capturing graphs) and "
       "calibrating admission to this device; the first requests then pay for both")
@@ -229,9 +233,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine settings of parsed `batcher serve` flags: the one conversion from flags to an
     `EngineConfig`. Not yet validated."""
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
-              if f.name not in ("enable_prefix_caching", "cuda_graphs")}
+              if f.name not in ("enable_prefix_caching", "cuda_graphs", "step_overlap")}
     return EngineConfig(**values, enable_prefix_caching=not args.no_prefix_caching,
-                        cuda_graphs=not args.no_cuda_graphs)
+                        cuda_graphs=not args.no_cuda_graphs,
+                        step_overlap=not args.no_step_overlap)
 
 
 def fake_device_from_args(args: argparse.Namespace):

@@ -50,9 +50,11 @@ def _waiting_key(req: Request) -> tuple[int, int, float]:
 class Scheduler:
     """Decides each step's work. Not thread-safe: call it from the engine's loop only.
 
-    Per step: `schedule()` -> run the model -> `update(out, runner_out)`; `finish()` between
-    steps. `abort()` may be called at any time: the request is freed at the next `schedule()`,
-    because the runner may still be reading the current step's blocks.
+    Per step: `schedule()` -> run the model -> `update(out, runner_out)`. `finish()` may be
+    called while a step runs (the engine schedules the next step before it emits this one's
+    text): the blocks it frees are handed out only by a later `schedule()`, and `update()`
+    drops that step's row of the finished request. `abort()` may be called at any time: the
+    request is freed at the next `schedule()`.
 
     `step_time`: the model of step time the caller feeds with measured steps; with it (and
     `prefill_budget="time"`) prefill chunks are sized to the TPOT target. Without it every step
@@ -83,6 +85,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._pending_aborts: dict[str, None] = {}
         self._freed_ids: list[str] = []
+        self._freed: list[Request] = []
         # Bumped by every change to the queues or a request's progress: a reader may keep what
         # it computed from them until this moves (`batcher.engine.snapshot.UnservedPrefill`).
         self.changes = 0
@@ -262,8 +265,9 @@ class Scheduler:
             seqs.append(scheduled_row(req, num_new))
             budget -= num_new
 
-        out = SchedulerOutput(seqs=seqs, freed_ids=self._freed_ids)  # puts decodes first
-        self._freed_ids = []
+        # Puts decodes first.
+        out = SchedulerOutput(seqs=seqs, freed_ids=self._freed_ids, freed=self._freed)
+        self._freed_ids, self._freed = [], []
         self.stats.steps += 1
         if self.debug_checks:
             self.check_integrity()
@@ -431,6 +435,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self._freed_ids.append(req.request_id)
+        self._freed.append(req)
         if status is RequestStatus.WAITING:
             req.status = RequestStatus.WAITING
             req.num_computed_tokens = 0

@@ -57,6 +57,9 @@ class EngineConfig:
     quantized_dense_above: int = 0
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    # Launch each step before emitting the previous one's tokens (the host's detokenizing and
+    # streaming overlap the model's next step); off: emit, then schedule.
+    step_overlap: bool = True
     compile_decode: bool = False  # CPU: one-stream decode steps through torch.compile
     torch_threads: int | None = None  # None: the cgroup CPU quota, else all cores
     speculative: str = "none"  # or "ngram": draft tokens by prompt lookup, verified in one step

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -22,14 +23,14 @@ from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.stalls import StallDetector, StallLog
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
-from batcher.core.step_updates import RequestUpdate
 from batcher.engine.detokenizer import IncrementalDetokenizer
 from batcher.engine.events import EngineError, EngineEvent
 from batcher.engine.snapshot import EngineSnapshot, UnservedPrefill, scheduler_snapshot
+from batcher.engine.stream_outputs import StreamOutputs
 from batcher.engine.live_request import LiveRequest
 from batcher.engine.model_thread import ModelThread
-from batcher.core.request import Request, RequestStatus
-from batcher.core.request_registry import RequestRegistry, iter_stream
+from batcher.core.request import Request
+from batcher.core.request_registry import iter_stream
 from batcher.core.sampling import SamplingParams
 from batcher.telemetry.timings import EngineTimes
 from batcher.tokenizer.tokenizer import Tokenizer
@@ -45,6 +46,13 @@ STATE_GAUGES_EVERY_S = 0.05
 # On stop, a step still running after this long is abandoned (a wedged model must not keep the
 # process from exiting); its requests get an error event like every other in-flight one.
 STOP_GRACE_SECONDS = 5.0
+
+# With overlap, the loop waits up to this long for the model thread to take the step it just
+# launched before it emits the last one (see `_run`).
+HANDOFF_WAIT_S = 0.005
+
+# A step handed to the model thread: what was scheduled, when, and its (output, model seconds).
+_Step = tuple[SchedulerOutput, float, "asyncio.Future[tuple[RunnerOutput, float, float]]"]
 
 
 class Runner(Protocol):
@@ -65,7 +73,7 @@ class AsyncEngine:
                  metrics: Any = None, version: str = "v1",
                  clock: Callable[[], float] = time.monotonic, debug_checks: bool = False,
                  step_time_model: OnlineStepTimeModel | None = None,
-                 prefix_cache_scope: str = "tenant"):
+                 prefix_cache_scope: str = "tenant", overlap: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
         # Grammar-constrained rows need a runner that masks tokens (the fake one does not).
@@ -84,9 +92,8 @@ class AsyncEngine:
         self.metrics = metrics
         self.version = version
         self.clock = clock
-        self._streams = RequestRegistry()
-        self._live: dict[str, LiveRequest] = {}
-        self._preempted: set[str] = set()  # waiting again after a preemption
+        # Each live request's stream, by request ID: where a step's tokens go.
+        self.outputs = StreamOutputs(self.scheduler, metrics)
         self._wake = asyncio.Event()
         self._executor = ModelThread("batcher-model")
         self._task: asyncio.Task[None] | None = None
@@ -95,6 +102,9 @@ class AsyncEngine:
         self.steps = 0
         self.last_step_end = clock()
         self.busy_since: float | None = None
+        # Launch each step before emitting the previous one's tokens (see `_run`); off, the host
+        # emits a step's tokens and only then schedules the next.
+        self.overlap = overlap
         # Called after every step with (scheduler output, step seconds): admission's rate EWMAs.
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
         # "warm": steps teach nothing (first runs compile); "calibrate": they teach the
@@ -109,6 +119,8 @@ class AsyncEngine:
         self.warm_start: dict[str, Any] | None = None
         self._gauges_at = float("-inf")  # when the metrics' state gauges were last refreshed
         self._unserved = UnservedPrefill()
+        self._unsent_freed: list[str] = []  # freed in steps with no rows (only aborts)
+        self._step_taken = threading.Event()  # set by the model thread as it takes a step
 
     @classmethod
     def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
@@ -154,7 +166,7 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        self._fail_all(reason)
+        self.outputs.fail_all(reason, self.clock())
         self._executor.shutdown(wait=False, cancel_futures=True)
         # NOTE: the thread ends right after its last step; wait for that (off the event loop) so
         # the process can exit cleanly. A wedged step was already given its grace period.
@@ -184,7 +196,7 @@ class AsyncEngine:
         if self._task is None:
             await self.start()
         rid = request.request_id
-        queue = self._streams.create_stream(rid)
+        queue = self.outputs.streams.create_stream(rid)
         try:
             if not request.eos_token_ids:
                 request.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -192,9 +204,9 @@ class AsyncEngine:
                 raise ValueError("prompt logprobs are not supported by this model")
             self.scheduler.add_request(request)
         except BaseException:
-            self._streams.discard(rid)
+            self.outputs.streams.discard(rid)
             raise
-        self._live[rid] = LiveRequest(request, IncrementalDetokenizer(
+        self.outputs.live[rid] = LiveRequest(request, IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, stop or request.sampling.stop))
         self._wake.set()
         finished = False
@@ -207,11 +219,11 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(rid)
-            self._streams.discard(rid, queue)
+            self.outputs.streams.discard(rid, queue)
 
     def abort(self, request_id: str) -> bool:
         """Abort from any task; the blocks are freed at the start of the next step."""
-        live = self._live.get(request_id)
+        live = self.outputs.live.get(request_id)
         if live is None or not self.scheduler.abort(request_id):
             return False
         live.abort_time = self.clock()
@@ -222,11 +234,11 @@ class AsyncEngine:
         """The marks of a request still in flight, as if it ended now (None once it has
         ended): what a request cut short (a client gone, a shutdown) ran, for its access line
         and phase histograms."""
-        live = self._live.get(request_id)
+        live = self.outputs.live.get(request_id)
         return None if live is None else live.times(self.clock())
 
     def owns(self, request_id: str) -> bool:
-        return request_id in self._live
+        return request_id in self.outputs.live
 
     def backlog(self) -> Backlog:
         """The unserved work admission predicts a new request's wait from."""
@@ -269,58 +281,90 @@ class AsyncEngine:
 
     # the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
+        # NOTE: the next step is scheduled and handed to the model thread as soon as this step's
+        # results are applied to the scheduler, before its tokens are detokenized and pushed to
+        # their streams: the model runs step N+1 while the host emits step N (see `_launch`).
         loop = asyncio.get_running_loop()
-        while not self._stopping:
-            if not self.scheduler.has_unfinished():
-                self.busy_since = None
-                if self.metrics is not None and self.phase == "serve":
-                    self.metrics.observe_state(self.snapshot())  # idle: the gauges say so
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            sched = self.scheduler.schedule()
-            self._note_freed(sched.freed_ids)
-            if sched.is_empty:
-                await asyncio.sleep(0)  # only aborts were processed
-                continue
-            if self.busy_since is None:
-                self.busy_since = self.clock()
-            started = self.clock()
-            if self._preempted:
-                self._note_rescheduled(sched, started)
+        step: _Step | None = None
+        while step is not None or not self._stopping:
+            if step is None:
+                if not self.scheduler.has_unfinished():
+                    self.busy_since = None
+                    if self.metrics is not None and self.phase == "serve":
+                        self.metrics.observe_state(self.snapshot())  # idle: the gauges say so
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                step = self._launch(loop)
+                if step is None:
+                    await asyncio.sleep(0)  # only aborts were processed
+                    continue
+            sched, started, running = step
             try:
-                out, model_seconds = await loop.run_in_executor(
-                    self._executor, self._timed_execute, sched)
+                out, model_seconds, ended = await running
             except Exception as exc:  # the model failed: fail everyone loudly, stop serving
                 log.exception("model step failed")
                 self._error = f"model step failed: {type(exc).__name__}: {exc}"
-                self._fail_all(self._error)
+                self.outputs.fail_all(self._error, self.clock())
                 return
             self.steps += 1
             self.last_step_end = now = self.clock()
             learn = self._learns_from(sched, started, model_seconds)
-            # Requests the runner cut (a grammar over its budget) end with that error, and the
-            # token sampled for them this step is dropped: it cannot stop them normally first.
-            for rid in out.failed:
-                live = self._live.get(rid)
-                if live is not None and not live.request.is_finished:
-                    self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+            cut = self.outputs.cut(out.failed) if out.failed else []
             updates = self.scheduler.update(sched, out)
-            self._emit(updates, now)
-            for rid, reason in out.failed.items():
-                live = self._live.get(rid)
-                if live is not None:
-                    self._finish(live, now, error=reason)
-            self._work_pending_since = now if self.scheduler.has_unfinished() else None
+            if learn:  # before the next schedule: admission reads the queue this step left
+                for listener in self.step_listeners:
+                    listener(sched, now - started)
+            step = None
+            if self.overlap and not self._stopping and self.scheduler.has_unfinished():
+                step = self._launch(loop)
+                if step is not None:
+                    # NOTE: the model thread needs the GIL to take the step, and emitting is
+                    # pure Python that would hold it to the end (the interpreter's switch
+                    # interval is longer than an emit): waiting here hands it over, so the
+                    # model starts its step first and runs it while this thread emits.
+                    self._step_taken.wait(HANDOFF_WAIT_S)
+            self.outputs.emit(updates, now)
+            self.outputs.end_cut(cut, now)
+            # Work waits from the moment the model finished: a pause of this loop while it
+            # emits (a GC pause, a blocked handler) counts as a gap before the next step.
+            self._work_pending_since = ended if self.scheduler.has_unfinished() else None
             if self.metrics is not None and self.phase == "serve":
                 self.metrics.observe_step(self.scheduler.stats, len(sched.seqs))
                 if now - self._gauges_at >= STATE_GAUGES_EVERY_S:  # idle: the branch above
                     self._gauges_at = now
                     self.metrics.observe_state(self.snapshot())
                 self.metrics.observe_step_shape(sched, model_seconds)
-            if learn:
-                for listener in self.step_listeners:
-                    listener(sched, now - started)
+
+    def _launch(self, loop: asyncio.AbstractEventLoop) -> _Step | None:
+        """Schedule the next step and hand it to the model thread; None if it has no rows (only
+        aborts were processed).
+
+        A step launched before the previous step's tokens are emitted may hold a row of a
+        request that emitting then ends (a stop string matched on text): the row's work is
+        wasted and its token dropped (`Scheduler.update` skips finished requests). Its blocks
+        are freed while the step writes them, which is safe: only `schedule` hands out blocks,
+        and it runs after this step returns (a runner returns only once the device has finished
+        the step: its sampled tokens are read on the host); the row writes past its request's
+        full blocks, so no cached prefix block changes. Those blocks are free for the step after
+        next, one step later than without overlap.
+        """
+        sched = self.scheduler.schedule()
+        self.outputs.note_freed(sched.freed, self.clock())
+        if sched.is_empty:
+            # The runner drops a freed request's state (grammar, staged prompt) when told: tell
+            # it with the next step it runs.
+            self._unsent_freed += sched.freed_ids
+            return None
+        if self._unsent_freed:
+            sched.freed_ids[:0] = self._unsent_freed
+            self._unsent_freed = []
+        if self.busy_since is None:
+            self.busy_since = self.clock()
+        started = self.clock()
+        self.outputs.note_rescheduled(sched, started)
+        self._step_taken.clear()
+        return sched, started, loop.run_in_executor(self._executor, self._timed_execute, sched)
 
     @property
     def stall_log(self) -> StallLog:
@@ -341,86 +385,11 @@ class AsyncEngine:
         self.step_time_model.observe(shape, seconds)
         return True
 
-    def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float]:
+    def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float, float]:
         """Run a step on the model thread and time it there: the model's own time, without the
-        event loop's delay in noticing that it finished."""
+        event loop's delay in noticing that it finished, and when it finished."""
+        self._step_taken.set()
         started = self.clock()
         out = self.runner.execute(sched)
-        return out, self.clock() - started
-
-    def _note_freed(self, freed_ids: list[str]) -> None:
-        """Requests whose blocks were just released; finish the aborted ones."""
-        now = self.clock()
-        for rid in freed_ids:
-            live = self._live.get(rid)
-            if live is None:
-                continue
-            if not live.request.is_finished:  # preempted: waiting again from now
-                live.preempted_at = now
-                self._preempted.add(rid)
-                continue
-            if live.abort_time is not None and self.metrics is not None:
-                self.metrics.observe_cancel_delay(now - live.abort_time)
-            self._finish(live, now)
-
-    def _note_rescheduled(self, sched: SchedulerOutput, now: float) -> None:
-        """Preempted requests that run again in this step: their wait ends now."""
-        ids = {s.request_id for s in sched.seqs}
-        for rid in [r for r in self._preempted if r in ids]:
-            self._preempted.discard(rid)
-            live = self._live.get(rid)
-            if live is not None:
-                live.end_requeue(now)
-
-    def _emit(self, updates: list[RequestUpdate], now: float) -> None:
-        # NOTE: readers are paced on the real clock, whatever clock the engine keeps: a stream
-        # woken a moment ago takes this step's tokens with its next wake, merged into the event
-        # it has not taken (`RequestRegistry.push`), so the loop wakes readers a bounded number
-        # of times a second however fast steps come. The update's lists are its own: the event
-        # takes them.
-        wall = time.monotonic()
-        lives = self._live
-        push = self._streams.push
-        for u in updates:
-            live = lives.get(u.request_id)
-            if live is None:
-                continue  # output of a request the engine no longer tracks: drop it
-            ids = u.new_token_ids
-            if len(ids) == 1:
-                live.token_times.append(now)
-                text = live.detok.add(ids)
-            else:
-                live.token_times.extend([now] * len(ids))
-                text = live.add_until_stop(u)
-            detok = live.detok
-            if detok.stopped and not u.status.finished:
-                self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
-            ev = EngineEvent(u.request_id, text, ids, u.new_logprobs, u.prompt_logprobs)
-            if live.request.status.finished:
-                if not detok.stopped:
-                    ev.text += detok.flush()
-                self._finish(live, now, ev)
-            elif len(live.token_times) == len(ids):  # the first tokens: never held
-                push(u.request_id, ev, merge=True, now=wall)
-            else:
-                push(u.request_id, ev, merge=True, paced=True, now=wall)
-        self._streams.release_held(wall)
-
-    def _finish(self, live: LiveRequest, now: float, ev: EngineEvent | None = None,
-                error: str | None = None) -> None:
-        req = live.request
-        rid = req.request_id
-        ev = live.final_event(now, ev, error)
-        self._preempted.discard(rid)
-        del self._live[rid]
-        self._streams.push(rid, ev, merge=True, now=time.monotonic())
-        self._streams.close_stream(rid)
-        if self.metrics is not None and not req.tenant.startswith("__"):
-            self.metrics.observe_finished(ev)
-
-    def _fail_all(self, reason: str) -> None:
-        now = self.clock()
-        for rid, live in list(self._live.items()):
-            if not live.request.is_finished:
-                self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
-            self._finish(live, now, error=reason)
+        ended = self.clock()
+        return out, ended - started, ended

@@ -47,7 +47,8 @@ def build_engine(model: str, config: EngineConfig, *, metrics: Metrics | None = 
         # model's cost per row on two cores) would cap it at a quarter of the sequences a GPU
         # runs.
         _device_defaults(sched, config)
-        return build_fake_engine(fake or FakeDevice(FakeSpeed()), sched, cache, metrics, version)
+        return build_fake_engine(fake or FakeDevice(FakeSpeed()), sched, cache, metrics, version,
+                                 overlap=config.step_overlap)
     from batcher.models.loader import load_model
 
     lm = load_model(model, dtype=config.dtype, device=config.device,
@@ -63,7 +64,8 @@ def build_engine(model: str, config: EngineConfig, *, metrics: Metrics | None = 
     return AsyncEngine.from_loaded(lm, tok, sched.validate(), cache, metrics=metrics,
                                    version=version, attention_backend=config.attention_backend,
                                    cuda_graphs=config.cuda_graphs,
-                                   compile_decode=config.compile_decode)
+                                   compile_decode=config.compile_decode,
+                                   overlap=config.step_overlap)
 
 
 def _device_defaults(sched: SchedulerConfig, config: EngineConfig) -> None:

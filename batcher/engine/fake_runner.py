@@ -115,7 +115,7 @@ class FakeRunner:
         return RunnerOutput(ids, tokens)
 
 
-def build_fake_engine(device: FakeDevice, sched, cache, metrics, version):
+def build_fake_engine(device: FakeDevice, sched, cache, metrics, version, overlap: bool = True):
     """The real AsyncEngine over a FakeRunner (`--model fake`), with the scheduler and cache
     settings given (`batcher.core.config`); `batcher.engine.factory` builds it."""
     from batcher.engine.detokenizer import byte_level_table
@@ -128,4 +128,4 @@ def build_fake_engine(device: FakeDevice, sched, cache, metrics, version):
                         device.speed, device.fault, device.fault_after_steps)
     return AsyncEngine(runner, tok, sched.validate(), cache.enable_prefix_caching,
                        prefix_cache_scope=cache.prefix_cache_scope,
-                       metrics=metrics, version=version)
+                       metrics=metrics, version=version, overlap=overlap)

@@ -1,0 +1,135 @@
+"""The engine's step overlap: each step launched before the last one's tokens are emitted, or after.
+
+    python -m scripts.bench overlap [--streams 64,256] [--device-step-ms 2] [--model-requests 32]
+        [--rounds 3] [--no-append]
+
+One process, the engine built as `batcher serve` builds it (`build_engine` with the default
+`EngineConfig`), its loop with overlap on and off alternated in every round (the order flips each
+round), a fresh engine each time:
+
+- a device-like model: `--model fake` whose every step costs `--device-step-ms` and nothing per
+  row, as a GPU step that the host only waits for; N streams of 128-token prompts and 256-token
+  answers, all at t=0. The host's work (scheduling, detokenizing, pushing to streams) is what the
+  overlap hides.
+- the bundled model at the defaults on this machine's CPU: the first `--model-requests` requests
+  of the chat workload, greedy, all at t=0 (whether the host's work, now beside the model's
+  threads, costs the model anything).
+
+Each row: output tokens a second, time per output token, steps, and the host's wall time per
+step beyond the device's (fake model only). These requests end at their length, so no step holds
+a row of a request that had already ended (what a stop string matched on text costs with
+overlap: one row, dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+from batcher.bench.common import append_rows, load_workload, pct
+from batcher.bench.workload import synthetic
+from batcher.bundled import DEFAULT_MODEL
+from batcher.core.request import Request
+from batcher.core.sampling import SamplingParams
+from batcher.engine.config import EngineConfig
+from batcher.engine.factory import build_engine
+from batcher.engine.fake_runner import FakeDevice, FakeSpeed
+from scripts.bench._shared import parser
+
+HEADER = ["model", "streams", "overlap", "output tok/s", "TPOT p50 / p99 ms", "steps",
+          "ms / step", "host ms / step beyond the device", "ok"]
+
+
+async def run_once(engine, work: list[tuple[str, list[int], int]], overlap: bool) -> dict:
+    """Every request at t=0 through `engine` (fresh, started here, stopped after)."""
+    engine.overlap = overlap
+    await engine.start()
+    warm = Request("warm", [1000, 1001, 1002, 1003], SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True))
+    async for _ in engine.generate(warm):
+        pass
+    tpots: list[float] = []
+    ok = 0
+    steps0 = engine.steps
+    t0 = time.perf_counter()
+
+    async def one(rid: str, ids: list[int], n: int) -> None:
+        nonlocal ok
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        got, first, last = 0, None, None
+        async for ev in engine.generate(Request(rid, ids, sp)):
+            got += len(ev.token_ids)
+            now = time.perf_counter()
+            first = now if first is None else first
+            last = now
+        ok += got == n
+        if got > 1:
+            tpots.append((last - first) / (got - 1) * 1000)
+
+    await asyncio.gather(*(one(*w) for w in work))
+    wall = time.perf_counter() - t0
+    steps = engine.steps - steps0
+    await engine.stop()
+    tokens = sum(n for _, _, n in work)
+    return {"tok_s": tokens / wall, "tpot50": pct(tpots, 50), "tpot99": pct(tpots, 99),
+            "steps": steps, "ms_step": wall / steps * 1000, "ok": ok, "n": len(work)}
+
+
+def median_row(runs: list[dict]) -> dict:
+    keys = ("tok_s", "tpot50", "tpot99", "steps", "ms_step")
+    row = {k: statistics.median(r[k] for r in runs) for k in keys}
+    row["ok"], row["n"] = min(r["ok"] for r in runs), runs[0]["n"]
+    return row
+
+
+def main(argv: list[str]) -> None:
+    ap = parser(__name__, __doc__, raw=True)
+    ap.add_argument("--streams", default="64,256", help="fake-model stream counts; '' for none")
+    ap.add_argument("--device-step-ms", type=float, default=2.0)
+    ap.add_argument("--model-requests", type=int, default=32,
+                    help="bundled-model requests (0 for none)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-append", action="store_true")
+    args = ap.parse_args(argv)
+
+    cases = []  # (model label, streams, engine factory, work)
+    device = FakeDevice(FakeSpeed(prefill_tokens_per_s=float("inf"),
+                                  decode_step_s=args.device_step_ms / 1000, per_seq_s=0.0))
+    for n in [int(x) for x in args.streams.split(",") if x]:
+        work = [(r.id, r.prompt_ids, 256) for r in synthetic(
+            n, input_median=128, input_spread=0.0, output_median=256, output_spread=0.0)]
+        cases.append((f"fake, {args.device_step_ms:g} ms a step", n,
+                      lambda: build_engine("fake", EngineConfig(), fake=device), work))
+    if args.model_requests:
+        chat = load_workload(None, args.model_requests)
+        work = [(r["id"], r["prompt_ids"], r["max_new_tokens"]) for r in chat]
+        cases.append((f"{DEFAULT_MODEL}, defaults", len(work),
+                      lambda: build_engine(DEFAULT_MODEL, EngineConfig()), work))
+
+    rows = []
+    for label, n, make, work in cases:
+        runs: dict[bool, list[dict]] = {True: [], False: []}
+        for rnd in range(args.rounds):
+            for overlap in ((True, False) if rnd % 2 == 0 else (False, True)):
+                r = asyncio.run(run_once(make(), work, overlap))
+                print(label, n, "overlap" if overlap else "emit first", r, flush=True)
+                runs[overlap].append(r)
+        for overlap in (True, False):
+            m = median_row(runs[overlap])
+            beyond = (f"{m['ms_step'] - args.device_step_ms:.2f}" if label.startswith("fake")
+                      else "—")
+            rows.append([label, str(n), "on" if overlap else "off (emit first)",
+                         f"{m['tok_s']:,.0f}", f"{m['tpot50']:.2f} / {m['tpot99']:.2f}",
+                         f"{m['steps']:.0f}", f"{m['ms_step']:.2f}", beyond,
+                         f"{m['ok']}/{m['n']}"])
+    if args.no_append:
+        for r in rows:
+            print(" | ".join(r))
+        return
+    print(append_rows(
+        "Step overlap: each step launched before or after the last one's tokens are emitted, "
+        "one process, alternated (scripts/bench/overlap.py)", HEADER, rows,
+        notes=f"Medians of {args.rounds} rounds each; every request at t=0 to a fresh engine "
+        "after one 4-token warm-up request; TPOT per stream from its first to its last event; "
+        "ms / step is the run's wall time over the engine's steps."))
