@@ -201,3 +201,53 @@ async def test_a_pause_while_emitting_is_noted_as_a_stall(tokenizer, overlap):
         await engine.stop()
     spans = [b - a for a, b in engine.stall_log.spans]
     assert len(spans) == 1 and 0.25 < spans[0] < 0.5, spans
+
+
+async def test_the_real_runner_says_when_its_step_is_under_way(tiny_fp32, tokenizer):
+    """The engine holds its emitting back until the model thread's step is under way: the real
+    runner says so once a step (as it starts on a CPU; once queued on a GPU)."""
+    engine, runner = engine_over(tiny_fp32, tokenizer, True)
+    model_runner = runner.inner
+    assert not engine._runner_signals  # the counting wrapper has no hook: set as steps start
+    engine = AsyncEngine(model_runner, tokenizer,
+                         SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256))
+    assert engine._runner_signals and model_runner.on_launch == engine._step_taken.set
+    calls = []
+    signal = model_runner.on_launch
+    model_runner.on_launch = lambda: (calls.append(1), signal())
+    await engine.start()
+    try:
+        got = [t async for ev in engine.generate(Request("a", PROMPT, greedy(5)))
+               for t in ev.token_ids]
+        await idle(engine)
+    finally:
+        await engine.stop()
+    assert len(got) == 5 and len(calls) == engine.steps
+
+
+async def test_a_failure_on_the_hosts_side_ends_every_stream_with_an_error(tokenizer):
+    engine = AsyncEngine(ScriptedRunner([300, 301, 302], step_s=0.001), tokenizer,
+                         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    update, calls = engine.scheduler.update, [0]
+
+    def failing(sched, out):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected host fault")
+        return update(sched, out)
+
+    engine.scheduler.update = failing
+    await engine.start()
+
+    async def final(rid: str):
+        last = None
+        async for ev in engine.generate(Request(rid, [400] * 8, greedy(50))):
+            last = ev
+        return last
+
+    try:
+        finals = await asyncio.wait_for(asyncio.gather(final("a"), final("b")), 10)
+    finally:
+        await engine.stop()
+    assert all(f.finish_reason == "error" and "injected host fault" in f.error for f in finals)
+    assert not engine.healthy

@@ -1,9 +1,11 @@
 """AsyncEngine: the continuous-batching step loop behind an async API.
 
 Scheduling and output demultiplexing run on the event loop; tensor work runs in one worker thread,
-so the loop stays free for HTTP while a step (even a long prefill chunk) runs. Each request's
-events go to its own stream queue (by request ID); a consumer that goes away aborts its request
-and its KV blocks are freed at the next step.
+so the loop stays free for HTTP while a step (even a long prefill chunk) runs. Each step is
+launched before the previous step's tokens are detokenized and streamed (`_run`, by default;
+`overlap=False`, `--no-step-overlap`: the other way round), so the model runs it while the loop
+emits. Each request's events go to its own stream queue (by request ID);
+a consumer that goes away aborts its request and its KV blocks are freed at the next step.
 """
 
 from __future__ import annotations
@@ -120,7 +122,12 @@ class AsyncEngine:
         self._gauges_at = float("-inf")  # when the metrics' state gauges were last refreshed
         self._unserved = UnservedPrefill()
         self._unsent_freed: list[str] = []  # freed in steps with no rows (only aborts)
-        self._step_taken = threading.Event()  # set by the model thread as it takes a step
+        # Set by the model thread once its step is under way: by the runner once the step is
+        # queued on the device (`on_launch`), else as the step starts.
+        self._step_taken = threading.Event()
+        self._runner_signals = hasattr(runner, "on_launch")
+        if self._runner_signals:
+            runner.on_launch = self._step_taken.set
 
     @classmethod
     def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
@@ -281,6 +288,14 @@ class AsyncEngine:
 
     # the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._steps()
+        except Exception as exc:  # a bug on the host's side: fail everyone loudly, as below
+            log.exception("the engine loop failed")
+            self._error = f"engine loop failed: {type(exc).__name__}: {exc}"
+            self.outputs.fail_all(self._error, self.clock())
+
+    async def _steps(self) -> None:
         # NOTE: the next step is scheduled and handed to the model thread as soon as this step's
         # results are applied to the scheduler, before its tokens are detokenized and pushed to
         # their streams: the model runs step N+1 while the host emits step N (see `_launch`).
@@ -318,11 +333,11 @@ class AsyncEngine:
             step = None
             if self.overlap and not self._stopping and self.scheduler.has_unfinished():
                 step = self._launch(loop)
-                if step is not None:
-                    # NOTE: the model thread needs the GIL to take the step, and emitting is
-                    # pure Python that would hold it to the end (the interpreter's switch
-                    # interval is longer than an emit): waiting here hands it over, so the
-                    # model starts its step first and runs it while this thread emits.
+                if step is not None and updates:
+                    # NOTE: the model thread needs the GIL to fill and launch its step, and
+                    # emitting is pure Python that would hold it to the end (the interpreter's
+                    # switch interval is longer than an emit): waiting here hands it over, so
+                    # the step is queued first and runs while this thread emits.
                     self._step_taken.wait(HANDOFF_WAIT_S)
             self.outputs.emit(updates, now)
             self.outputs.end_cut(cut, now)
@@ -388,8 +403,12 @@ class AsyncEngine:
     def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float, float]:
         """Run a step on the model thread and time it there: the model's own time, without the
         event loop's delay in noticing that it finished, and when it finished."""
-        self._step_taken.set()
+        if not self._runner_signals:
+            self._step_taken.set()
         started = self.clock()
-        out = self.runner.execute(sched)
+        try:
+            out = self.runner.execute(sched)
+        finally:
+            self._step_taken.set()
         ended = self.clock()
         return out, ended - started, ended

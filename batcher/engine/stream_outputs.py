@@ -20,7 +20,9 @@ class StreamOutputs:
 
     A request ID is free for a new request as soon as its request's final event is pushed, even
     while a step launched before that still holds a row of the old one (the engine's overlap):
-    what that step reports for the ID is matched to the old request by identity, never by ID.
+    that step's results for the ID are dropped, because the request under it then is absent or
+    not yet running (only `schedule` starts one), and the next schedule's report of the old
+    request's freeing names the request itself (`SchedulerOutput.freed`), matched by identity.
     """
 
     def __init__(self, scheduler: Scheduler, metrics: Any = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -90,6 +91,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.grammar: GrammarMasks | None = None  # see attach_tokenizer
         self.vocab_limit: int | None = None  # ids the tokenizer can decode; see attach_tokenizer
+        # Called once a step is queued on the device and the host only waits for it (on a CPU,
+        # as the step starts): the engine holds back its own Python work until then.
+        self.on_launch: Callable[[], None] | None = None
         # CPU: a prompt read in chunks keeps a contiguous copy of its K/V (up to an eighth of
         # the pool's bytes), so a chunk deep in a prompt does not gather its context per layer.
         kv = self.kv_caches[0][0]
@@ -171,6 +175,8 @@ class ModelRunner:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
         if sched.is_empty:
             return RunnerOutput()
+        if self.on_launch is not None and self.device.type != "cuda":
+            self.on_launch()
         if not self.tune_threads or self.tuner is None or (
                 self.compiled is not None and self.compiled.takes(sched)):
             # A compiled step keeps the thread count it was compiled with (its graph guards on
@@ -220,6 +226,8 @@ class ModelRunner:
                     self.compiled = None
             if logits is None:
                 logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
+        if self.on_launch is not None and self.device.type == "cuda":
+            self.on_launch()  # the step is queued; sampling reads its tokens back
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[1]:
             # A model table wider than its tokenizer (random weights in a real config's shapes
             # with the bundled tokenizer, or a table padded past the vocabulary): ids past the
