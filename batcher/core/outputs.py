@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from batcher.core.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from batcher.core.request import Request
 
 
 @dataclass(slots=True)
@@ -60,9 +57,10 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     # IDs finished or preempted since the previous step: the runner may drop per-request state.
     freed_ids: list[str] = field(default_factory=list)
-    # The requests those IDs named, in the same order: an ID may be in flight again under a new
-    # request by the time its report is read.
-    freed: list[Request] = field(default_factory=list)
+    # The requests those IDs named (`batcher.core.request.Request`, which imports this module),
+    # in the same order: an ID may be in flight again under a new request by the time its report
+    # is read.
+    freed: list[Any] = field(default_factory=list)
     num_decodes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
