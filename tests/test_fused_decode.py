@@ -268,11 +268,18 @@ def test_the_loop_is_for_plain_llama_layers_only() -> None:
     assert LayerLoop.for_model(loaded.model, loaded.fused) is None
 
 
+# Where greedy decoding through the fused kernels and through torch's ops part, the gap between
+# torch's pick and the fused pick, in torch's logits at that step, as a share of the largest
+# logit: bf16 rounding flips only near-ties.
+NEAR_TIE = 0.01
+
+
 @pytest.mark.slow
 def test_bundled_model_decodes_the_same_tokens_fused_and_not(monkeypatch: pytest.MonkeyPatch
                                                              ) -> None:
     """The claim on the real model: greedy decoding through the fused kernels picks the tokens
-    torch's ops pick (bf16, the default int4 weights), and its logits stay within bf16 noise."""
+    torch's ops pick (bf16, dense weights) but at near-ties, and its logits stay within bf16
+    noise."""
     from batcher.models.loader import load_model
 
     loaded = load_model("smollm2-135m", dtype="bfloat16", device="cpu")
@@ -306,8 +313,19 @@ def test_bundled_model_decodes_the_same_tokens_fused_and_not(monkeypatch: pytest
                 tokens[rid].append(t)
         runs[fused] = tokens, logits
     (fused_tokens, fused_logits), (torch_tokens, torch_logits) = runs[True], runs[False]
-    same = sum(a == b for rid in fused_tokens
-               for a, b in zip(fused_tokens[rid], torch_tokens[rid]))
-    assert same / sum(len(t) for t in torch_tokens.values()) >= 0.95
     first = (fused_logits[0] - torch_logits[0]).abs().max().item()
-    assert first < 0.05 * torch_logits[0].abs().max().item()
+    scale = torch_logits[0].abs().max().item()
+    assert first < 0.05 * scale
+    # Where the two part, torch's own logits at that step (same context so far) must rate the
+    # fused path's pick a near-tie: a flip there is bf16 rounding (how often depends on the
+    # CPU: one without native bf16 rounds differently), a flip by more is a wrong kernel.
+    gaps = []
+    for row, rid in enumerate(torch_tokens):
+        ours, ref = fused_tokens[rid], torch_tokens[rid]
+        at = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        if at is None:
+            continue
+        assert at > 0, f"{rid}: the first token after the prompt differs"
+        logits = torch_logits[at - 1][row].float()
+        gaps.append((logits[ref[at]] - logits[ours[at]]).item())
+    assert all(g <= NEAR_TIE * scale for g in gaps), (gaps, scale)

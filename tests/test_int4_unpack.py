@@ -20,12 +20,53 @@ needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
 
 
 @pytest.fixture(scope="module")
-def unpacker(tmp_path_factory: pytest.TempPathFactory) -> Int4Unpacker:
+def reads_layout(tmp_path_factory: pytest.TempPathFactory) -> bool:
+    """Whether the C function reads torch's packed int4 layout on this CPU. Torch packs int4
+    weights differently on some CPUs (those without AVX-512); there the start-up check turns
+    unpacking off and every step runs the packed kernel (see the test of that below)."""
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
+    built = Int4Unpacker(cpu_kernels.library(tmp_path_factory.mktemp("layout")))
+    try:
+        int4_unpack._check(built, INT4_GROUP)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.fixture
+def layout_read(reads_layout: bool) -> None:
+    if not reads_layout:
+        pytest.skip("torch's packed int4 layout on this CPU is not the one the C function reads")
+
+
+@pytest.fixture(scope="module")
+def unpacker(tmp_path_factory: pytest.TempPathFactory, reads_layout: bool) -> Int4Unpacker:
+    if not reads_layout:
+        pytest.skip("torch's packed int4 layout on this CPU is not the one the C function reads")
     u = int4_unpack.load(tmp_path_factory.mktemp("kernels"), INT4_GROUP)
     assert u is not None
     return u
+
+
+@needs_cc
+def test_where_the_layout_differs_unpacking_is_off(
+        reads_layout: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from batcher.models.loader import load_model
+
+    if reads_layout:
+        pytest.skip("the C function reads this CPU's layout (the tests below cover it)")
+    with caplog.at_level(logging.WARNING):
+        assert int4_unpack.load(tmp_path / "k", INT4_GROUP) is None
+    assert "packed layout" in caplog.text and "packed kernel" in caplog.text
+    monkeypatch.setenv("BATCHER_CACHE", str(tmp_path))
+    bare = load_model("smollm2-135m", dtype="bfloat16", device="cpu", quantization="int4",
+                      dense_above=None).model
+    layers = [m for m in bare.modules() if isinstance(m, PackedLinear) and m.kind == "int4"]
+    assert layers and all(m.unpack is None for m in layers)  # the packed kernel, every step
+    x = torch.randn(UNPACK_ABOVE_ROWS + 8, layers[0].in_features, dtype=torch.bfloat16)
+    assert layers[0](x).shape == (UNPACK_ABOVE_ROWS + 8, layers[0].out_features)
 
 
 def _layer(n: int, k: int, seed: int = 0) -> PackedLinear:
@@ -86,7 +127,7 @@ def test_no_compiler_or_switched_off_means_the_packed_kernel(
 
 @needs_cc
 def test_a_library_built_ahead_serves_a_machine_with_no_compiler(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout_read: None) -> None:
     built = cpu_kernels.build_portable(tmp_path)
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
@@ -97,7 +138,7 @@ def test_a_library_built_ahead_serves_a_machine_with_no_compiler(
 
 @needs_cc
 def test_loader_attaches_it_only_without_dense_copies(monkeypatch: pytest.MonkeyPatch,
-                                                      tmp_path: Path) -> None:
+                                                      tmp_path: Path, layout_read: None) -> None:
     from batcher.models.loader import load_model
 
     monkeypatch.setenv("BATCHER_CACHE", str(tmp_path))
