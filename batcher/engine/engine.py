@@ -4,8 +4,8 @@ Scheduling and output demultiplexing run on the event loop; tensor work runs in 
 so the loop stays free for HTTP while a step (even a long prefill chunk) runs. Each step is
 launched before the previous step's tokens are detokenized and streamed (`_run`, by default;
 `overlap=False`, `--no-step-overlap`: the other way round), so the model runs it while the loop
-emits. Each request's events go to its own stream queue (by request ID);
-a consumer that goes away aborts its request and its KV blocks are freed at the next step.
+emits. Each request's events go to its own stream queue (by request ID); a consumer that goes
+away aborts its request and its KV blocks are freed at the next step.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ STOP_GRACE_SECONDS = 5.0
 # launched before it emits the last one (see `_run`).
 HANDOFF_WAIT_S = 0.005
 
-# A step handed to the model thread: what was scheduled, when, and its (output, model seconds).
+# A step handed to the model thread: what was scheduled, when, and its (output, model seconds,
+# when the model thread finished it).
 _Step = tuple[SchedulerOutput, float, "asyncio.Future[tuple[RunnerOutput, float, float]]"]
 
 
