@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from batcher.runtime.model_runner import split_decode_groups
+from batcher.runtime.step_inputs import split_decode_groups
 
 
 def test_uniform_lengths_stay_one_group():

@@ -21,6 +21,7 @@ from batcher.runtime.attention import FusedDecodeStep
 from batcher.runtime.fused_decode import FusedDecode, reference_attention
 from batcher.runtime.token_ops import apply_rope, rms_norm
 from batcher.runtime.model_runner import ModelRunner
+from batcher.runtime.step_inputs import step_inputs
 from batcher.core.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
@@ -194,10 +195,10 @@ def test_runner_fuses_decode_only_bf16_steps() -> None:
     assert mixed.fused is not None and not mixed.decode_groups
     assert mixed.fused.slots.tolist() == mixed.slot_mapping[:2].tolist()
     with_kernel = runner.model(ids, pos, mixed, runner.kv_caches, idx)
-    _, _, plain, _, _ = _step(runner, [*decode, prefill])
-    plain.fused = None
-    runner._decode_meta(plain, sorted(decode, key=lambda s: -s.start_pos), fuse=False)
-    assert plain.decode_groups
+    # The same step with its decode rows kept off the kernel (as a compiled graph's step is).
+    _, _, plain, _, _ = step_inputs(runner, SchedulerOutput([*decode, prefill]),
+                                    fuse_decodes=False)
+    assert plain.fused is None and plain.decode_groups
     without = runner.model(ids, pos, plain, runner.kv_caches, idx).float()
     # bf16 rounding apart: the same choices, logits within a few hundredths.
     assert torch.equal(without.argmax(-1), with_kernel.float().argmax(-1))

@@ -11,18 +11,13 @@ from typing import Any, Protocol
 import torch
 
 from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
-from batcher.core.spec_verify import collapse, verify_rows
-from batcher.runtime.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    FusedDecodeStep,
-    PrefillChunk,
-)
+from batcher.core.spec_verify import collapse
 from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
 from batcher.runtime.prefill_staging import PrefillStaging
 from batcher.runtime.sampler import Sampler
+from batcher.runtime.step_inputs import StepTensors, sampled_rows, step_inputs
 from batcher.runtime.thread_tuner import ThreadTuner
 from batcher.system.threads import release_openmp_pool
 
@@ -254,115 +249,12 @@ class ModelRunner:
         self.grammar = GrammarMasks(tokenizer)
         self.vocab_limit = tokenizer.vocab_size
 
-    def prepare(self, sched: SchedulerOutput):
-        bs, dev = self.block_size, self.device
-        nd = sched.num_decodes  # the scheduler's output puts its decode rows first
-        # Longest context first: decode rows are grouped by similar context length.
-        decodes = sorted(sched.seqs[:nd], key=lambda s: -s.start_pos)
-        prefills = sched.seqs[nd:]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        row_of: dict[int, int] = {}  # id(seq) -> flattened row of its last token
-        for s in decodes + prefills:
-            n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            pos = range(s.start_pos, s.start_pos + n)
-            positions.extend(pos)
-            table = s.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            row_of[id(s)] = len(ids) - 1
-        # Prompt chunks go through the varlen paged-prefill kernel on CUDA with the triton
-        # backend: one launch for every chunk of the step (`runtime/triton_prefill.py`).
-        meta = AttentionMetadata(block_size=bs, fold_gqa=self.fold_gqa,
-                                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                                 triton_prefill=self.triton_prefill)
-        if decodes:
-            # The fused kernel takes the decode rows, except in a step a compiled graph runs (it
-            # reads `decode_groups`).
-            self._decode_meta(meta, decodes, fuse=not (self.compiled is not None
-                                                       and self.compiled.takes(sched)))
-        staging = self.staging
-        if staging is not None:
-            staging.begin_step(sched.freed_ids)
-            if len(staging):
-                # A decode row or a sampling chunk means the prompt was read (this step's chunk
-                # keeps its buffer through the forward).
-                staging.release_all([s.request_id for s in decodes])
-        row = len(decodes)
-        for s in prefills:
-            n = len(s.token_ids)
-            ctx = s.start_pos + n
-            nblocks = -(-ctx // bs)
-            mask = None
-            if s.start_pos:
-                # Bottom-right aligned causal mask: query i sees keys [0, start_pos + i].
-                q_pos = torch.arange(s.start_pos, ctx, device=dev).unsqueeze(1)
-                mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos  # [n, ctx]
-            stage = None if staging is None else staging.for_chunk(
-                s.request_id, s.start_pos, n, s.sample)
-            if stage is not None and s.sample:
-                staging.release(s.request_id)
-            meta.prefills.append(PrefillChunk(
-                row=row, length=n, start_pos=s.start_pos, mask=mask, stage=stage,
-                block_ids=torch.tensor(s.block_ids[:nblocks], dtype=torch.long, device=dev)))
-            row += n
-        sample_seqs = sampled_rows(sched)
-        sample_rows = [row for s in sched.seqs if s.sample
-                       for row in range(row_of[id(s)] - len(s.draft_token_ids), row_of[id(s)] + 1)]
-        # NOTE: prompt-logprob rows follow the sampling rows, in scheduled order (as
-        # `execute` hands them to `score_prompts`).
-        score_rows: list[int] = []
-        for s in sched.seqs:
-            if s.score_targets:
-                first = row_of[id(s)] - len(s.token_ids) + 1 + s.score_offset
-                score_rows.extend(range(first, first + len(s.score_targets)))
-        logits_idx = torch.tensor(sample_rows + score_rows or [0],
-                                  dtype=torch.long, device=dev)
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_idx,
-                sample_seqs)
-
-    def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledSeq],
-                     fuse: bool) -> None:
-        bs, dev = self.block_size, self.device
-        ctx_lens = [s.start_pos + 1 for s in decodes]
-        max_blocks = -(-max(ctx_lens) // bs)
-        meta.num_decodes = len(decodes)
-        fuse = (fuse and self.fused is not None
-                and self.fused.takes_step(self.max_threads, sum(ctx_lens)))
-        if self.backend == "triton" or fuse:
-            # Kernels that read the blocks in place take each row's table and length.
-            rows = [s.block_ids[:-(-c // bs)] for s, c in zip(decodes, ctx_lens)]
-            tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows],
-                                  dtype=torch.int32, device=dev)
-            lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
-            if self.backend == "triton":
-                meta.decode_tables, meta.decode_lens = tables, lens
-            else:
-                meta.fused = FusedDecodeStep(self.fused, bs, meta.slot_mapping[:len(decodes)],
-                                             tables, lens)
-            return
-        start = 0
-        for end, blocks in split_decode_groups([-(-c // bs) for c in ctx_lens]):
-            flat: list[int] = []
-            for s in decodes[start:end]:
-                used = s.block_ids[:-(-(s.start_pos + 1) // bs)]
-                # Pad with the row's own first block; padded keys are masked out.
-                flat.extend(used + [used[0]] * (blocks - len(used)))
-            lens = torch.tensor(ctx_lens[start:end], device=dev)
-            keys = torch.arange(blocks * bs, device=dev)
-            mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(end - start, 1, 1, -1)
-            meta.decode_groups.append(DecodeGroup(
-                end - start, blocks, torch.tensor(flat, dtype=torch.long, device=dev), mask))
-            start = end
-
-
-def sampled_rows(sched: SchedulerOutput) -> list[ScheduledSeq]:
-    """The step's sampling rows in the order its logits come: scheduled order, a row with
-    drafts once per drafted position (`core/spec_verify` keeps what plain decoding would have
-    produced)."""
-    return [r for s in sched.seqs if s.sample for r in verify_rows(s)]
+    def prepare(self, sched: SchedulerOutput) -> StepTensors:
+        """The step's tensors (`runtime/step_inputs.py`); a step a compiled graph runs keeps its
+        decode rows off the fused kernel (the graph reads `decode_groups`)."""
+        return step_inputs(self, sched,
+                           fuse_decodes=not (self.compiled is not None
+                                             and self.compiled.takes(sched)))
 
 
 def score_prompts(logits: torch.Tensor, seqs: list[ScheduledSeq]
@@ -392,23 +284,6 @@ def score_prompts(logits: torch.Tensor, seqs: list[ScheduledSeq]
         row += n
     return out
 
-
-# A new group pays a gather and an SDPA call per layer; start one only when it saves this many
-# padded blocks (each row of the rest drops at least a quarter of the current padding).
-MIN_SAVED_BLOCKS = 48
-
-
-def split_decode_groups(blocks: list[int]) -> list[tuple[int, int]]:
-    """`blocks`: context length in blocks per decode row, longest first. Returns (end row,
-    padded blocks) per group, so rows [previous end, end) are padded to that many blocks."""
-    groups: list[tuple[int, int]] = []
-    head = blocks[0]
-    for i, b in enumerate(blocks):
-        if b * 4 <= head * 3 and (head - b) * (len(blocks) - i) >= MIN_SAVED_BLOCKS:
-            groups.append((i, head))
-            head = b
-    groups.append((len(blocks), head))
-    return groups
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """`auto`: the fused Triton decode kernel on CUDA when Triton imports, else the torch path."""
