@@ -49,7 +49,10 @@ def test_dry_run_lists_every_check_and_its_target() -> None:
     for key in ("a", "b", "c", "d1", "d2", "e"):
         assert f"  ({key}) " in out
     assert out.count("target: ") == 6
-    for fact in ("tests/gpu", "tests/test_triton_attention.py", "tests/test_paged_forward.py",
+    # The measured targets first; the tests last, with what is left of the budget.
+    order = [out.index(f"  ({key}) ") for key in ("d1", "d2", "e", "b", "c", "a")]
+    assert order == sorted(order)
+    for fact in ("tests/gpu", "tests/test_triton_attention.py", "tests/test_mixed_graphs.py",
                  "64/64 answered", "1024/1024 answered", "Retry-After", "batch 32, context 512",
                  "llama-3.1-8b", "context 2048", "--load-format dummy", "bandwidth floor",
                  "transformers static batching"):
@@ -119,3 +122,90 @@ def test_a_check_runs_on_the_cpu_and_writes_its_results(tmp_path: Path) -> None:
     (res,) = json.loads((out / "results.json").read_text())
     assert res["key"] == "d1" and res["status"] == "PASS"
     assert res["details"]["decode"][0]["batch"] == 4
+
+
+def test_a_test_run_cut_short_says_how_far_it_got() -> None:
+    figure = _script().tests_figure
+    cut = ("tests/gpu/test_cuda_engine.py::test_graphs_equal_eager[tiny] PASSED  [ 10%]\n"
+           "tests/gpu/test_cuda_engine.py::test_graphs_equal_eager[smollm2-135m] SKIPPED (no "
+           "weights) [ 20%]\n"
+           "tests/test_triton_prefill.py::test_chunks[64] FAILED  [ 30%]\n"
+           "tests/test_triton_prefill.py::test_chunks[128] ")
+    assert figure(cut, None) == ("timed out after 1 passed, 1 failed, 1 skipped (failed: "
+                                 "tests/test_triton_prefill.py::test_chunks[64])")
+    done = ("tests/a.py::test_x PASSED\n"
+            "SKIPPED [1] tests/gpu/conftest.py:20: the bundled weights were not carried\n"
+            "================ 40 passed, 1 skipped in 61.20s (0:01:01) ================\n")
+    assert figure(done, 0) == ("40 passed, 1 skipped in 61.20s (0:01:01); skipped: the "
+                               "bundled weights were not carried")
+    # No test ran at all (an import error at collection): the log's last lines say why.
+    assert figure("ImportError: no module named x\n", 4) == (
+        "exited 4 after no test done: ImportError: no module named x")
+
+
+def test_a_check_that_raises_fails_alone_and_the_rest_still_run(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    import time
+
+    gc = _script()
+    ran = []
+
+    def broken(c, e, big):
+        ran.append(c.key)
+        raise KeyError("decode")
+
+    def chat(c, e):
+        ran.append(c.key)
+        c.status, c.figure = "PASS", "x2.0"
+
+    monkeypatch.setattr(gc, "check_decode", broken)
+    monkeypatch.setattr(gc, "check_chat", chat)
+    env = gc.Env(sys.executable, dict(os.environ), tmp_path, "cpu", True, False,
+                 time.monotonic() + 60, tmp_path)
+    todo = [c for c in gc.checks(True) if c.key in ("d1", "e")]
+    assert gc.run_checks(todo, env, True, tmp_path) == 1
+    assert ran == ["d1", "e"]
+    lines = (tmp_path / "results.txt").read_text().splitlines()
+    assert lines[0].startswith("FAIL (d1) ") and "the check itself failed: KeyError" in lines[0]
+    assert lines[1].startswith("PASS (e) ") and lines[2].startswith("gpu_check: 1 of 2 passed")
+    assert "KeyError" in (tmp_path / "check-d1.txt").read_text()
+    assert [r["status"] for r in json.loads((tmp_path / "results.json").read_text())] == \
+        ["FAIL", "PASS"]
+
+
+def test_the_device_tests_need_only_what_the_check_carries() -> None:
+    """The GPU machine has torch, transformers and triton; the check carries the packages in
+    `gpu_pack.WHEELS` and nothing else (no pytest-asyncio: a test there is a plain function)."""
+    import ast
+
+    carried = {"aiohttp", "aiohappyeyeballs", "aiosignal", "attr", "attrs", "frozenlist",
+               "multidict", "propcache", "yarl", "idna", "orjson", "prometheus_client",
+               "llguidance", "httptools", "gguf", "uvloop", "pytest", "_pytest", "pluggy",
+               "iniconfig", "pygments"}
+    assert {w.replace("-", "_") for w in _pack().WHEELS} <= carried | {"attrs"}
+    present = {"torch", "transformers", "triton", "numpy", "packaging", "batcher", "tests",
+               "scripts"}
+    files = [f for t in _script().TESTS for f in ((ROOT / t).rglob("*.py") if (ROOT / t).is_dir()
+                                                   else [ROOT / t])]
+    collected = set(files)  # the files pytest runs there; the rest are only imported
+    seen: set[Path] = set()
+    while files:
+        path = files.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.AsyncFunctionDef) and path in collected:
+                assert not node.name.startswith("test"), f"{path.name}: {node.name} is async"
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0
+                     else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or top in carried | present, \
+                    f"{path.relative_to(ROOT)} imports {name}"
+                if top == "tests":  # a helper module: its imports run too
+                    helper = ROOT / (name.replace(".", "/") + ".py")
+                    files += [helper] if helper.is_file() else []
+    assert len(seen) >= 10

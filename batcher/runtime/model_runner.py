@@ -58,6 +58,10 @@ class ModelRunner:
                  compile_decode: bool = False, max_graph_tokens: int = 8192):
         self.loaded = loaded
         self.model = loaded.model
+        # No position past the model's rotary table (a graph's tables are sized by this; an
+        # index past the table is a device-side assert on CUDA, not an exception).
+        max_model_len = min(max_model_len, getattr(loaded.config, "max_position_embeddings",
+                                                   max_model_len))
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.num_blocks = num_blocks

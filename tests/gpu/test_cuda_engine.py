@@ -84,6 +84,8 @@ def test_graphs_equal_eager(model, request):
     eager = ModelRunner(loaded, 128, 16, cuda_graphs=False)
     graphed = ModelRunner(loaded, 128, 16, cuda_graphs=True)
     assert graphed.graphs is not None
+    # The graphs take no position past the model's rotary table (8,192 asked by default).
+    assert graphed.graphs.max_blocks * 16 <= loaded.config.max_position_embeddings
     assert greedy_generate(graphed, prompts, 24) == greedy_generate(eager, prompts, 24)
 
 

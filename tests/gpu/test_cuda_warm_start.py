@@ -21,7 +21,13 @@ from batcher.engine.warmup import warm_start
 pytestmark = pytest.mark.gpu
 
 
-async def test_a_warm_cuda_server_compiles_nothing_while_it_serves() -> None:
+def test_a_warm_cuda_server_compiles_nothing_while_it_serves() -> None:
+    # NOTE: a plain test around asyncio.run: the GPU check runs this file where only pytest is
+    # carried, not pytest-asyncio (scripts/gpu_pack.py).
+    asyncio.run(_warm_server_compiles_nothing())
+
+
+async def _warm_server_compiles_nothing() -> None:
     lm = load_model("smollm2-135m", dtype="bfloat16", device="cuda", load_format="dummy")
     engine = AsyncEngine.from_loaded(
         lm, load_tokenizer(lm.tokenizer_source),
