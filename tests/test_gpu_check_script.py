@@ -130,9 +130,11 @@ def test_a_test_run_cut_short_says_how_far_it_got() -> None:
            "tests/gpu/test_cuda_engine.py::test_graphs_equal_eager[smollm2-135m] SKIPPED (no "
            "weights) [ 20%]\n"
            "tests/test_triton_prefill.py::test_chunks[64] FAILED  [ 30%]\n"
+           "tests/test_triton_prefill.py::test_ids[a b] PASSED  [ 40%]\n"
            "tests/test_triton_prefill.py::test_chunks[128] ")
-    assert figure(cut, None) == ("timed out after 1 passed, 1 failed, 1 skipped (failed: "
-                                 "tests/test_triton_prefill.py::test_chunks[64])")
+    assert figure(cut, None) == ("timed out after 2 passed, 1 failed, 1 skipped (failed: "
+                                 "tests/test_triton_prefill.py::test_chunks[64]), in "
+                                 "tests/test_triton_prefill.py::test_chunks[128]")
     done = ("tests/a.py::test_x PASSED\n"
             "SKIPPED [1] tests/gpu/conftest.py:20: the bundled weights were not carried\n"
             "================ 40 passed, 1 skipped in 61.20s (0:01:01) ================\n")
@@ -178,15 +180,13 @@ def test_the_device_tests_need_only_what_the_check_carries() -> None:
     `gpu_pack.WHEELS` and nothing else (no pytest-asyncio: a test there is a plain function)."""
     import ast
 
-    carried = {"aiohttp", "aiohappyeyeballs", "aiosignal", "attr", "attrs", "frozenlist",
-               "multidict", "propcache", "yarl", "idna", "orjson", "prometheus_client",
-               "llguidance", "httptools", "gguf", "uvloop", "pytest", "_pytest", "pluggy",
-               "iniconfig", "pygments"}
-    assert {w.replace("-", "_") for w in _pack().WHEELS} <= carried | {"attrs"}
+    # Each carried distribution's import names (most are the same).
+    modules = {"attrs": ["attr", "attrs"], "pytest": ["pytest", "_pytest"]}
+    carried = {m for w in _pack().WHEELS for m in modules.get(w, [w.replace("-", "_")])}
     present = {"torch", "transformers", "triton", "numpy", "packaging", "batcher", "tests",
                "scripts"}
     files = [f for t in _script().TESTS for f in ((ROOT / t).rglob("*.py") if (ROOT / t).is_dir()
-                                                   else [ROOT / t])]
+                                                   else [ROOT / t])] + [ROOT / "tests/conftest.py"]
     collected = set(files)  # the files pytest runs there; the rest are only imported
     seen: set[Path] = set()
     while files:
@@ -197,7 +197,10 @@ def test_the_device_tests_need_only_what_the_check_carries() -> None:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.AsyncFunctionDef) and path in collected:
-                assert not node.name.startswith("test"), f"{path.name}: {node.name} is async"
+                # An async test or fixture needs pytest-asyncio.
+                fixture = any("fixture" in ast.unparse(d) for d in node.decorator_list)
+                assert not (node.name.startswith("test") or fixture), \
+                    f"{path.name}: {node.name} is async"
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0
                      else [])
@@ -209,3 +212,38 @@ def test_the_device_tests_need_only_what_the_check_carries() -> None:
                     helper = ROOT / (name.replace(".", "/") + ".py")
                     files += [helper] if helper.is_file() else []
     assert len(seen) >= 10
+
+
+def test_a_fault_in_one_half_of_the_serving_check_is_charged_to_that_half(
+        tmp_path: Path, monkeypatch) -> None:
+    """(b) and (c) share a server: chat64's own code raising fails (b) alone, the burst still
+    runs, and the server is stopped."""
+    import time
+
+    gc = _script()
+    started = []
+    real_popen = subprocess.Popen
+
+    def server(cmd, **kw):  # a stand-in for `batcher serve`, ready at once
+        started.append(real_popen(["sleep", "30"], **kw))
+        return started[-1]
+
+    def chat64(b, e, start, extra, what):
+        raise KeyError("summary")
+
+    def burst(c, e, what):
+        c.status, c.figure = "PASS", "48/48 answered"
+
+    monkeypatch.setattr(gc.subprocess, "Popen", server)
+    monkeypatch.setattr(gc, "get", lambda url: 200)
+    monkeypatch.setattr(gc, "serve_chat64", chat64)
+    monkeypatch.setattr(gc, "serve_burst", burst)
+    env = gc.Env(sys.executable, dict(os.environ), tmp_path, "cpu", True, False,
+                 time.monotonic() + 60, tmp_path)
+    todo = [c for c in gc.checks(True) if c.key in ("b", "c")]
+    assert gc.run_checks(todo, env, True, tmp_path) == 1
+    b, c = todo
+    assert b.status == "FAIL" and "the check itself failed: KeyError" in b.figure
+    assert c.status == "PASS" and c.figure == "48/48 answered"
+    assert "KeyError" in (tmp_path / "check-b.txt").read_text()
+    assert started and started[0].poll() is not None  # the server was stopped

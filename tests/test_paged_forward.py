@@ -67,9 +67,9 @@ def test_tiny_mixed_batch_matches_hf(tiny_fp32, fold_gqa):
 
 def test_decode_groups_of_different_lengths_match_hf(tiny_fp32, monkeypatch):
     """Short and long contexts in one decode step, split into separately padded groups."""
-    import batcher.runtime.model_runner as mr
+    import batcher.runtime.step_inputs as step_inputs
 
-    monkeypatch.setattr(mr, "MIN_SAVED_BLOCKS", 1)
+    monkeypatch.setattr(step_inputs, "MIN_SAVED_BLOCKS", 1)
     cfg = tiny_config()
     hf = hf_model_from_state(cfg, tiny_state(cfg, seed=0))
     runner = ModelRunner(tiny_fp32, num_blocks=64, block_size=BLOCK)
