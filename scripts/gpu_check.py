@@ -35,6 +35,7 @@ import time
 import traceback
 import urllib.request
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -276,35 +277,38 @@ def check_serving(b: Check, c: Check, e: Env) -> None:
 def serve_chat64(b: Check, e: Env, start: float, extra: str, what: str) -> None:
     """(b): chat64, all at once, against the server of `check_serving` (ready after `start` s)."""
     n = 8 if e.small else 64
-    s = bench(e, "chat64", ["--num-requests", str(n)], b.budget_s - start)
-    if s is None:
-        b.figure = f"the load client failed: {tail(e.logs / 'bench-chat64.log')}"
-        return
-    b.status = "PASS" if s["ok"] == n else "FAIL"
-    b.figure = (f"{s['ok']}/{n} answered in {s['duration_s']:.1f} s, "
-                f"{s['output_tok_s']:.0f} output tok/s, p50 TTFT "
-                f"{s['ttft_ms']['p50'] or 0:.0f} ms, errors {s['errors_by_kind'] or 0}, "
-                f"{s['length_mismatches']} short; server ready in {start:.0f} s with "
-                f"`{extra}` (the embedding model is not carried); {what}")
-    b.details = s
+    answered(b, e, "chat64", ["--num-requests", str(n)], b.budget_s - start, n, lambda s: (
+        f"{s['ok']}/{n} answered in {s['duration_s']:.1f} s, "
+        f"{s['output_tok_s']:.0f} output tok/s, p50 TTFT "
+        f"{s['ttft_ms']['p50'] or 0:.0f} ms, errors {s['errors_by_kind'] or 0}, "
+        f"{s['length_mismatches']} short; server ready in {start:.0f} s with "
+        f"`{extra}` (the embedding model is not carried); {what}"))
 
 
 def serve_burst(c: Check, e: Env, what: str) -> None:
     """(c): a burst at t=0 whose client sends a refused request again as Retry-After says."""
-    burst = 48 if e.small else 1024
-    s = bench(e, "burst", ["--synthetic", "--num-requests", str(burst), "--input-median",
-                           "64", "--output-median", "32", "--max-input", "256",
-                           "--max-output", "128", "--retries", str(RETRIES), "--warmup", "0"],
-              c.budget_s)
+    n = 48 if e.small else 1024
+    args = ["--synthetic", "--num-requests", str(n), "--input-median", "64", "--output-median",
+            "32", "--max-input", "256", "--max-output", "128", "--retries", str(RETRIES),
+            "--warmup", "0"]
+    answered(c, e, "burst", args, c.budget_s, n, lambda s: (
+        f"{s['ok']}/{n} answered in {s['duration_s']:.1f} s, "
+        f"{s['retried']} sent again after 429/503 ({s['retries']} retries, "
+        f"at most {s['max_attempts']} sends of {RETRIES + 1}), "
+        f"still failed: {s['errors_by_kind'] or 0}, p50 TTFT "
+        f"{s['ttft_ms']['p50'] or 0:.0f} ms; {what}"))
+
+
+def answered(c: Check, e: Env, name: str, args: list[str], budget: float, n: int,
+             describe: Callable[[dict], str]) -> None:
+    """`batcher bench` NAME with `args` against the server: `c` passes when all `n` requests
+    were answered; its figure is `describe(summary)`."""
+    s = bench(e, name, args, budget)
     if s is None:
-        c.figure = f"the load client failed: {tail(e.logs / 'bench-burst.log')}"
+        c.figure = f"the load client failed: {tail(e.logs / f'bench-{name}.log')}"
         return
-    c.status = "PASS" if s["ok"] == burst else "FAIL"
-    c.figure = (f"{s['ok']}/{burst} answered in {s['duration_s']:.1f} s, "
-                f"{s['retried']} sent again after 429/503 ({s['retries']} retries, "
-                f"at most {s['max_attempts']} sends of {RETRIES + 1}), "
-                f"still failed: {s['errors_by_kind'] or 0}, p50 TTFT "
-                f"{s['ttft_ms']['p50'] or 0:.0f} ms; {what}")
+    c.status = "PASS" if s["ok"] == n else "FAIL"
+    c.figure = describe(s)
     c.details = s
 
 

@@ -145,10 +145,16 @@ def test_a_test_run_cut_short_says_how_far_it_got() -> None:
         "exited 4 after no test done: ImportError: no module named x")
 
 
-def test_a_check_that_raises_fails_alone_and_the_rest_still_run(tmp_path: Path,
-                                                                 monkeypatch) -> None:
+def _rehearsal_env(gc, tmp_path: Path):
+    """A CPU rehearsal's `Env` with a minute to go, its logs in `tmp_path`."""
     import time
 
+    return gc.Env(sys.executable, dict(os.environ), tmp_path, "cpu", True, False,
+                  time.monotonic() + 60, tmp_path)
+
+
+def test_a_check_that_raises_fails_alone_and_the_rest_still_run(tmp_path: Path,
+                                                                 monkeypatch) -> None:
     gc = _script()
     ran = []
 
@@ -162,8 +168,7 @@ def test_a_check_that_raises_fails_alone_and_the_rest_still_run(tmp_path: Path,
 
     monkeypatch.setattr(gc, "check_decode", broken)
     monkeypatch.setattr(gc, "check_chat", chat)
-    env = gc.Env(sys.executable, dict(os.environ), tmp_path, "cpu", True, False,
-                 time.monotonic() + 60, tmp_path)
+    env = _rehearsal_env(gc, tmp_path)
     todo = [c for c in gc.checks(True) if c.key in ("d1", "e")]
     assert gc.run_checks(todo, env, True, tmp_path) == 1
     assert ran == ["d1", "e"]
@@ -218,8 +223,6 @@ def test_a_fault_in_one_half_of_the_serving_check_is_charged_to_that_half(
         tmp_path: Path, monkeypatch) -> None:
     """(b) and (c) share a server: chat64's own code raising fails (b) alone, the burst still
     runs, and the server is stopped."""
-    import time
-
     gc = _script()
     started = []
     real_popen = subprocess.Popen
@@ -238,8 +241,7 @@ def test_a_fault_in_one_half_of_the_serving_check_is_charged_to_that_half(
     monkeypatch.setattr(gc, "get", lambda url: 200)
     monkeypatch.setattr(gc, "serve_chat64", chat64)
     monkeypatch.setattr(gc, "serve_burst", burst)
-    env = gc.Env(sys.executable, dict(os.environ), tmp_path, "cpu", True, False,
-                 time.monotonic() + 60, tmp_path)
+    env = _rehearsal_env(gc, tmp_path)
     todo = [c for c in gc.checks(True) if c.key in ("b", "c")]
     assert gc.run_checks(todo, env, True, tmp_path) == 1
     b, c = todo
