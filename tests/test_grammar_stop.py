@@ -114,3 +114,43 @@ def test_a_grammar_is_seen_in_a_body_before_it_is_parsed() -> None:
     assert not asks_for_grammar({"response_format": {"type": "text"}, "prompt": "x"})
     assert not asks_for_grammar({"guided_regex": None})
     assert not asks_for_grammar(["not", "an", "object"])
+
+
+def test_a_row_is_charged_for_its_masks_work_not_for_waiting(tok) -> None:
+    """The budget counts the CPU time the mask took, so a row whose helper thread only waited
+    (another thread's garbage collection holding the GIL, a busy machine) is not cut, and one
+    whose mask works as long is."""
+    import time
+
+    masks = GrammarMasks(tok)
+    sp = SamplingParams(temperature=0, grammar=regex_grammar("[a-z]+", "r"))
+    row = ScheduledSeq("r", [1], 1, [0], True, sp, output_index=0, history=(1,))
+    masks.wait(masks.start([row]), [row])  # builds the matcher (its first mask is not charged)
+    inner = masks._rows["r"].matcher
+    late = 2 * grammar_masks.ROW_BUDGET_S
+
+    class Waiting:
+        """The row's matcher, its every mask `late` seconds late without working for it."""
+
+        def __getattr__(self, name: str):
+            return getattr(inner, name)
+
+        def unsafe_compute_mask_ptr(self, *args):
+            time.sleep(late)
+            return inner.unsafe_compute_mask_ptr(*args)
+
+    class Working(Waiting):
+        def unsafe_compute_mask_ptr(self, *args):
+            end = time.thread_time() + late
+            while time.thread_time() < end:
+                pass
+            return inner.unsafe_compute_mask_ptr(*args)
+
+    masks._rows["r"].matcher = Waiting()
+    for _ in range(3):
+        masks.wait(masks.start([row]), [row])
+    assert masks.take_cut() == {}
+    masks._rows["r"].matcher = Working()
+    masks.wait(masks.start([row]), [row])
+    assert masks.take_cut()["r"].startswith(grammar_masks.GRAMMAR_TOO_COSTLY)
+    masks.close()
