@@ -177,6 +177,11 @@ def check_tests(c: Check, e: Env) -> None:
     c.status = "PASS" if rc == 0 else "FAIL"
 
 
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+# A test's line under `-v`: its id (spaces allowed in parameters), then its outcome.
+TEST_OUTCOME = re.compile(rf"^(\S+::.+?) ({'|'.join(OUTCOMES)})\b", re.MULTILINE)
+
+
 def tests_figure(text: str, rc: int | None) -> str:
     """What a pytest run (`-v -rs`) says of itself: its summary line and the reasons for its
     skips, or, where it was cut short (`rc` None) or printed no summary, its tests' outcomes so
@@ -187,17 +192,15 @@ def tests_figure(text: str, rc: int | None) -> str:
     if summary and rc is not None:
         figure = summary[-1]
     else:
-        outcomes = re.findall(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", text,
-                              re.MULTILINE)
-        counts = {k: sum(o == k for _, o in outcomes) for k in ("PASSED", "FAILED", "ERROR",
-                                                                  "SKIPPED", "XFAIL", "XPASS")}
+        outcomes = TEST_OUTCOME.findall(text)
+        counts = {k: sum(o == k for _, o in outcomes) for k in OUTCOMES}
         so_far = ", ".join(f"{n} {k.lower()}" for k, n in counts.items() if n) or "no test done"
         bad = [t for t, o in outcomes if o in ("FAILED", "ERROR")]
         # `-v` prints a test's id as it starts and its outcome as it ends: a last id with no
         # outcome is the test the run was cut in.
-        last = [x for x in text.splitlines() if "::" in x.split(" ")[0]][-1:]
-        running = (last[0].split(" [")[0].strip() if last and rc is None and not re.search(
-            r" (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", last[0]) else None)
+        ids = [x for x in text.splitlines() if "::" in x.split(" ")[0]]
+        running = (ids[-1].split(" [")[0].strip()
+                   if ids and rc is None and not TEST_OUTCOME.match(ids[-1]) else None)
         figure = (f"{'timed out' if rc is None else f'exited {rc}'} after {so_far}"
                   + (f" (failed: {', '.join(bad)})" if bad else "")
                   + (f", in {running}" if running else "")
@@ -493,8 +496,7 @@ def run_checks(todo: list[Check], env: Env, small: bool, out: Path) -> int:
     verdict = f"gpu_check: {len(todo) - failed} of {len(todo)} passed; logs in {env.logs}"
     print(verdict)
     (out / "results.txt").write_text("\n".join(c.line() for c in todo) + "\n" + verdict + "\n")
-    (out / "results.json").write_text(json.dumps([asdict(c) for c in todo], indent=2,
-                                                 default=str))
+    (out / "results.json").write_text(json.dumps([asdict(c) for c in todo], indent=2))
     return 1 if failed else 0
 
 
