@@ -526,3 +526,20 @@ def test_the_margin_returns_once_the_fit_has_learned_a_slower_machine() -> None:
         model.observe(mixed, 2 * truth)
     assert abs(model.predict(mixed) / (2 * truth) - 1) < 0.05  # the fit has followed
     assert model.overrun() < 1.1
+
+
+def test_a_step_of_decodes_alone_is_not_paced_and_a_waiting_prompt_is() -> None:
+    """With every row a decode and nothing waiting there is no chunk to size: the step skips
+    the allowance (its prediction and margin, per step); a prompt arriving brings it back."""
+    sim = Sim(SchedulerConfig(64, 320, 4096))
+    for i in range(4):
+        sim.add(f"s{i}", 40, 500)
+    sim.run_until(lambda: all(sim.token_times[f"s{i}"] for i in range(4)))
+    t0 = sim.now
+    while sim.now < t0 + 1.5:  # past the burst window: the next arrival is no burst
+        out = sim.step()
+        assert all(s.is_decode for s in out.seqs) and sim.sched.last_allowance is None
+    sim.add("late", 600, 2)
+    out = sim.step()
+    assert sim.sched.last_allowance is not None
+    assert 0 < prefill_of(out, "late") < 320  # paced beside the four streams

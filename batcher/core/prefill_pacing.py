@@ -38,8 +38,9 @@ class PrefillPacer:
 
     def allowance(self, running: Sequence[Request],
                   waiting: Sequence[Request]) -> PrefillAllowance | None:
-        """This step's prefill allowance under the time target; None when there is no decode
-        to protect or a burst fills its batch (prefill then gets the whole token budget)."""
+        """This step's prefill allowance under the time target; None when there is no prefill
+        to pace, no decode to protect, or a burst fills its batch (prefill then gets the whole
+        token budget)."""
         bs = self.block_size
         # NOTE: the decode rows' StepShape, summed as plain ints (a StepShape a row cost a
         # tenth of a 256-stream step): a row's context is its position rounded up to a block.
@@ -50,6 +51,8 @@ class PrefillPacer:
                 rows += 1
                 if computed > last:
                     last = computed
+        if rows == len(running) and not waiting:
+            return None  # every row a decode: no prefill to pace this step
         decode = StepShape(rows, -(-(last + 1) // bs) * bs) if rows else StepShape()
         cfg = self.config
         if waiting and len(running) < cfg.max_num_seqs and self.one_burst(running, waiting):
