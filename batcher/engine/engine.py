@@ -325,10 +325,10 @@ class AsyncEngine:
                 return
             self.steps += 1
             self.last_step_end = now = self.clock()
-            learn = self._learns_from(sched, started, model_seconds)
+            learn = self._teaches(sched, started, model_seconds)
             cut = self.outputs.cut(out.failed) if out.failed else []
             updates = self.scheduler.update(sched, out)
-            if learn:  # before the next schedule: admission reads the queue this step left
+            if learn is not None:  # before the next schedule: admission reads the queue left
                 for listener in self.step_listeners:
                     listener(sched, now - started)
             step = None
@@ -342,6 +342,11 @@ class AsyncEngine:
                     self._step_taken.wait(HANDOFF_WAIT_S)
             self.outputs.emit(updates, now)
             self.outputs.end_cut(cut, now)
+            if learn is not None:
+                # NOTE: after the next step's launch, while the device runs it: the filter's
+                # update is a tenth of a millisecond of the host's time that no step waits
+                # for. The step just launched was sized by the fit one step older.
+                self.step_time_model.observe(learn, model_seconds)
             # Work waits from the moment the model finished: a pause of this loop while it
             # emits (a GC pause, a blocked handler) counts as a gap before the next step.
             self._work_pending_since = ended if self.scheduler.has_unfinished() else None
@@ -386,10 +391,11 @@ class AsyncEngine:
     def stall_log(self) -> StallLog:
         return self.stalls.log
 
-    def _learns_from(self, sched: SchedulerOutput, started: float, seconds: float) -> bool:
-        """Feed the step-time model this step unless it taught nothing: a warm-up step, or one
-        held up by a stall (noted in `stalls` for admission). Returns whether the step's
-        listeners learn from it too."""
+    def _teaches(self, sched: SchedulerOutput, started: float, seconds: float
+                 ) -> StepShape | None:
+        """The step's shape, for the step-time model and the step's listeners to learn from;
+        None when it taught nothing: a warm-up step, or one held up by a stall (noted in
+        `stalls` for admission)."""
         shape = StepShape.of(sched, self.kv.block_size)
         pending = self._work_pending_since
         gap = started - pending if pending is not None else 0.0
@@ -397,9 +403,8 @@ class AsyncEngine:
             else 0.0
         stalled = self.stalls.step(started, seconds, predicted, gap)
         if self.phase == "warm" or stalled:
-            return False
-        self.step_time_model.observe(shape, seconds)
-        return True
+            return None
+        return shape
 
     def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float, float]:
         """Run a step on the model thread and time it there: the model's own time, without the
