@@ -385,7 +385,7 @@ class AsyncEngine:
         started = self.clock()
         self.outputs.note_rescheduled(sched, started)
         self._step_taken.clear()
-        return sched, started, loop.run_in_executor(self._executor, self._timed_execute, sched)
+        return sched, started, self._executor.run(loop, self._timed_execute, sched)
 
     @property
     def stall_log(self) -> StallLog:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import queue
@@ -34,6 +35,31 @@ class ModelThread(Executor):
             self._thread.start()
         fut: Future[Any] = Future()
         self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        return fut
+
+    def run(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], /, *args: Any
+            ) -> asyncio.Future[Any]:
+        """`fn(*args)` on the thread, its result (or exception) in a future of `loop`.
+
+        `loop.run_in_executor` passes a result through a concurrent Future, its lock and its
+        callbacks, before the loop wakes; here the thread sets the loop's future with one call
+        into the loop, which wakes it sooner (every step waits for this wake-up). A future the
+        loop cancelled meanwhile is left as it is; a closed loop is told nothing."""
+        fut = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.cancelled():
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+        def job() -> None:
+            try:
+                value, ok = fn(*args), True
+            except BaseException as exc:  # noqa: BLE001 (handed to the awaiting loop)
+                value, ok = exc, False
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(settle, ok, value)
+
+        self.submit(job)
         return fut
 
     def _work(self) -> None:
