@@ -41,6 +41,7 @@ from batcher.bench.client import ClientConfig, RequestResult, send_request
 from batcher.bench.common import append_rows, pct, wait_until_up
 from batcher.bench.load import CpuMeter, process_cpu_seconds
 from batcher.bench.workload import synthetic
+from batcher.http.listener import run_event_loop
 from scripts.bench._shared import ROOT, cli_module, parser, start_checkout
 
 # Admission's time-to-first-token check predicts from a step-time prior fitted to a real model,
@@ -176,7 +177,7 @@ def run_one(label: str, path: str, n: int, args: argparse.Namespace) -> list[str
         before, overflows = server.state(), listen_overflows()
         meter = CpuMeter(server.proc.pid)
         meter.start()
-        results, wall, samples = run_loop(load(server.url, n, args.prompt, args.answer,
+        results, wall, samples = run_event_loop(load(server.url, n, args.prompt, args.answer,
                                                server.proc.pid))
         cpu = meter.stop()
         after = server.state()
@@ -231,14 +232,6 @@ def medians(rows: list[list[str]]) -> list[list[str]]:
         cells = [_median_cell([r[c] for r in rs]) for c in range(2, len(rs[0]))]
         out.append([f"{code} (median of {len(rs)})", n, *cells])
     return sorted(out, key=lambda r: (int(r[1]), r[0]))
-
-
-def run_loop(coro):
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)  # the client shares the cores: its own overhead low, as a user's
 
 
 def main(argv: list[str]) -> int:

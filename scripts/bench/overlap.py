@@ -4,7 +4,7 @@
         [--rounds 3] [--no-append]
 
 One process, the engine built as `batcher serve` builds it (`build_engine` with the default
-`EngineConfig`), its loop with overlap on and off alternated in every round (the order flips each
+`EngineConfig`, on uvloop where it is installed), its loop with overlap on and off alternated in every round (the order flips each
 round), a fresh engine each time:
 
 - a device-like model: `--model fake` whose every step costs `--device-step-ms` and nothing per
@@ -35,6 +35,7 @@ from batcher.core.sampling import SamplingParams
 from batcher.engine.config import EngineConfig
 from batcher.engine.factory import build_engine
 from batcher.engine.fake_runner import FakeDevice, FakeSpeed
+from batcher.http.listener import run_event_loop
 from scripts.bench._shared import parser
 
 HEADER = ["model", "streams", "overlap", "output tok/s", "TPOT p50 / p99 ms", "steps",
@@ -112,7 +113,7 @@ def main(argv: list[str]) -> None:
         runs: dict[bool, list[dict]] = {True: [], False: []}
         for rnd in range(args.rounds):
             for overlap in ((True, False) if rnd % 2 == 0 else (False, True)):
-                r = asyncio.run(run_once(make(), work, overlap))
+                r = run_event_loop(run_once(make(), work, overlap))
                 print(label, n, "overlap" if overlap else "emit first", r, flush=True)
                 runs[overlap].append(r)
         for overlap in (True, False):
