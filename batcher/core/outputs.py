@@ -7,6 +7,10 @@ from typing import Any
 
 from batcher.core.sampling import SamplingParams
 
+# The input of a row scheduled before the step that samples it has run (`Scheduler.
+# schedule_ahead`): the model thread puts that token in its place (`fill_pending_inputs`).
+PENDING_TOKEN = -1
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -61,6 +65,8 @@ class SchedulerOutput:
     # in the same order: an ID may be in flight again under a new request by the time its report
     # is read.
     freed: list[Any] = field(default_factory=list)
+    # Every row's input is PENDING_TOKEN: the token the step before samples for its request.
+    inputs_pending: bool = False
     num_decodes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -105,3 +111,17 @@ class RunnerOutput:
     # Requests the runner cannot go on with (a grammar over its time budget), with the reason:
     # the engine ends each with that error after this step.
     failed: dict[str, str] = field(default_factory=dict)
+
+
+def fill_pending_inputs(sched: SchedulerOutput, before: RunnerOutput) -> None:
+    """Put in each row of a step scheduled ahead (`inputs_pending`) the token that `before`, the
+    step run just before it, sampled for its request. A row whose request `before` sampled
+    nothing for is a bug upstream: raised here, never run with a placeholder id."""
+    sampled = dict(zip(before.request_ids, before.token_ids, strict=True))
+    for seq in sched.seqs:
+        token = sampled.get(seq.request_id)
+        if token is None:
+            raise RuntimeError(f"a row of {seq.request_id!r} was scheduled ahead of a step "
+                               "that sampled no token for it")
+        seq.token_ids[0] = token
+    sched.inputs_pending = False

@@ -18,7 +18,13 @@ from collections.abc import Callable
 from batcher.core.config import SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
 from batcher.core.ngram_proposer import NgramProposer, can_speculate
-from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from batcher.core.outputs import (
+    PENDING_TOKEN,
+    RunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from batcher.core.refusals import DuplicateRequestId, EmptyPrompt, ExceedsContext, ExceedsKvCapacity
 from batcher.core.scheduled_rows import decode_row, scheduled_row
 from batcher.core.prefill_pacing import PrefillPacer
@@ -272,6 +278,53 @@ class Scheduler:
         if self.debug_checks:
             self.check_integrity()
         return out
+
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `prev`, scheduled while `prev` runs, before its tokens are known
+        (`prev` is scheduled and not yet updated): each of its rows one position on, its input
+        `PENDING_TOKEN`, the token `prev` samples for it (`fill_pending_inputs`). So the model
+        can start the step as soon as `prev` ends, without waiting for the host.
+
+        Only in steady decoding. None, and `schedule()` decides the step once `prev`'s tokens
+        are applied, unless every row of `prev` is a plain decode (one token, sampled, no
+        drafts, no prompt positions scored, no history for penalties or a grammar, no token held
+        back by `min_tokens`), nothing waits, no abort is pending and nothing is drafted. A row
+        whose request `prev`'s token ends by its length is left out; one whose next position
+        needs a block gets it here (None if the pool has none left: `schedule()` preempts as
+        it must). A request that `prev`'s token stops (EOS, a stop token, a stop string) wastes
+        its row here, which `update` drops; its blocks are written by that row after they are
+        freed, which is safe as it is for a step launched before emitting (see the engine)."""
+        if self.waiting or self._pending_aborts or self.proposer is not None or not prev.seqs:
+            return None
+        requests, running_status = self._requests, RequestStatus.RUNNING
+        max_model_len, slots_per_block = self.config.max_model_len, self.kv.block_size
+        rows: list[ScheduledSeq] = []
+        for seq in prev.seqs:
+            sp = seq.sampling
+            if (len(seq.token_ids) != 1 or not seq.sample or seq.history or seq.suppress
+                    or seq.score_targets or sp.grammar is not None or sp.needs_history):
+                return None
+            req = requests.get(seq.request_id)
+            if req is None or req.status is not running_status:
+                continue  # ended since (a stop string, a grammar cut): no row
+            assert req.num_computed_tokens == seq.start_pos, seq.request_id
+            pos, num_output = seq.start_pos + 1, seq.output_index + 1  # once prev's token is in
+            if num_output >= sp.max_tokens or pos + 1 >= max_model_len:
+                continue  # prev's token ends it by length
+            if num_output < sp.min_tokens:
+                return None  # its stop tokens are held back: `schedule` says which
+            if pos >= len(req.block_ids) * slots_per_block and not self.kv.allocate_slots(
+                    req, 1, num_lookahead=1):
+                return None
+            rows.append(ScheduledSeq(seq.request_id, [PENDING_TOKEN], pos, req.block_ids, True,
+                                     sp, num_output))
+        if not rows:
+            return None
+        self.changes += 1
+        self.stats.steps += 1
+        if self.debug_checks:
+            self.check_integrity()
+        return SchedulerOutput(seqs=rows, inputs_pending=True)
 
     def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestUpdate]:
         """Apply a step's results: advance `num_computed_tokens`, register newly full blocks in the

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from batcher.core.backlog import Backlog
 from batcher.core.config import CacheConfig, SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
-from batcher.core.outputs import RunnerOutput, SchedulerOutput
+from batcher.core.outputs import RunnerOutput, SchedulerOutput, fill_pending_inputs
 from batcher.core.scheduler import Scheduler
 from batcher.core.stalls import StallDetector, StallLog
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
@@ -53,9 +53,9 @@ STOP_GRACE_SECONDS = 5.0
 # launched before it emits the last one (see `_run`).
 HANDOFF_WAIT_S = 0.005
 
-# A step handed to the model thread: what was scheduled, when, and its (output, model seconds,
-# when the model thread finished it).
-_Step = tuple[SchedulerOutput, float, "asyncio.Future[tuple[RunnerOutput, float, float]]"]
+# A step handed to the model thread: what was scheduled, when, its (output, model seconds, when
+# the model thread finished it), and whether it was scheduled ahead (queued behind another).
+_Step = tuple[SchedulerOutput, float, "asyncio.Future[tuple[RunnerOutput, float, float]]", bool]
 
 
 class Runner(Protocol):
@@ -108,6 +108,10 @@ class AsyncEngine:
         # Launch each step before emitting the previous one's tokens (see `_run`); off, the host
         # emits a step's tokens and only then schedules the next.
         self.overlap = overlap
+        # In steady decoding, queue each next step before the last one's tokens are known
+        # (`_launch_ahead`); with overlap only.
+        self.ahead = overlap
+        self._last_output: RunnerOutput | None = None  # the model thread's last step's
         # Called after every step with (scheduler output, step seconds): admission's rate EWMAs.
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
         # "warm": steps teach nothing (first runs compile); "calibrate": they teach the
@@ -300,8 +304,11 @@ class AsyncEngine:
         # NOTE: the next step is scheduled and handed to the model thread as soon as this step's
         # results are applied to the scheduler, before its tokens are detokenized and pushed to
         # their streams: the model runs step N+1 while the host emits step N (see `_launch`).
+        # In steady decoding the step after that is queued too, before N+1's tokens are known
+        # (`_launch_ahead`): the model starts it as N+1 ends, without waiting for this loop.
         loop = asyncio.get_running_loop()
         step: _Step | None = None
+        queued: _Step | None = None  # scheduled ahead: behind `step` on the model thread
         while step is not None or not self._stopping:
             if step is None:
                 if not self.scheduler.has_unfinished():
@@ -315,16 +322,21 @@ class AsyncEngine:
                 if step is None:
                     await asyncio.sleep(0)  # only aborts were processed
                     continue
-            sched, started, running = step
+                queued = self._launch_ahead(loop, step[0])
+            sched, started, running, ahead = step
             try:
                 out, model_seconds, ended = await running
             except Exception as exc:  # the model failed: fail everyone loudly, stop serving
+                if queued is not None:
+                    queued[2].cancel()
                 log.exception("model step failed")
                 self._error = f"model step failed: {type(exc).__name__}: {exc}"
                 self.outputs.fail_all(self._error, self.clock())
                 return
             self.steps += 1
             self.last_step_end = now = self.clock()
+            if ahead:  # it was queued behind the step before: it started as that one ended
+                started = max(started, ended - model_seconds)
             learn = self._teaches(sched, started, model_seconds)
             cut = self.outputs.cut(out.failed) if out.failed else []
             updates = self.scheduler.update(sched, out)
@@ -332,7 +344,9 @@ class AsyncEngine:
                 for listener in self.step_listeners:
                     listener(sched, now - started)
             step = None
-            if self.overlap and not self._stopping and self.scheduler.has_unfinished():
+            if queued is not None:  # already on the model thread
+                step, queued = queued, None
+            elif self.overlap and not self._stopping and self.scheduler.has_unfinished():
                 step = self._launch(loop)
                 if step is not None and updates:
                     # NOTE: the model thread needs the GIL to fill and launch its step, and
@@ -342,6 +356,11 @@ class AsyncEngine:
                     self._step_taken.wait(HANDOFF_WAIT_S)
             self.outputs.emit(updates, now)
             self.outputs.end_cut(cut, now)
+            if step is not None:
+                # NOTE: after emitting, while `step` runs: a request a stop string ended just
+                # now gets no row in it (a step launched before emitting holds its one
+                # wasted row).
+                queued = self._launch_ahead(loop, step[0])
             if learn is not None:
                 # NOTE: after the next step's launch, while the device runs it: the filter's
                 # update is a tenth of a millisecond of the host's time that no step waits
@@ -385,7 +404,19 @@ class AsyncEngine:
         started = self.clock()
         self.outputs.note_rescheduled(sched, started)
         self._step_taken.clear()
-        return sched, started, self._executor.run(loop, self._timed_execute, sched)
+        return sched, started, self._executor.run(loop, self._timed_execute, sched), False
+
+    def _launch_ahead(self, loop: asyncio.AbstractEventLoop, prev: SchedulerOutput
+                      ) -> _Step | None:
+        """Queue the step after `prev` (launched, its tokens not yet known) on the model thread
+        behind it, if the scheduler can tell it now (`Scheduler.schedule_ahead`: steady
+        decoding). The model thread fills in each row's input from `prev`'s output."""
+        if not self.ahead or self._stopping:
+            return None
+        sched = self.scheduler.schedule_ahead(prev)
+        if sched is None:
+            return None
+        return sched, self.clock(), self._executor.run(loop, self._timed_execute, sched), True
 
     @property
     def stall_log(self) -> StallLog:
@@ -412,9 +443,17 @@ class AsyncEngine:
         if not self._runner_signals:
             self._step_taken.set()
         started = self.clock()
+        # NOTE: only this thread reads or writes `_last_output`, in the order steps run: a step
+        # scheduled ahead runs right after the one it follows.
+        before, self._last_output = self._last_output, None
         try:
+            if sched.inputs_pending:
+                if before is None:
+                    raise RuntimeError("a step scheduled ahead of a step that failed")
+                fill_pending_inputs(sched, before)
             out = self.runner.execute(sched)
         finally:
             self._step_taken.set()
+        self._last_output = out
         ended = self.clock()
         return out, ended - started, ended
