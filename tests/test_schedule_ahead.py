@@ -101,7 +101,7 @@ def test_a_row_at_a_block_boundary_gets_its_block_and_none_left_means_no_step() 
     full.check_integrity()
 
 
-@pytest.mark.parametrize("case", ["waiting", "abort", "prefill", "penalty", "grammar",
+@pytest.mark.parametrize("case", ["waiting", "prefill", "penalty", "grammar",
                                   "min_tokens", "speculative"])
 def test_anything_but_steady_plain_decoding_is_left_to_schedule(case: str) -> None:
     sp = {"penalty": plain(presence_penalty=0.5), "grammar": plain(grammar="g"),
@@ -112,9 +112,36 @@ def test_anything_but_steady_plain_decoding_is_left_to_schedule(case: str) -> No
     prev = sched.schedule()
     if case == "waiting":
         sched.add_request(Request("late", prompt(40, 9), plain()))
-    if case == "abort":
-        sched.abort("r0")
     assert sched.schedule_ahead(prev) is None
+
+
+def test_an_abort_is_freed_by_the_step_ahead_and_told_with_it() -> None:
+    sched = decoding(plain(), plain())
+    prev = sched.schedule()
+    sched.abort("r0")  # while prev runs
+    ahead = sched.schedule_ahead(prev)
+    assert ahead is not None and [s.request_id for s in ahead.seqs] == ["r1"]
+    assert ahead.freed_ids == ["r0"] and sched.get_request("r0") is None
+    assert [u.request_id for u in sched.update(prev, sampled(prev))] == ["r1"]
+    sched.check_integrity()
+
+
+def test_a_running_request_without_a_row_before_stops_the_chain() -> None:
+    """A prompt paced to nothing this step, or a batch over the token budget, leaves a running
+    request out of a step: continuing only the others would starve it."""
+    sched = decoding(plain(), plain(), plain())
+    prev = sched.schedule()
+    prev.seqs = prev.seqs[:-1]  # as if "r2" got no row
+    assert sched.schedule_ahead(prev) is None
+
+
+def test_an_abort_of_every_row_yields_an_empty_step_that_reports_it() -> None:
+    sched = decoding(plain())
+    prev = sched.schedule()
+    sched.abort("r0")
+    ahead = sched.schedule_ahead(prev)
+    assert ahead is not None and ahead.is_empty and ahead.freed_ids == ["r0"]
+    assert not sched.has_unfinished()
 
 
 def test_a_request_ended_since_its_row_was_scheduled_gets_none_ahead() -> None:
@@ -240,7 +267,7 @@ async def test_the_bundled_runner_decodes_the_same_greedy_tokens_ahead(tiny_fp32
         engine = AsyncEngine(runner, tokenizer, SchedulerConfig(max_num_seqs=8,
                                                                 max_num_batched_tokens=64),
                              debug_checks=True)
-        engine.ahead = ahead
+        engine.ahead, engine.ahead_max_step_s = ahead, float("inf")  # whatever this CPU takes
         count = counting_ahead(engine)
         await engine.start()
         try:
@@ -276,3 +303,40 @@ async def test_a_failed_step_fails_everyone_and_its_queued_step_never_runs_a_pla
         await engine.stop()
     assert reasons == ["error", "error"] and count[0] > 0
     assert not engine.healthy
+
+
+async def test_an_aborted_stream_ends_while_steps_run_ahead(tokenizer) -> None:
+    """Its row in the queued step is wasted; the step after frees it and its stream ends."""
+    engine, runner = fake_engine(tokenizer, True)
+    count = counting_ahead(engine)
+    await engine.start()
+    try:
+        got = 0
+        async with asyncio.timeout(5.0):
+            async for ev in engine.generate(Request("x", prompt(6), plain(1000))):
+                got += len(ev.token_ids)
+                if got >= 30:
+                    assert engine.abort("x")
+                    break
+            while engine.owns("x") or engine.scheduler.has_unfinished():
+                await asyncio.sleep(0.002)
+        assert count[0] > 0
+        snap = engine.snapshot()
+        assert snap.free_blocks == snap.total_blocks
+    finally:
+        await engine.stop()
+
+
+async def test_slow_steps_are_not_scheduled_ahead(tokenizer) -> None:
+    """Steps longer than `ahead_max_step_s` (a CPU's) run as before: a request arriving
+    meanwhile does not wait for a queued step."""
+    engine, runner = fake_engine(tokenizer, True)
+    engine.ahead_max_step_s = 0.0005  # below the fake model's 1 ms steps
+    count = counting_ahead(engine)
+    await engine.start()
+    try:
+        got = [t async for ev in engine.generate(Request("x", prompt(6), plain(20)))
+               for t in ev.token_ids]
+    finally:
+        await engine.stop()
+    assert len(got) == 20 and count[0] == 0

@@ -159,11 +159,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences. Decodes come first in the output, then prefill chunks."""
-        for request_id in self._pending_aborts:
-            req = self._requests.get(request_id)
-            if req is not None:
-                self._free(req, RequestStatus.FINISHED_ABORTED)
-        self._pending_aborts.clear()
+        self._free_aborted()
 
         self.changes += 1
         cfg = self.config
@@ -288,25 +284,36 @@ class Scheduler:
         Only in steady decoding. None, and `schedule()` decides the step once `prev`'s tokens
         are applied, unless every row of `prev` is a plain decode (one token, sampled, no
         drafts, no prompt positions scored, no history for penalties or a grammar, no token held
-        back by `min_tokens`), nothing waits, no abort is pending and nothing is drafted. A row
-        whose request `prev`'s token ends by its length is left out; one whose next position
-        needs a block gets it here (None if the pool has none left: `schedule()` preempts as
-        it must). A request that `prev`'s token stops (EOS, a stop token, a stop string) wastes
-        its row here, which `update` drops; its blocks are written by that row after they are
-        freed, which is safe as it is for a step launched before emitting (see the engine)."""
-        if self.waiting or self._pending_aborts or self.proposer is not None or not prev.seqs:
+        back by `min_tokens`), every running request has a row in it, nothing waits and nothing
+        is drafted. Pending aborts are freed here, as `schedule()` would (with no row left, the
+        step returned is empty and only reports them). A row whose request `prev`'s token ends by its length is
+        left out; one whose next position needs a block gets it here (None if the pool has
+        none left: `schedule()` preempts as it must). A request that `prev`'s token stops (EOS,
+        a stop token, a stop string) wastes its row here, which `update` drops.
+
+        Blocks freed while `prev` or this step still writes a row of their old request may be
+        handed out here or by the next `schedule()`. That is safe because the model runs steps
+        one after another: the old row's write comes first, and the new owner writes each
+        position before reading it. The old row writes past its request's full blocks, so no
+        cached prefix block changes."""
+        if self.waiting or self.proposer is not None or not prev.seqs:
             return None
-        requests, running_status = self._requests, RequestStatus.RUNNING
-        max_model_len, slots_per_block = self.config.max_model_len, self.kv.block_size
-        rows: list[ScheduledSeq] = []
         for seq in prev.seqs:
             sp = seq.sampling
             if (len(seq.token_ids) != 1 or not seq.sample or seq.history or seq.suppress
                     or seq.score_targets or sp.grammar is not None or sp.needs_history):
                 return None
+        self._free_aborted()
+        requests, running_status = self._requests, RequestStatus.RUNNING
+        max_model_len, slots_per_block = self.config.max_model_len, self.kv.block_size
+        rows: list[ScheduledSeq] = []
+        rowed = 0  # running requests with a row in prev
+        for seq in prev.seqs:
+            sp = seq.sampling
             req = requests.get(seq.request_id)
             if req is None or req.status is not running_status:
                 continue  # ended since (a stop string, a grammar cut): no row
+            rowed += 1
             assert req.num_computed_tokens == seq.start_pos, seq.request_id
             pos, num_output = seq.start_pos + 1, seq.output_index + 1  # once prev's token is in
             if num_output >= sp.max_tokens or pos + 1 >= max_model_len:
@@ -318,13 +325,21 @@ class Scheduler:
                 return None
             rows.append(ScheduledSeq(seq.request_id, [PENDING_TOKEN], pos, req.block_ids, True,
                                      sp, num_output))
-        if not rows:
+        if rowed != len(self.running):
+            # A running request without a row in prev (a prompt the time target paced to
+            # nothing, a budget smaller than the batch): only `schedule` gives it one.
+            rows = []
+        if not rows and not self._freed_ids:
             return None
         self.changes += 1
-        self.stats.steps += 1
+        self.stats.steps += bool(rows)
+        # NOTE: with no rows, an empty step that only reports what the aborts freed.
+        out = SchedulerOutput(seqs=rows, freed_ids=self._freed_ids, freed=self._freed,
+                              inputs_pending=bool(rows))
+        self._freed_ids, self._freed = [], []
         if self.debug_checks:
             self.check_integrity()
-        return SchedulerOutput(seqs=rows, inputs_pending=True)
+        return out
 
     def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestUpdate]:
         """Apply a step's results: advance `num_computed_tokens`, register newly full blocks in the
@@ -476,6 +491,13 @@ class Scheduler:
             self.kv.trim(req)
             self.kv.release_behind_window(req)
         return RequestUpdate(req.request_id, new_tokens, new_lps, req.status)
+
+    def _free_aborted(self) -> None:
+        for request_id in self._pending_aborts:
+            req = self._requests.get(request_id)
+            if req is not None:
+                self._free(req, RequestStatus.FINISHED_ABORTED)
+        self._pending_aborts.clear()
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         """The one exit: release the request's blocks and move it out of `running`/`waiting`.

@@ -53,6 +53,13 @@ STOP_GRACE_SECONDS = 5.0
 # launched before it emits the last one (see `_run`).
 HANDOFF_WAIT_S = 0.005
 
+# Steps are scheduled ahead (`AsyncEngine._launch_ahead`) only while the model's step takes at
+# most this long. What it saves is the loop's time between two steps (about half a millisecond
+# on a 2-core CPU, a tenth to a third of that on a server's): a fifth of a 2 ms GPU step, under
+# 5% of a 10 ms one. What it costs is a step of first-token time for a request arriving
+# meanwhile (it waits for the queued step), a full step on a CPU (tens of milliseconds).
+AHEAD_MAX_STEP_S = 0.010
+
 # A step handed to the model thread: what was scheduled, when, its (output, model seconds, when
 # the model thread finished it), and whether it was scheduled ahead (queued behind another).
 _Step = tuple[SchedulerOutput, float, "asyncio.Future[tuple[RunnerOutput, float, float]]", bool]
@@ -109,8 +116,12 @@ class AsyncEngine:
         # emits a step's tokens and only then schedules the next.
         self.overlap = overlap
         # In steady decoding, queue each next step before the last one's tokens are known
-        # (`_launch_ahead`); with overlap only.
+        # (`_launch_ahead`); with overlap only, and only while steps take at most
+        # `ahead_max_step_s`: a request arriving meanwhile waits for the queued step, which
+        # is worth it only where the loop's own time between steps is a sizeable share of one.
         self.ahead = overlap
+        self.ahead_max_step_s = AHEAD_MAX_STEP_S
+        self._last_step_s = float("inf")  # the model's time of the last step, once measured
         self._last_output: RunnerOutput | None = None  # the model thread's last step's
         # Called after every step with (scheduler output, step seconds): admission's rate EWMAs.
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
@@ -334,6 +345,7 @@ class AsyncEngine:
                 self.outputs.fail_all(self._error, self.clock())
                 return
             self.steps += 1
+            self._last_step_s = model_seconds
             self.last_step_end = now = self.clock()
             if ahead:  # it was queued behind the step before: it started as that one ended
                 started = max(started, ended - model_seconds)
@@ -383,11 +395,10 @@ class AsyncEngine:
         A step launched before the previous step's tokens are emitted may hold a row of a
         request that emitting then ends (a stop string matched on text): the row's work is
         wasted and its token dropped (`Scheduler.update` skips finished requests). Its blocks
-        are freed while the step writes them, which is safe: only `schedule` hands out blocks,
-        and it runs after this step returns (a runner returns only once the device has finished
-        the step: its sampled tokens are read on the host); the row writes past its request's
-        full blocks, so no cached prefix block changes. Those blocks are free for the step after
-        next, one step later than without overlap.
+        are freed while the step writes them, which is safe (`Scheduler.schedule_ahead` says
+        why): the model runs steps one after another, so the old row writes before any new
+        owner of a block does. Those blocks are free for the step after next, one step later
+        than without overlap.
         """
         sched = self.scheduler.schedule()
         self.outputs.note_freed(sched.freed, self.clock())
@@ -396,27 +407,36 @@ class AsyncEngine:
             # it with the next step it runs.
             self._unsent_freed += sched.freed_ids
             return None
-        if self._unsent_freed:
-            sched.freed_ids[:0] = self._unsent_freed
-            self._unsent_freed = []
         if self.busy_since is None:
             self.busy_since = self.clock()
-        started = self.clock()
-        self.outputs.note_rescheduled(sched, started)
         self._step_taken.clear()
-        return sched, started, self._executor.run(loop, self._timed_execute, sched), False
+        return self._hand_over(loop, sched, ahead=False)
 
     def _launch_ahead(self, loop: asyncio.AbstractEventLoop, prev: SchedulerOutput
                       ) -> _Step | None:
         """Queue the step after `prev` (launched, its tokens not yet known) on the model thread
         behind it, if the scheduler can tell it now (`Scheduler.schedule_ahead`: steady
         decoding). The model thread fills in each row's input from `prev`'s output."""
-        if not self.ahead or self._stopping:
+        if not self.ahead or self._stopping or self._last_step_s > self.ahead_max_step_s:
             return None
         sched = self.scheduler.schedule_ahead(prev)
         if sched is None:
             return None
-        return sched, self.clock(), self._executor.run(loop, self._timed_execute, sched), True
+        self.outputs.note_freed(sched.freed, self.clock())  # aborts it freed
+        if sched.is_empty:
+            self._unsent_freed += sched.freed_ids
+            return None
+        return self._hand_over(loop, sched, ahead=True)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, sched: SchedulerOutput,
+                   ahead: bool) -> _Step:
+        """Queue a scheduled step on the model thread, with the freed IDs not yet told."""
+        if self._unsent_freed:
+            sched.freed_ids[:0] = self._unsent_freed
+            self._unsent_freed = []
+        started = self.clock()
+        self.outputs.note_rescheduled(sched, started)
+        return sched, started, self._executor.run(loop, self._timed_execute, sched), ahead
 
     @property
     def stall_log(self) -> StallLog:
