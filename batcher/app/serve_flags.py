@@ -128,8 +128,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
       "decode steps, and steps of up to 512 tokens with prompt chunks, replay CUDA graphs)")
     a("--no-step-overlap", action="store_true", help="emit each step's tokens before scheduling "
       "the next step (by default the next step is launched first, so the model runs it while "
-      "the host detokenizes and streams; a request a stop string ends may then compute one row "
-      "more, which is dropped)")
+      "the host detokenizes and streams, and in steady decoding the step after it is queued "
+      "before its tokens are known; a request a stop string or a stop token ends may then "
+      "compute one row more, which is dropped)")
     a("--no-warm-start", action="store_true", help="report ready once the model is loaded, "
       "without first running each step shape (compiling kernels, capturing graphs) and "
       "calibrating admission to this device; the first requests then pay for both")

@@ -1,24 +1,31 @@
-"""The engine's step overlap: each step launched before the last one's tokens are emitted, or after.
+"""The engine's step overlap: each step launched before the last one's tokens are emitted, or
+after; and in steady decoding, the step after it queued before its tokens are known.
 
     python -m scripts.bench overlap [--streams 64,256] [--device-step-ms 2] [--model-requests 32]
         [--rounds 3] [--no-append]
 
 One process, the engine built as `batcher serve` builds it (`build_engine` with the default
-`EngineConfig`, on uvloop where it is installed), its loop with overlap on and off alternated in every round (the order flips each
-round), a fresh engine each time:
+`EngineConfig`, on uvloop where it is installed), a fresh engine each run, its loop in three
+modes, in a rotated order every round:
 
+- `ahead` (the default): each step launched before the last one's tokens are emitted, and in
+  steady decoding the step after it scheduled ahead (`Scheduler.schedule_ahead`);
+- `overlap`: launched before emitting, never scheduled ahead;
+- `off` (`--no-step-overlap`): emit, then schedule and launch.
+
+Models:
 - a device-like model: `--model fake` whose every step costs `--device-step-ms` and nothing per
   row, as a GPU step that the host only waits for; N streams of 128-token prompts and 256-token
   answers, all at t=0. The host's work (scheduling, detokenizing, pushing to streams) is what the
-  overlap hides.
+  modes hide or not.
 - the bundled model at the defaults on this machine's CPU: the first `--model-requests` requests
   of the chat workload, greedy, all at t=0 (whether the host's work, now beside the model's
   threads, costs the model anything).
 
 Each row: output tokens a second, time per output token, steps, and the host's wall time per
 step beyond the device's (fake model only). These requests end at their length, so no step holds
-a row of a request that had already ended (what a stop string matched on text costs with
-overlap: one row, dropped).
+a row of a request that had already ended (what a stop string matched on text costs: one row,
+dropped).
 """
 
 from __future__ import annotations
@@ -38,13 +45,18 @@ from batcher.engine.fake_runner import FakeDevice, FakeSpeed
 from batcher.http.listener import run_event_loop
 from scripts.bench._shared import parser
 
-HEADER = ["model", "streams", "overlap", "output tok/s", "TPOT p50 / p99 ms", "steps",
+HEADER = ["model", "streams", "mode", "output tok/s", "TPOT p50 / p99 ms", "steps",
           "ms / step", "host ms / step beyond the device", "ok"]
 
 
-async def run_once(engine, work: list[tuple[str, list[int], int]], overlap: bool) -> dict:
+MODES = {"ahead": (True, True), "overlap": (True, False), "off": (False, False)}
+MODE_LABELS = {"ahead": "ahead (default)", "overlap": "overlap, never ahead",
+               "off": "off (emit first)"}
+
+
+async def run_once(engine, work: list[tuple[str, list[int], int]], mode: str) -> dict:
     """Every request at t=0 through `engine` (fresh, started here, stopped after)."""
-    engine.overlap = overlap
+    engine.overlap, engine.ahead = MODES[mode]
     await engine.start()
     warm = Request("warm", [1000, 1001, 1002, 1003], SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -110,17 +122,18 @@ def main(argv: list[str]) -> None:
 
     rows = []
     for label, n, make, work in cases:
-        runs: dict[bool, list[dict]] = {True: [], False: []}
+        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        order = list(MODES)
         for rnd in range(args.rounds):
-            for overlap in ((True, False) if rnd % 2 == 0 else (False, True)):
-                r = run_event_loop(run_once(make(), work, overlap))
-                print(label, n, "overlap" if overlap else "emit first", r, flush=True)
-                runs[overlap].append(r)
-        for overlap in (True, False):
-            m = median_row(runs[overlap])
+            for mode in order[rnd % 3:] + order[:rnd % 3]:
+                r = run_event_loop(run_once(make(), work, mode))
+                print(label, n, mode, r, flush=True)
+                runs[mode].append(r)
+        for mode in MODES:
+            m = median_row(runs[mode])
             beyond = (f"{m['ms_step'] - args.device_step_ms:.2f}" if label.startswith("fake")
                       else "—")
-            rows.append([label, str(n), "on" if overlap else "off (emit first)",
+            rows.append([label, str(n), MODE_LABELS[mode],
                          f"{m['tok_s']:,.0f}", f"{m['tpot50']:.2f} / {m['tpot99']:.2f}",
                          f"{m['steps']:.0f}", f"{m['ms_step']:.2f}", beyond,
                          f"{m['ok']}/{m['n']}"])
@@ -130,7 +143,8 @@ def main(argv: list[str]) -> None:
         return
     print(append_rows(
         "Step overlap: each step launched before or after the last one's tokens are emitted, "
-        "one process, alternated (scripts/bench/overlap.py)", HEADER, rows,
+        "and scheduled ahead of them or not, one process, rotated (scripts/bench/overlap.py)",
+        HEADER, rows,
         notes=f"Medians of {args.rounds} rounds each; every request at t=0 to a fresh engine "
         "after one 4-token warm-up request; TPOT per stream from its first to its last event; "
         "ms / step is the run's wall time over the engine's steps."))
