@@ -127,9 +127,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA (by default "
       "decode steps, and steps of up to 512 tokens with prompt chunks, replay CUDA graphs)")
     a("--no-step-overlap", action="store_true", help="emit each step's tokens before scheduling "
-      "the next step (by default the next step is launched first, so the model runs it while "
-      "the host detokenizes and streams, and in steady decoding the step after it is queued "
-      "before its tokens are known; a request a stop string or a stop token ends may then "
+      "the next step, and never queue a step before the running one's tokens are known (by "
+      "default both overlap the host's work with the model's; a request that then ends may "
       "compute one row more, which is dropped)")
     a("--no-warm-start", action="store_true", help="report ready once the model is loaded, "
       "without first running each step shape (compiling kernels, capturing graphs) and "

@@ -335,6 +335,11 @@ class AsyncEngine:
                     continue
                 queued = self._launch_ahead(loop, step[0])
             sched, started, running, ahead = step
+            if running.done():
+                # NOTE: a step queued ahead that ended before this loop got to it (a device
+                # faster than the host): the streams just emitted to, and the requests
+                # arriving, get their turn first, as they do while a step runs.
+                await asyncio.sleep(0)
             try:
                 out, model_seconds, ended = await running
             except Exception as exc:  # the model failed: fail everyone loudly, stop serving

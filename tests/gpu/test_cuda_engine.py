@@ -159,3 +159,41 @@ def test_engine_sizes_kv_from_free_memory_and_serves():
 
     finals = asyncio.run(run())
     assert all(f.finish_reason == "length" and f.num_output_tokens == 16 for f in finals)
+
+
+def test_steps_scheduled_ahead_decode_the_same_greedy_tokens_on_cuda():
+    """In steady decoding the engine queues each next step before the running one's tokens are
+    known, its inputs filled in on the model thread (`Scheduler.schedule_ahead`). On CUDA, with
+    the decode graphs replaying those inputs: the same greedy tokens as without."""
+    loaded = load_model("tiny", dtype="float32", device="cuda")
+    tok = load_tokenizer(loaded.tokenizer_source)
+
+    async def run(ahead: bool) -> tuple[list[list[int]], int]:
+        engine = AsyncEngine.from_loaded(loaded, tok, SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=512), CacheConfig(num_blocks=512))
+        engine.ahead, engine.ahead_max_step_s = ahead, float("inf")
+        schedule_ahead, queued = engine.scheduler.schedule_ahead, [0]
+
+        def counted(prev):
+            out = schedule_ahead(prev)
+            queued[0] += out is not None and not out.is_empty
+            return out
+
+        engine.scheduler.schedule_ahead = counted
+        await engine.start()
+
+        async def one(i: int) -> list[int]:
+            req = Request(f"a{i}", [100 + (i * 13 + j) % 900 for j in range(5 + 7 * i)],
+                          SamplingParams(max_tokens=20 + 3 * i, temperature=0.0,
+                                         ignore_eos=True))
+            return [t async for ev in engine.generate(req) for t in ev.token_ids]
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(6))), queued[0]
+        finally:
+            await engine.stop()
+
+    plain, none_ahead = asyncio.run(run(False))
+    ahead, steps_ahead = asyncio.run(run(True))
+    assert none_ahead == 0 and steps_ahead > 10
+    assert ahead == plain
