@@ -2,7 +2,7 @@
 after; and in steady decoding, the step after it queued before its tokens are known.
 
     python -m scripts.bench overlap [--streams 64,256] [--device-step-ms 2] [--model-requests 32]
-        [--rounds 3] [--no-append]
+        [--rounds 3] [--checkout LABEL=DIR] [--no-append]
 
 One process, the engine built as `batcher serve` builds it (`build_engine` with the default
 `EngineConfig`, on uvloop where it is installed), a fresh engine each run, its loop in three
@@ -30,9 +30,15 @@ dropped).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from batcher.bench.common import append_rows, load_workload, pct
 from batcher.bench.workload import synthetic
@@ -54,9 +60,11 @@ MODE_LABELS = {"ahead": "ahead (default)", "overlap": "overlap, never ahead",
                "off": "off (emit first)"}
 
 
-async def run_once(engine, work: list[tuple[str, list[int], int]], mode: str) -> dict:
-    """Every request at t=0 through `engine` (fresh, started here, stopped after)."""
-    engine.overlap, engine.ahead = MODES[mode]
+async def run_once(engine, work: list[tuple[str, list[int], int]], mode: str | None) -> dict:
+    """Every request at t=0 through `engine` (fresh, started here, stopped after), in `mode`
+    (None: as built, whatever its code's defaults are)."""
+    if mode is not None:
+        engine.overlap, engine.ahead = MODES[mode]
     await engine.start()
     warm = Request("warm", [1000, 1001, 1002, 1003], SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -96,6 +104,45 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
+def fake_cases(streams: str, device_step_ms: float) -> list[tuple]:
+    """(label, streams, engine factory, work) for the device-like fake model."""
+    device = FakeDevice(FakeSpeed(prefill_tokens_per_s=float("inf"),
+                                  decode_step_s=device_step_ms / 1000, per_seq_s=0.0))
+    cases = []
+    for n in [int(x) for x in streams.split(",") if x]:
+        work = [(r.id, r.prompt_ids, 256) for r in synthetic(
+            n, input_median=128, input_spread=0.0, output_median=256, output_spread=0.0)]
+        cases.append((f"fake, {device_step_ms:g} ms a step", n,
+                      lambda: build_engine("fake", EngineConfig(), fake=device), work))
+    return cases
+
+
+def run_checkout(checkout: Path, streams: str, device_step_ms: float) -> dict[int, dict]:
+    """One run of each fake case, at its defaults, by the code of another checkout (this file,
+    run in a process of its own with that checkout alone on its path); by stream count."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    # NOTE: `-c`, not the file's path: a script's own folder would come first on the path.
+    run = (f"import runpy, sys; sys.argv = ['overlap', '--child', '--streams', {streams!r}, "
+           f"'--device-step-ms', '{device_step_ms}']; "
+           f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", run], cwd=checkout, env=env,
+                         capture_output=True, text=True, check=True, timeout=1800)
+    return {r["streams"]: r for r in map(json.loads, out.stdout.splitlines()) if r}
+
+
+def child(streams: str, device_step_ms: float) -> None:
+    for _, n, make, work in fake_cases(streams, device_step_ms):
+        r = run_event_loop(run_once(make(), work, None))
+        print(json.dumps({**r, "streams": n}), flush=True)
+
+
+def row(label: str, n: int, mode: str, runs: list[dict], device_step_ms: float) -> list[str]:
+    m = median_row(runs)
+    beyond = f"{m['ms_step'] - device_step_ms:.2f}" if label.startswith("fake") else "—"
+    return [label, str(n), mode, f"{m['tok_s']:,.0f}", f"{m['tpot50']:.2f} / {m['tpot99']:.2f}",
+            f"{m['steps']:.0f}", f"{m['ms_step']:.2f}", beyond, f"{m['ok']}/{m['n']}"]
+
+
 def main(argv: list[str]) -> None:
     ap = parser(__name__, __doc__, raw=True)
     ap.add_argument("--streams", default="64,256", help="fake-model stream counts; '' for none")
@@ -103,40 +150,47 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--model-requests", type=int, default=32,
                     help="bundled-model requests (0 for none)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
+                    help="also run the fake cases at the defaults of another checkout's code "
+                    "(e.g. a `git worktree` of an older commit), in every round")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-append", action="store_true")
     args = ap.parse_args(argv)
+    if args.child:
+        child(args.streams, args.device_step_ms)
+        return
+    checkouts = [(label, Path(d)) for label, _, d in (c.partition("=") for c in args.checkout)]
 
-    cases = []  # (model label, streams, engine factory, work)
-    device = FakeDevice(FakeSpeed(prefill_tokens_per_s=float("inf"),
-                                  decode_step_s=args.device_step_ms / 1000, per_seq_s=0.0))
-    for n in [int(x) for x in args.streams.split(",") if x]:
-        work = [(r.id, r.prompt_ids, 256) for r in synthetic(
-            n, input_median=128, input_spread=0.0, output_median=256, output_spread=0.0)]
-        cases.append((f"fake, {args.device_step_ms:g} ms a step", n,
-                      lambda: build_engine("fake", EngineConfig(), fake=device), work))
+    cases = fake_cases(args.streams, args.device_step_ms)
     if args.model_requests:
         chat = load_workload(None, args.model_requests)
         work = [(r["id"], r["prompt_ids"], r["max_new_tokens"]) for r in chat]
         cases.append((f"{DEFAULT_MODEL}, defaults", len(work),
                       lambda: build_engine(DEFAULT_MODEL, EngineConfig()), work))
 
-    rows = []
-    for label, n, make, work in cases:
-        runs: dict[str, list[dict]] = {m: [] for m in MODES}
-        order = list(MODES)
-        for rnd in range(args.rounds):
+    runs: dict[tuple[int, str], list[dict]] = {}
+    order = list(MODES)
+    for rnd in range(args.rounds):
+        if rnd % 2:  # the other checkouts first in odd rounds, last in even ones
+            for label, d in checkouts:
+                for n, r in run_checkout(d, args.streams, args.device_step_ms).items():
+                    runs.setdefault((n, label), []).append(r)
+        for i, (label, n, make, work) in enumerate(cases):
             for mode in order[rnd % 3:] + order[:rnd % 3]:
                 r = run_event_loop(run_once(make(), work, mode))
                 print(label, n, mode, r, flush=True)
-                runs[mode].append(r)
-        for mode in MODES:
-            m = median_row(runs[mode])
-            beyond = (f"{m['ms_step'] - args.device_step_ms:.2f}" if label.startswith("fake")
-                      else "—")
-            rows.append([label, str(n), MODE_LABELS[mode],
-                         f"{m['tok_s']:,.0f}", f"{m['tpot50']:.2f} / {m['tpot99']:.2f}",
-                         f"{m['steps']:.0f}", f"{m['ms_step']:.2f}", beyond,
-                         f"{m['ok']}/{m['n']}"])
+                runs.setdefault((i, mode), []).append(r)
+        if not rnd % 2:
+            for label, d in checkouts:
+                for n, r in run_checkout(d, args.streams, args.device_step_ms).items():
+                    runs.setdefault((n, label), []).append(r)
+    rows = []
+    for i, (label, n, _, _) in enumerate(cases):
+        rows += [row(label, n, MODE_LABELS[mode], runs[(i, mode)], args.device_step_ms)
+                 for mode in MODES]
+        if label.startswith("fake"):
+            rows += [row(label, n, f"checkout {c}, its defaults", runs[(n, c)],
+                         args.device_step_ms) for c, _ in checkouts]
     if args.no_append:
         for r in rows:
             print(" | ".join(r))
@@ -147,4 +201,10 @@ def main(argv: list[str]) -> None:
         HEADER, rows,
         notes=f"Medians of {args.rounds} rounds each; every request at t=0 to a fresh engine "
         "after one 4-token warm-up request; TPOT per stream from its first to its last event; "
-        "ms / step is the run's wall time over the engine's steps."))
+        "ms / step is the run's wall time over the engine's steps." + (
+            " A checkout's rows: this file run by that checkout's code (`--checkout`), in a "
+            "process of its own, in the same rounds." if checkouts else "")))
+
+
+if __name__ == "__main__":  # as a checkout's child process (`--checkout`)
+    main(sys.argv[1:])
