@@ -144,6 +144,29 @@ def test_an_abort_of_every_row_yields_an_empty_step_that_reports_it() -> None:
     assert not sched.has_unfinished()
 
 
+def test_aborts_freed_when_no_row_gets_a_block_are_still_reported() -> None:
+    """The abort frees one block; the next row takes it and the last finds none: no rows, and
+    an empty step reports the abort (left in the scheduler, it would wait for a next request)."""
+    sched = decoding(plain(10), plain(10), plain(10), num_blocks=3, prompt_len=BS - 1)
+    prev = sched.schedule()
+    sched.abort("r0")
+    ahead = sched.schedule_ahead(prev)
+    assert ahead is not None and ahead.is_empty and ahead.freed_ids == ["r0"]
+    assert sched.get_request("r0") is None
+    sched.update(prev, sampled(prev))
+    sched.check_integrity()
+
+
+def test_a_step_refused_ahead_leaves_pending_aborts_to_schedule() -> None:
+    sched = decoding(plain(), plain(min_tokens=5))
+    prev = sched.schedule()
+    sched.abort("r0")
+    assert sched.schedule_ahead(prev) is None
+    assert sched.get_request("r0") is not None  # freed by the next schedule(), and told there
+    sched.update(prev, sampled(prev))
+    assert sched.schedule().freed_ids == ["r0"]
+
+
 def test_a_request_ended_since_its_row_was_scheduled_gets_none_ahead() -> None:
     sched = decoding(plain(), plain())
     prev = sched.schedule()

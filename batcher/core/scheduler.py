@@ -284,12 +284,13 @@ class Scheduler:
         Only in steady decoding. None, and `schedule()` decides the step once `prev`'s tokens
         are applied, unless every row of `prev` is a plain decode (one token, sampled, no
         drafts, no prompt positions scored, no history for penalties or a grammar, no token held
-        back by `min_tokens`), every running request has a row in it, nothing waits and nothing
-        is drafted. Pending aborts are freed here, as `schedule()` would (with no row left, the
-        step returned is empty and only reports them). A row whose request `prev`'s token ends by its length is
-        left out; one whose next position needs a block gets it here (None if the pool has
-        none left: `schedule()` preempts as it must). A request that `prev`'s token stops (EOS,
-        a stop token, a stop string) wastes its row here, which `update` drops.
+        back by `min_tokens` in it or the next step), every running request has a row in it,
+        nothing waits and nothing is drafted. Pending aborts are then freed here, as `schedule()`
+        would, and reported with the step returned, which is empty if it has no row. A row
+        whose request `prev`'s token ends by its length is left out; one whose next position
+        needs a block gets it here (no rows if the pool has none left: `schedule()` preempts as
+        it must). A request that `prev`'s token stops (EOS, a stop token, a stop string) wastes
+        its row here, which `update` drops.
 
         Blocks freed while `prev` or this step still writes a row of their old request may be
         handed out here or by the next `schedule()`. That is safe because the model runs steps
@@ -301,8 +302,10 @@ class Scheduler:
         for seq in prev.seqs:
             sp = seq.sampling
             if (len(seq.token_ids) != 1 or not seq.sample or seq.history or seq.suppress
-                    or seq.score_targets or sp.grammar is not None or sp.needs_history):
+                    or seq.score_targets or sp.grammar is not None or sp.needs_history
+                    or seq.output_index + 1 < sp.min_tokens):  # stop tokens held back next
                 return None
+        # NOTE: from here on, whatever the aborts free is reported, with rows or without.
         self._free_aborted()
         requests, running_status = self._requests, RequestStatus.RUNNING
         max_model_len, slots_per_block = self.config.max_model_len, self.kv.block_size
@@ -318,16 +321,16 @@ class Scheduler:
             pos, num_output = seq.start_pos + 1, seq.output_index + 1  # once prev's token is in
             if num_output >= sp.max_tokens or pos + 1 >= max_model_len:
                 continue  # prev's token ends it by length
-            if num_output < sp.min_tokens:
-                return None  # its stop tokens are held back: `schedule` says which
             if pos >= len(req.block_ids) * slots_per_block and not self.kv.allocate_slots(
                     req, 1, num_lookahead=1):
-                return None
+                rowed = -1  # no block left: `schedule` preempts as it must
+                break
             rows.append(ScheduledSeq(seq.request_id, [PENDING_TOKEN], pos, req.block_ids, True,
                                      sp, num_output))
         if rowed != len(self.running):
             # A running request without a row in prev (a prompt the time target paced to
-            # nothing, a budget smaller than the batch): only `schedule` gives it one.
+            # nothing, a budget smaller than the batch), or no block for a row: only
+            # `schedule` decides.
             rows = []
         if not rows and not self._freed_ids:
             return None

@@ -422,7 +422,8 @@ class AsyncEngine:
         """Queue the step after `prev` (launched, its tokens not yet known) on the model thread
         behind it, if the scheduler can tell it now (`Scheduler.schedule_ahead`: steady
         decoding). The model thread fills in each row's input from `prev`'s output."""
-        if not self.ahead or self._stopping or self._last_step_s > self.ahead_max_step_s:
+        if (not (self.ahead and self.overlap) or self._stopping
+                or self._last_step_s > self.ahead_max_step_s):
             return None
         sched = self.scheduler.schedule_ahead(prev)
         if sched is None:

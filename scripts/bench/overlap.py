@@ -127,7 +127,7 @@ def run_checkout(checkout: Path, streams: str, device_step_ms: float) -> dict[in
            f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", run], cwd=checkout, env=env,
                          capture_output=True, text=True, check=True, timeout=1800)
-    return {r["streams"]: r for r in map(json.loads, out.stdout.splitlines()) if r}
+    return {r["streams"]: r for r in map(json.loads, filter(str.strip, out.stdout.splitlines()))}
 
 
 def child(streams: str, device_step_ms: float) -> None:
@@ -168,28 +168,28 @@ def main(argv: list[str]) -> None:
         cases.append((f"{DEFAULT_MODEL}, defaults", len(work),
                       lambda: build_engine(DEFAULT_MODEL, EngineConfig()), work))
 
-    runs: dict[tuple[int, str], list[dict]] = {}
+    runs: dict[tuple[str, int, str], list[dict]] = {}
     order = list(MODES)
     for rnd in range(args.rounds):
         if rnd % 2:  # the other checkouts first in odd rounds, last in even ones
             for label, d in checkouts:
                 for n, r in run_checkout(d, args.streams, args.device_step_ms).items():
-                    runs.setdefault((n, label), []).append(r)
+                    runs.setdefault(("checkout", n, label), []).append(r)
         for i, (label, n, make, work) in enumerate(cases):
             for mode in order[rnd % 3:] + order[:rnd % 3]:
                 r = run_event_loop(run_once(make(), work, mode))
                 print(label, n, mode, r, flush=True)
-                runs.setdefault((i, mode), []).append(r)
+                runs.setdefault(("mode", i, mode), []).append(r)
         if not rnd % 2:
             for label, d in checkouts:
                 for n, r in run_checkout(d, args.streams, args.device_step_ms).items():
-                    runs.setdefault((n, label), []).append(r)
+                    runs.setdefault(("checkout", n, label), []).append(r)
     rows = []
     for i, (label, n, _, _) in enumerate(cases):
-        rows += [row(label, n, MODE_LABELS[mode], runs[(i, mode)], args.device_step_ms)
+        rows += [row(label, n, MODE_LABELS[mode], runs[("mode", i, mode)], args.device_step_ms)
                  for mode in MODES]
         if label.startswith("fake"):
-            rows += [row(label, n, f"checkout {c}, its defaults", runs[(n, c)],
+            rows += [row(label, n, f"checkout {c}, its defaults", runs[("checkout", n, c)],
                          args.device_step_ms) for c, _ in checkouts]
     if args.no_append:
         for r in rows:
