@@ -282,11 +282,15 @@ async def test_tokens_and_reasons_are_the_same_with_steps_ahead_and_without(toke
     assert counts[False] == 0 and counts[True] > 20  # most steps were scheduled ahead
 
 
-async def test_the_bundled_runner_decodes_the_same_greedy_tokens_ahead(tiny_fp32,
-                                                                       tokenizer) -> None:
+@pytest.mark.parametrize("model", ["tiny_fp32", "smollm_fp32"])
+async def test_the_real_runner_decodes_the_same_greedy_tokens_ahead(model, request,
+                                                                    tokenizer) -> None:
+    """The model runner itself, on the tiny model and on the bundled one (fp32), with the
+    time limit lifted (steps on this CPU are longer than it)."""
+    loaded = request.getfixturevalue(model)
     outs = {}
     for ahead in (False, True):
-        runner = Recording(ModelRunner(tiny_fp32, num_blocks=64, block_size=BS))
+        runner = Recording(ModelRunner(loaded, num_blocks=64, block_size=BS))
         engine = AsyncEngine(runner, tokenizer, SchedulerConfig(max_num_seqs=8,
                                                                 max_num_batched_tokens=64),
                              debug_checks=True)
