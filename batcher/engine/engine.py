@@ -405,17 +405,7 @@ class AsyncEngine:
         owner of a block does. Those blocks are free for the step after next, one step later
         than without overlap.
         """
-        sched = self.scheduler.schedule()
-        self.outputs.note_freed(sched.freed, self.clock())
-        if sched.is_empty:
-            # The runner drops a freed request's state (grammar, staged prompt) when told: tell
-            # it with the next step it runs.
-            self._unsent_freed += sched.freed_ids
-            return None
-        if self.busy_since is None:
-            self.busy_since = self.clock()
-        self._step_taken.clear()
-        return self._hand_over(loop, sched, ahead=False)
+        return self._hand_over(loop, self.scheduler.schedule(), ahead=False)
 
     def _launch_ahead(self, loop: asyncio.AbstractEventLoop, prev: SchedulerOutput
                       ) -> _Step | None:
@@ -426,20 +416,25 @@ class AsyncEngine:
                 or self._last_step_s > self.ahead_max_step_s):
             return None
         sched = self.scheduler.schedule_ahead(prev)
-        if sched is None:
-            return None
-        self.outputs.note_freed(sched.freed, self.clock())  # aborts it freed
-        if sched.is_empty:
-            self._unsent_freed += sched.freed_ids
-            return None
-        return self._hand_over(loop, sched, ahead=True)
+        return None if sched is None else self._hand_over(loop, sched, ahead=True)
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop, sched: SchedulerOutput,
-                   ahead: bool) -> _Step:
-        """Queue a scheduled step on the model thread, with the freed IDs not yet told."""
+                   ahead: bool) -> _Step | None:
+        """Note what the step freed (aborted requests end here) and queue it on the model
+        thread with the freed IDs not yet told; None if it has no rows."""
+        self.outputs.note_freed(sched.freed, self.clock())
+        if sched.is_empty:
+            # The runner drops a freed request's state (grammar, staged prompt) when told: tell
+            # it with the next step it runs.
+            self._unsent_freed += sched.freed_ids
+            return None
         if self._unsent_freed:
             sched.freed_ids[:0] = self._unsent_freed
             self._unsent_freed = []
+        if self.busy_since is None:
+            self.busy_since = self.clock()
+        if not ahead:  # a step queued ahead runs behind one the loop already handed over
+            self._step_taken.clear()
         started = self.clock()
         self.outputs.note_rescheduled(sched, started)
         return sched, started, self._executor.run(loop, self._timed_execute, sched), ahead

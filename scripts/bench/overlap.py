@@ -169,21 +169,23 @@ def main(argv: list[str]) -> None:
                       lambda: build_engine(DEFAULT_MODEL, EngineConfig()), work))
 
     runs: dict[tuple[str, int, str], list[dict]] = {}
+
+    def run_checkouts() -> None:
+        for label, d in checkouts:
+            for n, r in run_checkout(d, args.streams, args.device_step_ms).items():
+                runs.setdefault(("checkout", n, label), []).append(r)
+
     order = list(MODES)
     for rnd in range(args.rounds):
         if rnd % 2:  # the other checkouts first in odd rounds, last in even ones
-            for label, d in checkouts:
-                for n, r in run_checkout(d, args.streams, args.device_step_ms).items():
-                    runs.setdefault(("checkout", n, label), []).append(r)
+            run_checkouts()
         for i, (label, n, make, work) in enumerate(cases):
             for mode in order[rnd % 3:] + order[:rnd % 3]:
                 r = run_event_loop(run_once(make(), work, mode))
                 print(label, n, mode, r, flush=True)
                 runs.setdefault(("mode", i, mode), []).append(r)
         if not rnd % 2:
-            for label, d in checkouts:
-                for n, r in run_checkout(d, args.streams, args.device_step_ms).items():
-                    runs.setdefault(("checkout", n, label), []).append(r)
+            run_checkouts()
     rows = []
     for i, (label, n, _, _) in enumerate(cases):
         rows += [row(label, n, MODE_LABELS[mode], runs[("mode", i, mode)], args.device_step_ms)
