@@ -151,16 +151,16 @@ async def test_stop_string_ends_text_before_it(tiny_fp32, tokenizer):
 async def test_model_fault_fails_every_request(tiny_fp32, tokenizer):
     engine = make_engine(tiny_fp32, tokenizer)
     calls = 0
-    real = engine.runner.execute
+    real = engine.runner.launch  # what the engine calls on the model thread
 
-    def flaky(sched):
+    def flaky(sched, before=None):
         nonlocal calls
         calls += 1
         if calls == 3:
             raise RuntimeError("injected fault")
-        return real(sched)
+        return real(sched, before)
 
-    engine.runner.execute = flaky
+    engine.runner.launch = flaky
     await engine.start()
 
     async def one(i):

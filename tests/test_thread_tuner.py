@@ -137,9 +137,9 @@ def test_the_cpu_runner_reads_a_prompt_chunk_on_every_thread(runner_on_two_threa
     mixed = build_step(Point(n_dec=1, ctx=40, chunks=1, chunk=3, start=0), 64, 16)
     assert mixed.num_batched_tokens == 4
     used: list[int] = []
-    execute = runner._execute
-    runner._execute = lambda sched: (  # type: ignore[method-assign]
-        used.append(torch.get_num_threads()), execute(sched))[1]
+    launch = runner._launch
+    runner._launch = lambda sched, before: (  # type: ignore[method-assign]
+        used.append(torch.get_num_threads()), launch(sched, before))[1]
     runner.execute(mixed)
     runner.execute(decode)
     assert used == [2, 1] and torch.get_num_threads() == 2
@@ -159,8 +159,8 @@ def test_a_step_verifying_drafts_is_tuned_as_decode_rows_are(runner_on_two_threa
     verify = SchedulerOutput([ScheduledSeq("v", [5, 6, 7], 20, [0, 1], True, GREEDY,
                                            output_index=1, draft_token_ids=(6, 7))])
     used: list[int] = []
-    execute = runner._execute
-    runner._execute = lambda sched: (  # type: ignore[method-assign]
-        used.append(torch.get_num_threads()), execute(sched))[1]
+    launch = runner._launch
+    runner._launch = lambda sched, before: (  # type: ignore[method-assign]
+        used.append(torch.get_num_threads()), launch(sched, before))[1]
     runner.execute(verify)
     assert used == [1]

@@ -106,6 +106,10 @@ class AsyncEngine:
         self.outputs = StreamOutputs(self.scheduler, metrics)
         self._wake = asyncio.Event()
         self._executor = ModelThread("batcher-model")
+        # A runner that launches a step and reads its tokens back apart (`launch`, `finish`:
+        # the real one) has them read on a thread of their own, in launch order, so the model
+        # thread can launch the next step while the device still runs this one.
+        self._reader = ModelThread("batcher-reader") if hasattr(runner, "launch") else None
         self._task: asyncio.Task[None] | None = None
         self._error: str | None = None
         self._stopping = False
@@ -123,6 +127,8 @@ class AsyncEngine:
         self.ahead_max_step_s = AHEAD_MAX_STEP_S
         self._last_step_s = float("inf")  # the model's time of the last step, once measured
         self._last_output: RunnerOutput | None = None  # the model thread's last step's
+        self._last_launched: Any = None  # the model thread's last step, as `launch` returned it
+        self._last_read = float("-inf")  # when the reader last had a step's tokens
         # Called after every step with (scheduler output, step seconds): admission's rate EWMAs.
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
         # "warm": steps teach nothing (first runs compile); "calibrate": they teach the
@@ -191,11 +197,15 @@ class AsyncEngine:
             self._task = None
         self.outputs.fail_all(reason, self.clock())
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
         # NOTE: the thread ends right after its last step; wait for that (off the event loop) so
         # the process can exit cleanly. A wedged step was already given its grace period.
         if not wedged:
             # An idle thread ends at once; one stuck in a call the loop stopped awaiting does not.
             await asyncio.get_running_loop().run_in_executor(None, self._executor.join, 1.0)
+            if self._reader is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self._reader.join, 1.0)
 
     @property
     def healthy(self) -> bool:
@@ -437,7 +447,10 @@ class AsyncEngine:
             self._step_taken.clear()
         started = self.clock()
         self.outputs.note_rescheduled(sched, started)
-        return sched, started, self._executor.run(loop, self._timed_execute, sched), ahead
+        if self._reader is None:
+            return sched, started, self._executor.run(loop, self._timed_execute, sched), ahead
+        return sched, started, self._executor.run(
+            loop, self._timed_launch, sched, then=(self._reader, self._timed_finish)), ahead
 
     @property
     def stall_log(self) -> StallLog:
@@ -478,3 +491,30 @@ class AsyncEngine:
         self._last_output = out
         ended = self.clock()
         return out, ended - started, ended
+
+    def _timed_launch(self, sched: SchedulerOutput) -> tuple[Any, float]:
+        """Launch a step on the model thread (a runner with `launch`): (what `launch` returned,
+        when it started). A step scheduled ahead takes its inputs from the step launched just
+        before it, on the device where the runner can (`batcher.runtime.launched_step`)."""
+        if not self._runner_signals:
+            self._step_taken.set()
+        started = self.clock()
+        # NOTE: only this thread reads or writes `_last_launched`, in the order steps run.
+        before, self._last_launched = self._last_launched, None
+        try:
+            launched = self.runner.launch(sched, before if sched.inputs_pending else None)
+        finally:
+            self._step_taken.set()
+        self._last_launched = launched
+        return launched, started
+
+    def _timed_finish(self, launched: tuple[Any, float]) -> tuple[RunnerOutput, float, float]:
+        """On the reader thread: a launched step's output once its tokens are on the host, its
+        model seconds (from its launch, or from the end of the step before it when it was
+        launched behind that one: the device runs steps in turn) and when it ended."""
+        step, started = launched
+        out = self.runner.finish(step)
+        ended = self.clock()
+        seconds = ended - max(started, self._last_read)
+        self._last_read = ended
+        return out, seconds, ended

@@ -37,9 +37,12 @@ class ModelThread(Executor):
         self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
         return fut
 
-    def run(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], /, *args: Any
+    def run(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], /, *args: Any,
+            then: tuple[ModelThread, Callable[[Any], Any]] | None = None
             ) -> asyncio.Future[Any]:
-        """`fn(*args)` on the thread, its result (or exception) in a future of `loop`.
+        """`fn(*args)` on the thread, its result (or exception) in a future of `loop`; with
+        `then=(other, finish)`, the future's result is `finish(fn(*args))`, run on `other`
+        (in the order of this thread's calls), and this thread goes on meanwhile.
 
         `loop.run_in_executor` passes a result through a concurrent Future, its lock and its
         callbacks, before the loop wakes; here the thread sets the loop's future with one call
@@ -51,13 +54,20 @@ class ModelThread(Executor):
             if not fut.cancelled():
                 fut.set_result(value) if ok else fut.set_exception(value)
 
-        def job() -> None:
-            try:
-                value, ok = fn(*args), True
-            except BaseException as exc:  # noqa: BLE001 (handed to the awaiting loop)
-                value, ok = exc, False
+        def tell(ok: bool, value: Any) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(settle, ok, value)
+
+        def job() -> None:
+            ok, value = _call(fn, *args)
+            if ok and then is not None:
+                other, finish = then
+                try:
+                    other.submit(lambda: tell(*_call(finish, value)))
+                    return
+                except RuntimeError as exc:  # the other thread is shut down
+                    ok, value = False, exc
+            tell(ok, value)
 
         self.submit(job)
         return fut
@@ -89,3 +99,11 @@ class ModelThread(Executor):
             self._thread.join(timeout)
             return not self._thread.is_alive()
         return True
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+    """(True, `fn(*args)`), or (False, the exception it raised)."""
+    try:
+        return True, fn(*args)
+    except BaseException as exc:  # noqa: BLE001 (handed to the awaiting loop)
+        return False, exc

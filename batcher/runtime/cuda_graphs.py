@@ -92,8 +92,10 @@ class DecodeGraphs:
             return False
         return all(s.start_pos // self.block_size < self.max_blocks for s in seqs)
 
-    def run(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Replay the graph for a decode-only step -> logits [n, vocab] in scheduled order."""
+    def run(self, sched: SchedulerOutput, fed: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graph for a decode-only step -> logits [n, vocab] in scheduled order.
+        `fed`: the rows' input tokens on the device (a step scheduled ahead), in place of the
+        placeholders its rows hold."""
         seqs = sched.seqs
         n = len(seqs)
         b = pick_size(n, self.sizes)
@@ -117,5 +119,7 @@ class DecodeGraphs:
         self.lens[:b].copy_(host[3, :b], non_blocking=True)
         self.tables[:b].copy_(tables[:b], non_blocking=True)
         self._fence.copied(host.is_pinned())
+        if fed is not None:  # after the copy of the placeholders, in the stream's order
+            self.ids[:n].copy_(fed, non_blocking=True)
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -10,11 +10,18 @@ from typing import Any, Protocol
 
 import torch
 
-from batcher.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from batcher.core.outputs import (
+    RunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+    TokenLogprobs,
+    fill_pending_inputs,
+)
 from batcher.core.spec_verify import collapse
 from batcher.runtime.fused_decode import FusedDecode
 from batcher.runtime.grammar import GrammarMasks
 from batcher.runtime.kv_cache import KVShape, allocate_kv_cache
+from batcher.runtime.launched_step import LaunchedStep, fed_tokens
 from batcher.runtime.prefill_staging import PrefillStaging
 from batcher.runtime.sampler import Sampler
 from batcher.runtime.step_inputs import StepTensors, sampled_rows, step_inputs
@@ -172,15 +179,23 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Returns sampled tokens for seqs with sample=True, in scheduled order."""
+        return self.finish(self.launch(sched))
+
+    def launch(self, sched: SchedulerOutput, before: LaunchedStep | None = None
+               ) -> LaunchedStep:
+        """Queue one step's work on the device; `finish` reads its tokens back. A step whose
+        tokens the host needs before the next step can be built (grammar rows, drafts, logprobs,
+        prompt scores) is read back here. `before`: for a step scheduled ahead
+        (`inputs_pending`), the step launched just before it, whose tokens are its inputs."""
         if sched.is_empty:
-            return RunnerOutput()
+            return LaunchedStep(sched, out=RunnerOutput())
         if self.on_launch is not None and self.device.type != "cuda":
             self.on_launch()
         if not self.tune_threads or self.tuner is None or (
                 self.compiled is not None and self.compiled.takes(sched)):
             # A compiled step keeps the thread count it was compiled with (its graph guards on
             # it: another count would compile again, mid-serving).
-            return self._execute(sched)
+            return self._launch(sched, before)
         rows = sched.num_batched_tokens
         reads_prompt = sched.reads_prompt
         threads = self.tuner.threads(rows, reads_prompt)
@@ -188,30 +203,47 @@ class ModelRunner:
             torch.set_num_threads(threads)
         started = time.perf_counter()
         try:
-            out = self._execute(sched)
+            # NOTE: on a CPU the step's work is done when this returns.
+            out = self._launch(sched, before)
         finally:
             if threads != self.max_threads:
                 torch.set_num_threads(self.max_threads)
         self.tuner.record(rows, threads, time.perf_counter() - started, reads_prompt)
         return out
 
-    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    @staticmethod
+    def finish(step: LaunchedStep) -> RunnerOutput:
+        """A launched step's output, once its tokens are on the host (may run on another thread
+        than `launch`, in launch order)."""
+        return step.read()
+
+    def _launch(self, sched: SchedulerOutput, before: LaunchedStep | None) -> LaunchedStep:
         if self.grammar is not None:
             self.grammar.drop(sched.freed_ids)
+        fed = None
+        if sched.inputs_pending:
+            if before is None:
+                raise RuntimeError("a step scheduled ahead of a step that failed")
+            if before.out is None:
+                fed = fed_tokens(sched, before)  # on the device, not waited for
+            else:
+                fill_pending_inputs(sched, before.out)
         pending = None
         scored = [s for s in sched.seqs if s.score_targets]
         if self.graphs is not None and not scored and self.graphs.can_run(sched):
             sample_seqs = sched.seqs  # decode-only: every row samples, in order
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)  # masks fill while the model runs
-            logits = self.graphs.run(sched)
+            logits = self.graphs.run(sched, fed)
         elif self.mixed_graphs is not None and not scored and self.mixed_graphs.can_run(sched):
+            if fed is not None and before is not None:  # its buckets take host ids only
+                fill_pending_inputs(sched, before.read())
             sample_seqs = sampled_rows(sched)
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)
             logits = self.mixed_graphs.run(sched)
         else:
-            ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched)
+            ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched, fed)
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)
             logits = None
@@ -237,7 +269,13 @@ class ModelRunner:
         ns = len(sample_seqs)
         out = RunnerOutput(prompt_logprobs=score_prompts(logits[ns:], scored) if scored else {})
         if not sample_seqs:
-            return out
+            return LaunchedStep(sched, out=out)
+        if pending is None and not scored and not any(
+                s.draft_token_ids or s.sampling.logprobs is not None for s in sched.seqs):
+            # Nothing the host needs before the next step: the tokens stay on the device, for
+            # a step scheduled ahead to take there, and come back while the device runs on.
+            return LaunchedStep.on_device(sched, self.sampler.sample_on_device(
+                logits[:ns], sample_seqs))
         masks = None if pending is None else self.grammar.wait(pending, sample_seqs)
         tokens, logprobs = self.sampler.sample(logits[:ns], sample_seqs, masks)
         if masks is not None:
@@ -245,7 +283,7 @@ class ModelRunner:
             out.failed = self.grammar.take_cut()
         # NOTE: with drafts, `sample_seqs` has a row per drafted position (see `prepare`).
         out.request_ids, out.token_ids, out.logprobs = collapse(sched.seqs, tokens, logprobs)
-        return out
+        return LaunchedStep(sched, out=out)
 
     def attach_tokenizer(self, tokenizer: Any) -> None:
         """Enable grammar-constrained rows (structured outputs): their masks need the vocabulary.
@@ -253,12 +291,13 @@ class ModelRunner:
         self.grammar = GrammarMasks(tokenizer)
         self.vocab_limit = tokenizer.vocab_size
 
-    def prepare(self, sched: SchedulerOutput) -> StepTensors:
+    def prepare(self, sched: SchedulerOutput, fed: torch.Tensor | None = None) -> StepTensors:
         """The step's tensors (`runtime/step_inputs.py`); a step a compiled graph runs keeps its
-        decode rows off the fused kernel (the graph reads `decode_groups`)."""
+        decode rows off the fused kernel (the graph reads `decode_groups`). `fed`: a step
+        scheduled ahead's input tokens on the device (`launched_step.fed_tokens`)."""
         return step_inputs(self, sched,
                            fuse_decodes=not (self.compiled is not None
-                                             and self.compiled.takes(sched)))
+                                             and self.compiled.takes(sched)), fed=fed)
 
 
 def score_prompts(logits: torch.Tensor, seqs: list[ScheduledSeq]

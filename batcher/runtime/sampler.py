@@ -97,6 +97,25 @@ class Sampler:
         and bias, so nothing can bring a banned token back.
         """
         rows = [s for s in seqs if s.sample]
+        tokens, raw = self._choose(logits, rows, masks)
+        want = [s.sampling.logprobs for s in rows]
+        if all(k is None for k in want):
+            return tokens.tolist(), [None] * len(rows)
+        return _with_logprobs(raw.float(), tokens, want)
+
+    def sample_on_device(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], masks: StepMasks | None = None
+    ) -> torch.Tensor:
+        """The tokens `sample` would choose, as a tensor `[n]` on `logits.device`, not read back:
+        no host sync (but a top-p row's widening). For rows that want no logprobs."""
+        rows = [s for s in seqs if s.sample]
+        if any(s.sampling.logprobs is not None for s in rows):
+            raise ValueError("rows that report logprobs are sampled by `sample`")
+        return self._choose(logits, rows, masks)[0]
+
+    def _choose(self, logits: torch.Tensor, rows: list[ScheduledSeq], masks: StepMasks | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens `[n]` on `logits.device`, the logits logprobs are read from) for `rows`."""
         n = logits.shape[0]
         if n != len(rows):
             raise ValueError(f"{n} logit rows for {len(rows)} sampling sequences")
@@ -107,17 +126,16 @@ class Sampler:
                 if s.suppress:
                     logits[i, list(s.suppress)] = float("-inf")
         if n == 0:
-            return [], []
+            return torch.empty(0, dtype=torch.long, device=logits.device), logits
         params = [s.sampling for s in rows]
-        want = [p.logprobs for p in params]
         # Logprobs report the model's distribution, before penalties, bias and min_p.
         raw = logits
         if any(p.adjusts_logits for p in params):
             logits = _adjusted(logits, rows)
         if masks is not None:
             logits = apply_masks(logits if logits is not raw else logits.clone(), masks)
-        if all(p.greedy for p in params) and all(k is None for k in want):
-            return logits.argmax(dim=-1).tolist(), [None] * n  # fast path: no softmax at all
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1), raw  # no softmax at all
 
         logits = logits.float()  # [n, vocab]
         groups: dict[str, list[int]] = {"greedy": [], "plain": [], "filtered": []}
@@ -136,9 +154,7 @@ class Sampler:
             else:
                 picked = self._sample_filtered(sub, sub_seqs)
             tokens[torch.tensor(idx, device=logits.device)] = picked
-        if all(k is None for k in want):
-            return tokens.tolist(), [None] * n
-        return _with_logprobs(raw.float(), tokens, want)
+        return tokens, raw
 
     def _log_noise(
         self, seqs: Sequence[ScheduledSeq], vocab: int, ids: torch.Tensor | None, like: torch.Tensor

@@ -37,10 +37,12 @@ class StepLayout(Protocol):
     staging: PrefillStaging | None
 
 
-def step_inputs(layout: StepLayout, sched: SchedulerOutput, fuse_decodes: bool = True
-                ) -> StepTensors:
+def step_inputs(layout: StepLayout, sched: SchedulerOutput, fuse_decodes: bool = True,
+                fed: torch.Tensor | None = None) -> StepTensors:
     """`fuse_decodes=False`: the decode rows get `decode_groups` even where the fused CPU kernel
-    would take them (a compiled graph reads the groups)."""
+    would take them (a compiled graph reads the groups). `fed`: for a step scheduled ahead (one
+    token a row), its rows' input tokens on the device, in scheduled order, in place of the
+    placeholders its rows hold (`launched_step.fed_tokens`)."""
     bs, dev = layout.block_size, layout.device
     nd = sched.num_decodes  # the scheduler's output puts its decode rows first
     # Longest context first: decode rows are grouped by similar context length.
@@ -101,8 +103,12 @@ def step_inputs(layout: StepLayout, sched: SchedulerOutput, fuse_decodes: bool =
             first = row_of[id(s)] - len(s.token_ids) + 1 + s.score_offset
             score_rows.extend(range(first, first + len(s.score_targets)))
     logits_idx = torch.tensor(sample_rows + score_rows or [0], dtype=torch.long, device=dev)
-    return (torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_idx,
+    ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+    if fed is not None:
+        # NOTE: the decode rows were laid out longest context first, not in scheduled order.
+        assert len(ids) == len(sched.seqs) == fed.shape[0]
+        ids_t[torch.tensor([row_of[id(s)] for s in sched.seqs], device=dev)] = fed
+    return (ids_t, torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_idx,
             sample_seqs)
 
 

@@ -77,15 +77,17 @@ class CpuClock:
         from batcher.core.step_time import StepShape
 
         self.steps: list[tuple[object, float]] = []
-        inner = runner.execute
+        # NOTE: the engine launches a step on the model thread (`launch`; on a CPU that is the
+        # whole step) and reads its tokens back on another.
+        inner = runner.launch
 
-        def execute(sched):
+        def launch(sched, before=None):
             t0 = time.thread_time()
-            out = inner(sched)
+            out = inner(sched, before)
             self.steps.append((StepShape.of(sched), time.thread_time() - t0))
             return out
 
-        runner.execute = execute
+        runner.launch = launch
         if feed is not None:
             # The engine observes a step right after the model thread ran it: one step at a time,
             # so the last CPU reading is that step's.

@@ -161,16 +161,28 @@ def test_engine_sizes_kv_from_free_memory_and_serves():
     assert all(f.finish_reason == "length" and f.num_output_tokens == 16 for f in finals)
 
 
-def test_steps_scheduled_ahead_decode_the_same_greedy_tokens_on_cuda():
+def test_steps_scheduled_ahead_decode_the_same_greedy_tokens_on_cuda(monkeypatch):
     """In steady decoding the engine queues each next step before the running one's tokens are
-    known, its inputs filled in on the model thread (`Scheduler.schedule_ahead`). On CUDA, with
-    the decode graphs replaying those inputs: the same greedy tokens as without."""
+    known, its inputs taken on the device from the step before (`Scheduler.schedule_ahead`,
+    `launched_step.fed_tokens`), launched while that step runs. On CUDA, with the decode graphs
+    replaying those inputs: the same greedy tokens as without."""
+    from batcher.runtime import model_runner as model_runner_module
+    from batcher.runtime.launched_step import fed_tokens
+
     loaded = load_model("tiny", dtype="float32", device="cuda")
     tok = load_tokenizer(loaded.tokenizer_source)
+    fed = [0]
+
+    def counted_feed(sched, before):
+        fed[0] += 1
+        return fed_tokens(sched, before)
+
+    monkeypatch.setattr(model_runner_module, "fed_tokens", counted_feed)
 
     async def run(ahead: bool) -> tuple[list[list[int]], int]:
         engine = AsyncEngine.from_loaded(loaded, tok, SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=512), CacheConfig(num_blocks=512))
+        assert engine.runner.graphs is not None
         engine.ahead, engine.ahead_max_step_s = ahead, float("inf")
         schedule_ahead, queued = engine.scheduler.schedule_ahead, [0]
 
@@ -194,6 +206,7 @@ def test_steps_scheduled_ahead_decode_the_same_greedy_tokens_on_cuda():
             await engine.stop()
 
     plain, none_ahead = asyncio.run(run(False))
+    assert fed[0] == 0
     ahead, steps_ahead = asyncio.run(run(True))
-    assert none_ahead == 0 and steps_ahead > 10
+    assert none_ahead == 0 and steps_ahead > 10 and fed[0] > 10
     assert ahead == plain
