@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from batcher.core.outputs import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 from batcher.core.request import Request
 from batcher.core.sampling import SamplingParams
 from batcher.engine.engine import AsyncEngine
+from batcher.engine.fake_runner import FakeSpeed, QueuedFakeRunner
 from batcher.engine.model_thread import ModelThread
 from batcher.runtime import model_runner as model_runner_module
 from batcher.runtime.launched_step import LaunchedStep, fed_tokens
@@ -179,3 +181,82 @@ async def test_a_launch_is_finished_on_the_other_thread_in_order() -> None:
     finally:
         launcher.shutdown()
         reader.shutdown()
+
+
+class Counting(QueuedFakeRunner):
+    """The queued fake device, counting the steps launched while it still ran the one before."""
+
+    early = 0
+
+    def launch(self, sched, before=None):
+        self.early += time.monotonic() < self._busy_until
+        return super().launch(sched, before)
+
+
+async def test_the_model_thread_launches_the_next_step_while_the_device_runs(tokenizer) -> None:
+    """On a device that queues steps (as CUDA does), the engine launches a step scheduled ahead
+    before the one in front of it has ended, when its tokens are read apart; read on the model
+    thread, never. The same tokens either way."""
+    got, early = {}, {}
+    for apart in (True, False):
+        runner = Counting(256, BS, tokenizer.vocab_size,
+                          FakeSpeed(prefill_tokens_per_s=float("inf"), decode_step_s=0.004,
+                                    per_seq_s=0.0))
+        engine = AsyncEngine(runner, tokenizer, SchedulerConfig(max_num_seqs=8,
+                                                                max_num_batched_tokens=256),
+                             debug_checks=True)
+        engine.model_steps.read_apart = apart
+        await engine.start()
+        try:
+            async def one(rid: str, n: int) -> list[int]:
+                req = Request(rid, prompt(7 + n, n), SamplingParams(
+                    max_tokens=n, temperature=0.0, ignore_eos=True))
+                return [t async for ev in engine.generate(req) for t in ev.token_ids]
+
+            got[apart] = await asyncio.gather(*(one(f"q{i}", 30 + 5 * i) for i in range(4)))
+        finally:
+            await engine.stop()
+        early[apart] = runner.early
+    assert got[True] == got[False]
+    assert early[False] == 0 and early[True] > 20
+
+
+class FailingRead(QueuedFakeRunner):
+    """The queued fake device, whose `fail_at`-th read of a step's tokens fails."""
+
+    def __init__(self, *args, fail_at: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.fail_at, self.reads, self.placeholders = fail_at, 0, 0
+
+    def launch(self, sched, before=None):
+        out = super().launch(sched, before)
+        self.placeholders += sum(PENDING_TOKEN in s.token_ids for s in sched.seqs)
+        return out
+
+    def finish(self, launched):
+        self.reads += 1
+        if self.reads == self.fail_at:
+            raise RuntimeError("injected read fault")
+        return super().finish(launched)
+
+
+async def test_a_failed_read_fails_everyone_while_a_step_ahead_is_queued(tokenizer) -> None:
+    runner = FailingRead(256, BS, tokenizer.vocab_size,
+                         FakeSpeed(prefill_tokens_per_s=float("inf"), decode_step_s=0.003,
+                                   per_seq_s=0.0), fail_at=15)
+    engine = AsyncEngine(runner, tokenizer, SchedulerConfig(max_num_seqs=8,
+                                                            max_num_batched_tokens=256))
+    await engine.start()
+    try:
+        async def one(rid: str) -> str | None:
+            last = None
+            async for ev in engine.generate(Request(rid, prompt(6, len(rid)), SamplingParams(
+                    max_tokens=100, temperature=0.0, ignore_eos=True))):
+                last = ev
+            return last.finish_reason, last.error
+
+        got = await asyncio.wait_for(asyncio.gather(one("p"), one("qq"), one("rrr")), 10)
+    finally:
+        await asyncio.wait_for(engine.stop(), 10)
+    assert all(reason == "error" and "injected read fault" in error for reason, error in got)
+    assert not engine.healthy and runner.placeholders == 0

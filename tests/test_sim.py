@@ -246,6 +246,23 @@ def test_validation_simulates_the_workload_file() -> None:
     assert err["tpot_p50"] == pytest.approx(-0.5)
 
 
+def test_validation_times_every_step_of_the_real_engine(tiny_fp32) -> None:
+    """The real half of `batcher sim validate`, on the tiny model: every step's model seconds
+    come from the engine's own timing, beside the step model's prediction."""
+    import asyncio
+
+    from batcher.sim.validate import _real
+    from batcher.tokenizer.tokenizer import load_tokenizer
+
+    work = [{"id": f"v{i}", "prompt_ids": list(range(10 + i, 30 + 2 * i)),
+             "max_new_tokens": 6 + i} for i in range(3)]
+    stats = asyncio.run(_real(tiny_fp32, load_tokenizer(), work, [0.0, 0.0, 0.01],
+                              SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128), 64,
+                              ConstantStepModel(0.001)))
+    assert len(stats.ttft) == 3 and len(stats.tpot) == 3
+    assert stats.slowdown > 0  # measured over predicted: steps were timed
+
+
 def test_the_fleet_routers_own_policy_runs_through_the_adapter() -> None:
     from batcher.fleet.router import policy as router
     pol = FleetPolicyAdapter(router.choose, router.Candidate, router.PolicyConfig().validate(),

@@ -208,10 +208,11 @@ async def test_the_real_runner_says_when_its_step_is_under_way(tiny_fp32, tokeni
     runner says so once a step (as it starts on a CPU; once queued on a GPU)."""
     engine, runner = engine_over(tiny_fp32, tokenizer, True)
     model_runner = runner.inner
-    assert not engine._runner_signals  # the counting wrapper has no hook: set as steps start
+    assert not engine.model_steps.runner_signals  # the counting wrapper has no hook: set as steps start
     engine = AsyncEngine(model_runner, tokenizer,
                          SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256))
-    assert engine._runner_signals and model_runner.on_launch == engine._step_taken.set
+    assert (engine.model_steps.runner_signals
+            and model_runner.on_launch == engine.model_steps.taken.set)
     calls = []
     signal = model_runner.on_launch
     model_runner.on_launch = lambda: (calls.append(1), signal())

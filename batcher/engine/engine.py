@@ -1,7 +1,9 @@
 """AsyncEngine: the continuous-batching step loop behind an async API.
 
 Scheduling and output demultiplexing run on the event loop; tensor work runs in one worker thread,
-so the loop stays free for HTTP while a step (even a long prefill chunk) runs. Each step is
+so the loop stays free for HTTP while a step (even a long prefill chunk) runs; a runner that
+launches a step and reads its tokens back apart has them read on a second thread, so the worker
+launches the next step while the device still runs this one. Each step is
 launched before the previous step's tokens are detokenized and streamed (`_run`, by default;
 `overlap=False`, `--no-step-overlap`: the other way round), so the model runs it while the loop
 emits. Each request's events go to its own stream queue (by request ID); a consumer that goes
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 from batcher.core.backlog import Backlog
 from batcher.core.config import CacheConfig, SchedulerConfig
 from batcher.core.kv_cache_manager import KVCacheManager
-from batcher.core.outputs import RunnerOutput, SchedulerOutput, fill_pending_inputs
+from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.scheduler import Scheduler
 from batcher.core.stalls import StallDetector, StallLog
 from batcher.core.step_time import OnlineStepTimeModel, StepShape
@@ -30,7 +31,7 @@ from batcher.engine.events import EngineError, EngineEvent
 from batcher.engine.snapshot import EngineSnapshot, UnservedPrefill, scheduler_snapshot
 from batcher.engine.stream_outputs import StreamOutputs
 from batcher.engine.live_request import LiveRequest
-from batcher.engine.model_thread import ModelThread
+from batcher.engine.model_steps import ModelSteps, StepResult
 from batcher.core.request import Request
 from batcher.core.request_registry import iter_stream
 from batcher.core.sampling import SamplingParams
@@ -62,11 +63,15 @@ AHEAD_MAX_STEP_S = 0.010
 
 # A step handed to the model thread: what was scheduled, when, its (output, model seconds, when
 # the model thread finished it), and whether it was scheduled ahead (queued behind another).
-_Step = tuple[SchedulerOutput, float, "asyncio.Future[tuple[RunnerOutput, float, float]]", bool]
+_Step = tuple[SchedulerOutput, float, "asyncio.Future[StepResult]", bool]
 
 
 class Runner(Protocol):
-    """What the engine needs from a model runner (the real one, or the fake one for fleets)."""
+    """What the engine needs from a model runner (the real one, or the fake one for fleets).
+    A runner may also split a step in two, `launch(sched, before) -> launched` on the model
+    thread and `finish(launched) -> RunnerOutput` on the engine's reader thread (the real one
+    does): `before` is the step launched just before a step scheduled ahead, whose tokens are
+    that step's inputs."""
 
     num_blocks: int
     block_size: int
@@ -105,11 +110,8 @@ class AsyncEngine:
         # Each live request's stream, by request ID: where a step's tokens go.
         self.outputs = StreamOutputs(self.scheduler, metrics)
         self._wake = asyncio.Event()
-        self._executor = ModelThread("batcher-model")
-        # A runner that launches a step and reads its tokens back apart (`launch`, `finish`:
-        # the real one) has them read on a thread of their own, in launch order, so the model
-        # thread can launch the next step while the device still runs this one.
-        self._reader = ModelThread("batcher-reader") if hasattr(runner, "launch") else None
+        # The model thread (and the reader thread of a runner that splits its steps).
+        self.model_steps = ModelSteps(runner, clock)
         self._task: asyncio.Task[None] | None = None
         self._error: str | None = None
         self._stopping = False
@@ -126,9 +128,6 @@ class AsyncEngine:
         self.ahead = overlap
         self.ahead_max_step_s = AHEAD_MAX_STEP_S
         self._last_step_s = float("inf")  # the model's time of the last step, once measured
-        self._last_output: RunnerOutput | None = None  # the model thread's last step's
-        self._last_launched: Any = None  # the model thread's last step, as `launch` returned it
-        self._last_read = float("-inf")  # when the reader last had a step's tokens
         # Called after every step with (scheduler output, step seconds): admission's rate EWMAs.
         self.step_listeners: list[Callable[[SchedulerOutput, float], None]] = []
         # "warm": steps teach nothing (first runs compile); "calibrate": they teach the
@@ -144,12 +143,6 @@ class AsyncEngine:
         self._gauges_at = float("-inf")  # when the metrics' state gauges were last refreshed
         self._unserved = UnservedPrefill()
         self._unsent_freed: list[str] = []  # freed in steps with no rows (only aborts)
-        # Set by the model thread once its step is under way: by the runner once the step is
-        # queued on the device (`on_launch`), else as the step starts.
-        self._step_taken = threading.Event()
-        self._runner_signals = hasattr(runner, "on_launch")
-        if self._runner_signals:
-            runner.on_launch = self._step_taken.set
 
     @classmethod
     def from_loaded(cls, loaded: Any, tokenizer: Tokenizer, sched_config: SchedulerConfig,
@@ -196,16 +189,12 @@ class AsyncEngine:
                 await self._task
             self._task = None
         self.outputs.fail_all(reason, self.clock())
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._reader is not None:
-            self._reader.shutdown(wait=False, cancel_futures=True)
+        self.model_steps.shutdown()
         # NOTE: the thread ends right after its last step; wait for that (off the event loop) so
         # the process can exit cleanly. A wedged step was already given its grace period.
         if not wedged:
             # An idle thread ends at once; one stuck in a call the loop stopped awaiting does not.
-            await asyncio.get_running_loop().run_in_executor(None, self._executor.join, 1.0)
-            if self._reader is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self._reader.join, 1.0)
+            await self.model_steps.join(1.0)
 
     @property
     def healthy(self) -> bool:
@@ -380,7 +369,7 @@ class AsyncEngine:
                     # emitting is pure Python that would hold it to the end (the interpreter's
                     # switch interval is longer than an emit): waiting here hands it over, so
                     # the step is queued first and runs while this thread emits.
-                    self._step_taken.wait(HANDOFF_WAIT_S)
+                    self.model_steps.taken.wait(HANDOFF_WAIT_S)
             self.outputs.emit(updates, now)
             self.outputs.end_cut(cut, now)
             if step is not None:
@@ -444,13 +433,10 @@ class AsyncEngine:
         if self.busy_since is None:
             self.busy_since = self.clock()
         if not ahead:  # a step queued ahead runs behind one the loop already handed over
-            self._step_taken.clear()
+            self.model_steps.taken.clear()
         started = self.clock()
         self.outputs.note_rescheduled(sched, started)
-        if self._reader is None:
-            return sched, started, self._executor.run(loop, self._timed_execute, sched), ahead
-        return sched, started, self._executor.run(
-            loop, self._timed_launch, sched, then=(self._reader, self._timed_finish)), ahead
+        return sched, started, self.model_steps.run(loop, sched), ahead
 
     @property
     def stall_log(self) -> StallLog:
@@ -470,51 +456,3 @@ class AsyncEngine:
         if self.phase == "warm" or stalled:
             return None
         return shape
-
-    def _timed_execute(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float, float]:
-        """Run a step on the model thread and time it there: the model's own time, without the
-        event loop's delay in noticing that it finished, and when it finished."""
-        if not self._runner_signals:
-            self._step_taken.set()
-        started = self.clock()
-        # NOTE: only this thread reads or writes `_last_output`, in the order steps run: a step
-        # scheduled ahead runs right after the one it follows.
-        before, self._last_output = self._last_output, None
-        try:
-            if sched.inputs_pending:
-                if before is None:
-                    raise RuntimeError("a step scheduled ahead of a step that failed")
-                fill_pending_inputs(sched, before)
-            out = self.runner.execute(sched)
-        finally:
-            self._step_taken.set()
-        self._last_output = out
-        ended = self.clock()
-        return out, ended - started, ended
-
-    def _timed_launch(self, sched: SchedulerOutput) -> tuple[Any, float]:
-        """Launch a step on the model thread (a runner with `launch`): (what `launch` returned,
-        when it started). A step scheduled ahead takes its inputs from the step launched just
-        before it, on the device where the runner can (`batcher.runtime.launched_step`)."""
-        if not self._runner_signals:
-            self._step_taken.set()
-        started = self.clock()
-        # NOTE: only this thread reads or writes `_last_launched`, in the order steps run.
-        before, self._last_launched = self._last_launched, None
-        try:
-            launched = self.runner.launch(sched, before if sched.inputs_pending else None)
-        finally:
-            self._step_taken.set()
-        self._last_launched = launched
-        return launched, started
-
-    def _timed_finish(self, launched: tuple[Any, float]) -> tuple[RunnerOutput, float, float]:
-        """On the reader thread: a launched step's output once its tokens are on the host, its
-        model seconds (from its launch, or from the end of the step before it when it was
-        launched behind that one: the device runs steps in turn) and when it ended."""
-        step, started = launched
-        out = self.runner.finish(step)
-        ended = self.clock()
-        seconds = ended - max(started, self._last_read)
-        self._last_read = ended
-        return out, seconds, ended

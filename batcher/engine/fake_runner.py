@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from batcher.core.outputs import RunnerOutput, SchedulerOutput
+from batcher.core.outputs import RunnerOutput, SchedulerOutput, fill_pending_inputs
 from batcher.core.spec_verify import run_by_rule
 from batcher.engine.warmup import TENANT as WARM_START_TENANT
 
@@ -46,6 +46,9 @@ class FakeDevice:
     speed: FakeSpeed
     fault: str = "none"  # one of FAULTS
     fault_after_steps: int = 0
+    # The device queues steps as a GPU's stream does (`QueuedFakeRunner`): benches of the
+    # host's side; off, each step runs to its end on the model thread.
+    queued: bool = False
 
 
 class FakeRunner:
@@ -85,6 +88,13 @@ class FakeRunner:
                                  + prefill / sp.prefill_tokens_per_s)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out, seconds = self._step(sched)
+        if seconds > 0:
+            time.sleep(seconds)
+        return out
+
+    def _step(self, sched: SchedulerOutput) -> tuple[RunnerOutput, float]:
+        """The step's tokens and how long the device takes for it (faults applied)."""
         self.steps += 1
         # NOTE: a fault strikes after N steps of traffic: the warm start's calibration steps,
         # before the server is ready, are not the steps a test or a study counts.
@@ -100,11 +110,9 @@ class FakeRunner:
                 seconds *= 20
             elif self.fault == "error":
                 raise RuntimeError("injected model fault")
-        if seconds > 0:
-            time.sleep(seconds)
         seqs = sched.seqs
         if any(s.draft_token_ids for s in seqs):
-            return run_by_rule(seqs, self.next_token)
+            return run_by_rule(seqs, self.next_token), seconds
         # NOTE: what run_by_rule gives without drafts, in one pass: a model that costs nothing
         # should cost its host little more (no logprobs: the engine reads none as None).
         span = self.vocab_size - _FIRST_TOKEN - 1
@@ -112,7 +120,43 @@ class FakeRunner:
         tokens = [_FIRST_TOKEN + (s.token_ids[-1] * 7919
                                   + (s.start_pos + len(s.token_ids) - 1) * 104729) % span
                   for s in seqs if s.sample]
-        return RunnerOutput(ids, tokens)
+        return RunnerOutput(ids, tokens), seconds
+
+
+class QueuedFakeRunner(FakeRunner):
+    """The fake device as a GPU's stream: `launch` queues a step behind the steps already
+    queued and returns at once; `finish` waits until the device has run it. So the engine's
+    model thread launches the next step while the device still runs this one, as with the real
+    runner on CUDA (`ModelRunner.launch`). A step scheduled ahead takes its inputs at launch
+    (the fake's tokens are known then; the real runner's are taken on the device)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._busy_until = 0.0  # when the device has run every step queued so far
+
+    def launch(self, sched: SchedulerOutput, before: tuple[RunnerOutput, float] | None = None
+               ) -> tuple[RunnerOutput, float]:
+        """(the step's output, when the device will have run it)."""
+        if sched.inputs_pending:
+            if before is None:
+                raise RuntimeError("a step scheduled ahead of a step that failed")
+            fill_pending_inputs(sched, before[0])
+        if sched.is_empty:
+            return RunnerOutput(), 0.0
+        out, seconds = self._step(sched)
+        self._busy_until = max(time.monotonic(), self._busy_until) + seconds
+        return out, self._busy_until
+
+    @staticmethod
+    def finish(launched: tuple[RunnerOutput, float]) -> RunnerOutput:
+        out, done_at = launched
+        wait = done_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        return out
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.finish(self.launch(sched))
 
 
 def build_fake_engine(device: FakeDevice, sched, cache, metrics, version, overlap: bool = True):
@@ -124,8 +168,9 @@ def build_fake_engine(device: FakeDevice, sched, cache, metrics, version, overla
 
     tok = load_tokenizer()
     byte_level_table(tok)  # built now, not on the first request (tens of ms)
-    runner = FakeRunner(cache.num_blocks or FAKE_NUM_BLOCKS, cache.block_size, tok.vocab_size,
-                        device.speed, device.fault, device.fault_after_steps)
+    kind = QueuedFakeRunner if device.queued else FakeRunner
+    runner = kind(cache.num_blocks or FAKE_NUM_BLOCKS, cache.block_size, tok.vocab_size,
+                  device.speed, device.fault, device.fault_after_steps)
     return AsyncEngine(runner, tok, sched.validate(), cache.enable_prefix_caching,
                        prefix_cache_scope=cache.prefix_cache_scope,
                        metrics=metrics, version=version, overlap=overlap)

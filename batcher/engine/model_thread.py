@@ -26,15 +26,20 @@ class ModelThread(Executor):
         self._name = name
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Another thread may submit (the model thread hands steps to the reader) while this one
+        # is shut down: a job is queued before the stop marker or refused, never left behind it.
+        self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        if self._closed:
-            raise RuntimeError("the model thread is shut down")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-            self._thread.start()
         fut: Future[Any] = Future()
-        self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the model thread is shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self._name,
+                                                daemon=True)
+                self._thread.start()
+            self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
         return fut
 
     def run(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], /, *args: Any,
@@ -83,7 +88,8 @@ class ModelThread(Executor):
                 fut.set_exception(exc)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         if cancel_futures:
             with contextlib.suppress(queue.Empty):
                 while (job := self._jobs.get_nowait()) is not None:

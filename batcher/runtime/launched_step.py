@@ -11,7 +11,8 @@ tokens (`read`) from a copy queued right behind the sampling, on another thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +32,9 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None
     host: torch.Tensor | None = None
     ready: Any = None  # torch.cuda.Event
+    # `read` may be called by the model thread (a step after this one that takes host inputs)
+    # and by the reader thread at once.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def on_device(cls, sched: SchedulerOutput, tokens: torch.Tensor) -> LaunchedStep:
@@ -41,20 +45,21 @@ class LaunchedStep:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(tokens.device))
         return cls(sched, tokens=tokens, host=host, ready=ready)
 
     def read(self) -> RunnerOutput:
         """The step's output: waits for its tokens' copy to the host (once)."""
-        if self.out is None:
-            if self.ready is not None:
-                self.ready.synchronize()  # without the GIL
-            assert self.host is not None
-            tokens = self.host.tolist()
-            ids, kept, _ = collapse(self.sched.seqs, tokens, [None] * len(tokens))
-            self.out = RunnerOutput(request_ids=ids, token_ids=kept,
-                                    logprobs=[None] * len(kept))
-        return self.out
+        with self._lock:
+            if self.out is None:
+                if self.ready is not None:
+                    self.ready.synchronize()  # without the GIL
+                assert self.host is not None
+                tokens = self.host.tolist()
+                ids, kept, _ = collapse(self.sched.seqs, tokens, [None] * len(tokens))
+                self.out = RunnerOutput(request_ids=ids, token_ids=kept,
+                                        logprobs=[None] * len(kept))
+            return self.out
 
 
 def fed_tokens(sched: SchedulerOutput, before: LaunchedStep) -> torch.Tensor:

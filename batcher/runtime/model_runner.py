@@ -220,30 +220,24 @@ class ModelRunner:
     def _launch(self, sched: SchedulerOutput, before: LaunchedStep | None) -> LaunchedStep:
         if self.grammar is not None:
             self.grammar.drop(sched.freed_ids)
-        fed = None
-        if sched.inputs_pending:
-            if before is None:
-                raise RuntimeError("a step scheduled ahead of a step that failed")
-            if before.out is None:
-                fed = fed_tokens(sched, before)  # on the device, not waited for
-            else:
-                fill_pending_inputs(sched, before.out)
+        if sched.inputs_pending and before is None:
+            raise RuntimeError("a step scheduled ahead of a step that failed")
         pending = None
         scored = [s for s in sched.seqs if s.score_targets]
         if self.graphs is not None and not scored and self.graphs.can_run(sched):
             sample_seqs = sched.seqs  # decode-only: every row samples, in order
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)  # masks fill while the model runs
-            logits = self.graphs.run(sched, fed)
+            logits = self.graphs.run(sched, _inputs_from(sched, before, on_device=True))
         elif self.mixed_graphs is not None and not scored and self.mixed_graphs.can_run(sched):
-            if fed is not None and before is not None:  # its buckets take host ids only
-                fill_pending_inputs(sched, before.read())
+            _inputs_from(sched, before, on_device=False)  # its buckets take host ids only
             sample_seqs = sampled_rows(sched)
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)
             logits = self.mixed_graphs.run(sched)
         else:
-            ids, positions, meta, logits_idx, sample_seqs = self.prepare(sched, fed)
+            ids, positions, meta, logits_idx, sample_seqs = self.prepare(
+                sched, _inputs_from(sched, before, on_device=True))
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)
             logits = None
@@ -298,6 +292,21 @@ class ModelRunner:
         return step_inputs(self, sched,
                            fuse_decodes=not (self.compiled is not None
                                              and self.compiled.takes(sched)), fed=fed)
+
+
+def _inputs_from(sched: SchedulerOutput, before: LaunchedStep | None, on_device: bool
+                 ) -> torch.Tensor | None:
+    """A step scheduled ahead's inputs from `before`, the step launched just before it: its
+    tokens on the device (`fed_tokens`, not waited for) where `on_device` and they are still
+    there, else written into the rows on the host (after waiting for them). None for any other
+    step, or once written."""
+    if not sched.inputs_pending:
+        return None
+    assert before is not None
+    if on_device and before.out is None:
+        return fed_tokens(sched, before)
+    fill_pending_inputs(sched, before.read())
+    return None
 
 
 def score_prompts(logits: torch.Tensor, seqs: list[ScheduledSeq]

@@ -106,8 +106,10 @@ class Sampler:
     def sample_on_device(
         self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], masks: StepMasks | None = None
     ) -> torch.Tensor:
-        """The tokens `sample` would choose, as a tensor `[n]` on `logits.device`, not read back:
-        no host sync (but a top-p row's widening). For rows that want no logprobs."""
+        """The tokens `sample` would choose, as a tensor `[n]` on `logits.device`, not read back.
+        For rows that want no logprobs. Greedy rows alone never wait for the device; the other
+        kinds copy their per-row parameters from the host, which on CUDA waits for the work
+        queued before (and a top-p row's widening reads the device)."""
         rows = [s for s in seqs if s.sample]
         if any(s.sampling.logprobs is not None for s in rows):
             raise ValueError("rows that report logprobs are sampled by `sample`")

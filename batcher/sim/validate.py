@@ -72,16 +72,9 @@ async def _real(loaded, tok, work: list[dict], times: list[float], sched: Schedu
     from batcher.engine.engine import AsyncEngine
 
     engine = AsyncEngine.from_loaded(loaded, tok, sched, CacheConfig(num_blocks=num_blocks))
-    steps: list[tuple[float, float]] = []
-    execute = engine.runner.execute
-
-    def timed(sched_out):
-        t0 = time.perf_counter()
-        out = execute(sched_out)
-        steps.append((time.perf_counter() - t0, model.step_seconds(sched_out)))
-        return out
-
-    engine.runner.execute = timed  # type: ignore[method-assign]
+    steps: list[tuple[float, float]] = []  # (measured, predicted) model seconds per step
+    engine.model_steps.on_step = lambda sched_out, seconds: steps.append(
+        (seconds, model.step_seconds(sched_out)))
     await engine.start()
     try:
         warm = Request("warm", [1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0,

@@ -89,10 +89,15 @@ class CpuClock:
 
         runner.launch = launch
         if feed is not None:
-            # The engine observes a step right after the model thread ran it: one step at a time,
-            # so the last CPU reading is that step's.
+            # The engine observes a step once its tokens are applied, while the model thread
+            # may already run the next one: the newest CPU reading of a step of that shape.
             observe = feed.observe
-            feed.observe = lambda shape, seconds: observe(shape, self.steps[-1][1])
+
+            def observed(shape, seconds):
+                cpu = next((c for s, c in reversed(self.steps) if s == shape), seconds)
+                observe(shape, cpu)
+
+            feed.observe = observed
 
 
 FIT_CPU = False  # set from --fit-clock in the child process

@@ -18,6 +18,13 @@ Models:
   row, as a GPU step that the host only waits for; N streams of 128-token prompts and 256-token
   answers, all at t=0. The host's work (scheduling, detokenizing, pushing to streams) is what the
   modes hide or not.
+- the same fake model on a device that queues steps as a GPU's stream does
+  (`FakeDevice(queued=True)`, `QueuedFakeRunner`), in two modes: `ahead` (the default: each
+  step launched on the model thread and its tokens read back on the engine's reader thread, so
+  the model thread launches a step queued ahead while the device still runs the one before, as
+  the real runner on CUDA does) and `ahead, read on the model thread`
+  (`ModelSteps.read_apart = False`: the model thread runs each step to its end, then launches
+  the next).
 - the bundled model at the defaults on this machine's CPU: the first `--model-requests` requests
   of the chat workload, greedy, all at t=0 (whether the host's work, now beside the model's
   threads, costs the model anything).
@@ -55,16 +62,18 @@ HEADER = ["model", "streams", "mode", "output tok/s", "TPOT p50 / p99 ms", "step
           "ms / step", "host ms / step beyond the device", "ok"]
 
 
-MODES = {"ahead": (True, True), "overlap": (True, False), "off": (False, False)}
+# mode: (overlap, ahead, tokens read back apart from the launch)
+MODES = {"ahead": (True, True, True), "overlap": (True, False, True),
+         "off": (False, False, True), "joined": (True, True, False)}
 MODE_LABELS = {"ahead": "ahead (default)", "overlap": "overlap, never ahead",
-               "off": "off (emit first)"}
+               "off": "off (emit first)", "joined": "ahead, read on the model thread"}
 
 
 async def run_once(engine, work: list[tuple[str, list[int], int]], mode: str | None) -> dict:
     """Every request at t=0 through `engine` (fresh, started here, stopped after), in `mode`
     (None: as built, whatever its code's defaults are)."""
     if mode is not None:
-        engine.overlap, engine.ahead = MODES[mode]
+        engine.overlap, engine.ahead, engine.model_steps.read_apart = MODES[mode]
     await engine.start()
     warm = Request("warm", [1000, 1001, 1002, 1003], SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -104,16 +113,23 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
-def fake_cases(streams: str, device_step_ms: float) -> list[tuple]:
-    """(label, streams, engine factory, work) for the device-like fake model."""
-    device = FakeDevice(FakeSpeed(prefill_tokens_per_s=float("inf"),
-                                  decode_step_s=device_step_ms / 1000, per_seq_s=0.0))
+def fake_cases(streams: str, device_step_ms: float, queued: bool = True) -> list[tuple]:
+    """(label, streams, engine factory, work, modes) for the device-like fake model, and with
+    `queued` the same on a device that queues steps."""
+    speed = FakeSpeed(prefill_tokens_per_s=float("inf"), decode_step_s=device_step_ms / 1000,
+                      per_seq_s=0.0)
+    devices = [(f"fake, {device_step_ms:g} ms a step", FakeDevice(speed),
+                ["ahead", "overlap", "off"])]
+    if queued:
+        devices.append((f"fake, {device_step_ms:g} ms a step, queued device",
+                        FakeDevice(speed, queued=True), ["ahead", "joined"]))
     cases = []
     for n in [int(x) for x in streams.split(",") if x]:
         work = [(r.id, r.prompt_ids, 256) for r in synthetic(
             n, input_median=128, input_spread=0.0, output_median=256, output_spread=0.0)]
-        cases.append((f"fake, {device_step_ms:g} ms a step", n,
-                      lambda: build_engine("fake", EngineConfig(), fake=device), work))
+        for label, device, modes in devices:
+            cases.append((label, n, lambda device=device: build_engine(
+                "fake", EngineConfig(), fake=device), work, modes))
     return cases
 
 
@@ -131,7 +147,8 @@ def run_checkout(checkout: Path, streams: str, device_step_ms: float) -> dict[in
 
 
 def child(streams: str, device_step_ms: float) -> None:
-    for _, n, make, work in fake_cases(streams, device_step_ms):
+    # NOTE: another checkout's code may have no queued fake device.
+    for _, n, make, work, _ in fake_cases(streams, device_step_ms, queued=False):
         r = run_event_loop(run_once(make(), work, None))
         print(json.dumps({**r, "streams": n}), flush=True)
 
@@ -166,7 +183,8 @@ def main(argv: list[str]) -> None:
         chat = load_workload(None, args.model_requests)
         work = [(r["id"], r["prompt_ids"], r["max_new_tokens"]) for r in chat]
         cases.append((f"{DEFAULT_MODEL}, defaults", len(work),
-                      lambda: build_engine(DEFAULT_MODEL, EngineConfig()), work))
+                      lambda: build_engine(DEFAULT_MODEL, EngineConfig()), work,
+                      ["ahead", "overlap", "off"]))
 
     runs: dict[tuple[str, int, str], list[dict]] = {}
 
@@ -175,22 +193,22 @@ def main(argv: list[str]) -> None:
             for n, r in run_checkout(d, args.streams, args.device_step_ms).items():
                 runs.setdefault(("checkout", n, label), []).append(r)
 
-    order = list(MODES)
     for rnd in range(args.rounds):
         if rnd % 2:  # the other checkouts first in odd rounds, last in even ones
             run_checkouts()
-        for i, (label, n, make, work) in enumerate(cases):
-            for mode in order[rnd % 3:] + order[:rnd % 3]:
+        for i, (label, n, make, work, order) in enumerate(cases):
+            k = rnd % len(order)
+            for mode in order[k:] + order[:k]:
                 r = run_event_loop(run_once(make(), work, mode))
                 print(label, n, mode, r, flush=True)
                 runs.setdefault(("mode", i, mode), []).append(r)
         if not rnd % 2:
             run_checkouts()
     rows = []
-    for i, (label, n, _, _) in enumerate(cases):
+    for i, (label, n, _, _, modes) in enumerate(cases):
         rows += [row(label, n, MODE_LABELS[mode], runs[("mode", i, mode)], args.device_step_ms)
-                 for mode in MODES]
-        if label.startswith("fake"):
+                 for mode in modes]
+        if label.startswith("fake") and "queued" not in label:
             rows += [row(label, n, f"checkout {c}, its defaults", runs[("checkout", n, c)],
                          args.device_step_ms) for c, _ in checkouts]
     if args.no_append:

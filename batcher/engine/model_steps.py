@@ -1,0 +1,121 @@
+"""The model's side of an engine's steps: each scheduled step run on the model thread, timed
+there, its result in a future of the engine's loop.
+
+A runner that splits a step in two (`launch` on the model thread, `finish` where its tokens are
+read back: the real one) has its tokens read on a thread of its own, in launch order; so the
+model thread launches the next step, with its inputs taken from this one on the device, while
+the device still runs this one. A runner with `execute` alone runs each step to its end on the
+model thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from batcher.core.outputs import RunnerOutput, SchedulerOutput, fill_pending_inputs
+from batcher.engine.model_thread import ModelThread
+
+# What the engine awaits for a step: (its output, the model's seconds for it, when it ended).
+StepResult = tuple[RunnerOutput, float, float]
+
+
+class ModelSteps:
+    """Runs steps on the model thread (`run`) for one engine, and says when the step it was
+    last handed is under way (`taken`): set by the runner once the step is queued on the device
+    (`on_launch`), else as the step starts."""
+
+    def __init__(self, runner: Any, clock: Callable[[], float]) -> None:
+        self.runner = runner
+        self.clock = clock
+        self._model = ModelThread("batcher-model")
+        splits = hasattr(runner, "launch") and hasattr(runner, "finish")
+        self._reader = ModelThread("batcher-reader") if splits else None
+        # False (set before the engine starts): the model thread runs each step to its end
+        # (`execute`) even where the runner can split it, to compare.
+        self.read_apart = True
+        # Told each step and the model's seconds for it, on the thread that timed it (the model
+        # thread, or the reader): a study's own timing of the model, whatever the runner.
+        self.on_step: Callable[[SchedulerOutput, float], None] | None = None
+        self.taken = threading.Event()
+        self.runner_signals = hasattr(runner, "on_launch")
+        if self.runner_signals:
+            runner.on_launch = self.taken.set
+        # NOTE: only the model thread reads or writes these two, in the order steps run: a step
+        # scheduled ahead runs right after the one it follows, and takes its inputs from it.
+        self._last_output: RunnerOutput | None = None
+        self._last_launched: Any = None  # as `launch` returned it
+        self._last_read = float("-inf")  # when the reader last had a step's tokens (its own)
+
+    def run(self, loop: asyncio.AbstractEventLoop, sched: SchedulerOutput
+            ) -> asyncio.Future[StepResult]:
+        """Queue `sched` on the model thread, behind any step handed over before it."""
+        if self._reader is None or not self.read_apart:
+            return self._model.run(loop, self._timed_execute, sched)
+        return self._model.run(loop, self._timed_launch, sched,
+                               then=(self._reader, self._timed_finish))
+
+    def shutdown(self) -> None:
+        """Run nothing more: steps not yet started are cancelled."""
+        self._model.shutdown(wait=False, cancel_futures=True)
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
+
+    async def join(self, timeout: float) -> None:
+        """Wait (off the loop) up to `timeout` s a thread for the threads to end."""
+        loop = asyncio.get_running_loop()
+        for thread in (self._model, self._reader):
+            if thread is not None:
+                await loop.run_in_executor(None, thread.join, timeout)
+
+    def _timed_execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run a step on the model thread and time it there: the model's own time, without the
+        event loop's delay in noticing that it finished, and when it finished."""
+        if not self.runner_signals:
+            self.taken.set()
+        started = self.clock()
+        before, self._last_output = self._last_output, None
+        try:
+            if sched.inputs_pending:
+                if before is None:
+                    raise RuntimeError("a step scheduled ahead of a step that failed")
+                fill_pending_inputs(sched, before)
+            out = self.runner.execute(sched)
+        finally:
+            self.taken.set()
+        self._last_output = out
+        ended = self.clock()
+        if self.on_step is not None:
+            self.on_step(sched, ended - started)
+        return out, ended - started, ended
+
+    def _timed_launch(self, sched: SchedulerOutput) -> tuple[Any, float, SchedulerOutput]:
+        """Launch a step on the model thread: (what `launch` returned, when it started, the
+        step). A step
+        scheduled ahead takes its inputs from the step launched just before it, on the device
+        where the runner can (`batcher.runtime.launched_step`)."""
+        if not self.runner_signals:
+            self.taken.set()
+        started = self.clock()
+        before, self._last_launched = self._last_launched, None
+        try:
+            launched = self.runner.launch(sched, before if sched.inputs_pending else None)
+        finally:
+            self.taken.set()
+        self._last_launched = launched
+        return launched, started, sched
+
+    def _timed_finish(self, launched: tuple[Any, float, SchedulerOutput]) -> StepResult:
+        """On the reader thread: a launched step's output once its tokens are on the host, its
+        model seconds (from its launch, or from the end of the step before it when it was
+        launched behind that one: the device runs steps in turn) and when it ended."""
+        step, started, sched = launched
+        out = self.runner.finish(step)
+        ended = self.clock()
+        seconds = ended - max(started, self._last_read)
+        self._last_read = ended
+        if self.on_step is not None:
+            self.on_step(sched, seconds)
+        return out, seconds, ended
