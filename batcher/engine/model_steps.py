@@ -49,10 +49,16 @@ class ModelSteps:
         self._last_launched: Any = None  # as `launch` returned it
         self._last_read = float("-inf")  # when the reader last had a step's tokens (its own)
 
+    @property
+    def launches_apart(self) -> bool:
+        """Steps are launched on the model thread and read back on the reader: the model thread
+        is free for the next step as soon as this one is queued on the device."""
+        return self._reader is not None and self.read_apart
+
     def run(self, loop: asyncio.AbstractEventLoop, sched: SchedulerOutput
             ) -> asyncio.Future[StepResult]:
         """Queue `sched` on the model thread, behind any step handed over before it."""
-        if self._reader is None or not self.read_apart:
+        if not self.launches_apart:
             return self._model.run(loop, self._timed_execute, sched)
         return self._model.run(loop, self._timed_launch, sched,
                                then=(self._reader, self._timed_finish))
