@@ -27,7 +27,7 @@ Models:
   the next).
 - the bundled model at the defaults on this machine's CPU: the first `--model-requests` requests
   of the chat workload, greedy, all at t=0 (whether the host's work, now beside the model's
-  threads, costs the model anything).
+  threads, costs the model anything), in the three modes and read on the model thread.
 
 Each row: output tokens a second, time per output token, steps, and the host's wall time per
 step beyond the device's (fake model only). These requests end at their length, so no step holds
@@ -184,7 +184,7 @@ def main(argv: list[str]) -> None:
         work = [(r["id"], r["prompt_ids"], r["max_new_tokens"]) for r in chat]
         cases.append((f"{DEFAULT_MODEL}, defaults", len(work),
                       lambda: build_engine(DEFAULT_MODEL, EngineConfig()), work,
-                      ["ahead", "overlap", "off"]))
+                      ["ahead", "overlap", "off", "joined"]))
 
     runs: dict[tuple[str, int, str], list[dict]] = {}
 

@@ -161,11 +161,13 @@ def test_engine_sizes_kv_from_free_memory_and_serves():
     assert all(f.finish_reason == "length" and f.num_output_tokens == 16 for f in finals)
 
 
-def test_steps_scheduled_ahead_decode_the_same_greedy_tokens_on_cuda(monkeypatch):
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_steps_scheduled_ahead_decode_the_same_greedy_tokens_on_cuda(monkeypatch, cuda_graphs):
     """In steady decoding the engine queues each next step before the running one's tokens are
     known, its inputs taken on the device from the step before (`Scheduler.schedule_ahead`,
     `launched_step.fed_tokens`), launched while that step runs. On CUDA, with the decode graphs
-    replaying those inputs: the same greedy tokens as without."""
+    replaying those inputs, and eagerly (the inputs scattered into rows laid out longest
+    context first): the same greedy tokens as without."""
     from batcher.runtime import model_runner as model_runner_module
     from batcher.runtime.launched_step import fed_tokens
 
@@ -181,8 +183,9 @@ def test_steps_scheduled_ahead_decode_the_same_greedy_tokens_on_cuda(monkeypatch
 
     async def run(ahead: bool) -> tuple[list[list[int]], int]:
         engine = AsyncEngine.from_loaded(loaded, tok, SchedulerConfig(
-            max_num_seqs=16, max_num_batched_tokens=512), CacheConfig(num_blocks=512))
-        assert engine.runner.graphs is not None
+            max_num_seqs=16, max_num_batched_tokens=512), CacheConfig(num_blocks=512),
+            cuda_graphs=cuda_graphs)
+        assert (engine.runner.graphs is not None) is cuda_graphs
         engine.ahead, engine.ahead_max_step_s = ahead, float("inf")
         schedule_ahead, queued = engine.scheduler.schedule_ahead, [0]
 
