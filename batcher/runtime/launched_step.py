@@ -19,6 +19,7 @@ import torch
 
 from batcher.core.outputs import RunnerOutput, SchedulerOutput
 from batcher.core.spec_verify import collapse
+from batcher.runtime.host_to_device import to_device
 
 
 @dataclass(slots=True)
@@ -83,7 +84,4 @@ def fed_tokens(sched: SchedulerOutput, before: LaunchedStep) -> torch.Tensor:
         src.append(i)
     if src == list(range(len(src))):
         return tokens[:len(src)]
-    index = torch.tensor(src, dtype=torch.long)
-    if tokens.device.type == "cuda":  # queued, not waited for: pinned memory
-        index = index.pin_memory().to(tokens.device, non_blocking=True)
-    return tokens.index_select(0, index)
+    return tokens.index_select(0, to_device(src, tokens.device, torch.long))

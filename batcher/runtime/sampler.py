@@ -26,6 +26,7 @@ import torch
 
 from batcher.core.outputs import ScheduledSeq, TokenLogprobs
 from batcher.runtime.grammar import StepMasks, apply_masks
+from batcher.runtime.host_to_device import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -45,12 +46,12 @@ def row_seed(seed: int, output_index: int) -> int:
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """`t[rows]`, without a copy when `rows` is every row."""
-    return t if len(rows) == t.shape[0] else t[torch.tensor(rows, device=t.device)]
+    return t if len(rows) == t.shape[0] else t[to_device(rows, t.device)]
 
 
 def _column(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
     """A per-row parameter as a `[rows, 1]` tensor on `like`'s device."""
-    return torch.tensor(values, device=like.device, dtype=like.dtype).unsqueeze(1)
+    return to_device(values, like.device, like.dtype).unsqueeze(1)
 
 
 # Temperatures below this sample as this one does: a one-hot at the best token, however small.
@@ -107,9 +108,10 @@ class Sampler:
         self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], masks: StepMasks | None = None
     ) -> torch.Tensor:
         """The tokens `sample` would choose, as a tensor `[n]` on `logits.device`, not read back.
-        For rows that want no logprobs. Greedy rows alone never wait for the device; the other
-        kinds copy their per-row parameters from the host, which on CUDA waits for the work
-        queued before (and a top-p row's widening reads the device)."""
+        For rows that want no logprobs. Per-row parameters go to the device without waiting for
+        it (`to_device`), so a step launched behind another stays queued behind it; but a top-p
+        row without a top-k reads the device to see whether its nucleus outgrew its candidates,
+        and a row with presence or frequency penalties counts its tokens there (`unique`)."""
         rows = [s for s in seqs if s.sample]
         if any(s.sampling.logprobs is not None for s in rows):
             raise ValueError("rows that report logprobs are sampled by `sample`")
@@ -126,7 +128,7 @@ class Sampler:
             logits = logits.clone()
             for i, s in enumerate(rows):
                 if s.suppress:
-                    logits[i, list(s.suppress)] = float("-inf")
+                    logits[i, to_device(list(s.suppress), logits.device)] = float("-inf")
         if n == 0:
             return torch.empty(0, dtype=torch.long, device=logits.device), logits
         params = [s.sampling for s in rows]
@@ -155,7 +157,7 @@ class Sampler:
                 picked = self._sample_plain(sub, sub_seqs)
             else:
                 picked = self._sample_filtered(sub, sub_seqs)
-            tokens[torch.tensor(idx, device=logits.device)] = picked
+            tokens[to_device(idx, logits.device)] = picked
         return tokens, raw
 
     def _log_noise(
@@ -220,7 +222,7 @@ class Sampler:
                 continue
             ready_seqs = [seqs[r] for r in ready]
             picked, short = self._sample_candidates(_take(logits, ready), ready_seqs, width)
-            out[torch.tensor(ready, device=logits.device)] = picked
+            out[to_device(ready, logits.device)] = picked
             redo = [r for r, s in zip(ready, short or [False] * len(ready), strict=True) if s]
             ready_set = set(ready)
             todo = [r for r in todo if r not in ready_set] + redo
@@ -251,7 +253,7 @@ class Sampler:
             open_rows = [s.sampling.top_k == 0 for s in seqs]
             if width < vocab and any(open_rows):
                 full = torch.logsumexp(logits / temps, dim=-1)  # [m]
-                lse = torch.where(torch.tensor(open_rows, device=lse.device), full, lse)
+                lse = torch.where(to_device(open_rows, lse.device), full, lse)
             probs = torch.exp(scaled - lse.unsqueeze(1))  # [m, w]
             mass_before = probs.cumsum(dim=-1) - probs  # [m, w], exclusive cumulative sum
             # 2.0 for top_p = 1 keeps every token despite rounding in the cumulative sum.
@@ -263,7 +265,7 @@ class Sampler:
             scaled.masked_fill_(outside, float("-inf"))
             if width < vocab and any(open_rows):
                 # The last candidate still inside the nucleus: the nucleus may go on past it.
-                is_open = torch.tensor(open_rows, device=ids.device)
+                is_open = to_device(open_rows, ids.device)
                 short = ((mass_before[:, -1] < top_p[:, 0]) & is_open).tolist()
         scaled.sub_(self._log_noise(seqs, vocab, ids, scaled))
         picked = ids.gather(1, scaled.argmax(dim=-1, keepdim=True)).squeeze(1)  # [m]
@@ -282,17 +284,17 @@ def _adjusted(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Tenso
             continue
         row = out[i]  # [vocab], a view
         if sp.repetition_penalty != 1.0 and s.history:
-            seen = torch.tensor(sorted(set(s.history)), device=dev)  # prompt and output
+            seen = to_device(sorted(set(s.history)), dev)  # prompt and output
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty,
                                     vals * sp.repetition_penalty)
         if (sp.presence_penalty or sp.frequency_penalty) and s.output_index and s.history:
-            made = torch.tensor(s.history[len(s.history) - s.output_index:], device=dev)
+            made = to_device(s.history[len(s.history) - s.output_index:], dev)
             ids, counts = made.unique(return_counts=True)
             row[ids] -= sp.presence_penalty + sp.frequency_penalty * counts.to(row.dtype)
         if sp.logit_bias:
-            ids = torch.tensor(list(sp.logit_bias), device=dev)
-            row[ids] += torch.tensor(list(sp.logit_bias.values()), device=dev, dtype=row.dtype)
+            ids = to_device(list(sp.logit_bias), dev)
+            row[ids] += to_device(list(sp.logit_bias.values()), dev, row.dtype)
         if sp.min_p > 0 and not sp.greedy:
             # p_i < min_p * p_max  <=>  logit_i < logit_max + T log(min_p), at temperature T.
             floor = row.max() + sp.temperature * math.log(sp.min_p)
