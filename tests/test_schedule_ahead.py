@@ -21,7 +21,7 @@ from batcher.core.request import Request, RequestStatus
 from batcher.core.sampling import SamplingParams
 from batcher.core.scheduler import Scheduler
 from batcher.engine.engine import AsyncEngine
-from batcher.engine.fake_runner import FakeRunner, FakeSpeed
+from batcher.engine.fake_runner import FakeRunner, FakeSpeed, QueuedFakeRunner
 from batcher.runtime.model_runner import ModelRunner
 from batcher.tokenizer.tokenizer import load_tokenizer
 
@@ -199,12 +199,30 @@ class Recording:
             self.inner.attach_tokenizer(tok)
 
     def execute(self, sched):
+        self.record(sched)
+        return self.inner.execute(sched)
+
+    def record(self, sched) -> None:
+        """Note the step's rows as they run (no placeholder left) and inject the fault."""
         for s in sched.seqs:
             assert PENDING_TOKEN not in s.token_ids, s.request_id
             self.rows.append((s.request_id, s.start_pos, s.token_ids[0]))
         if self.fail_at is not None and len(self.rows) >= self.fail_at:
             raise RuntimeError("injected model fault")
-        return self.inner.execute(sched)
+
+
+class RecordingQueued(Recording):
+    """The same over a runner that launches a step and reads it back apart (the engine then
+    launches on its model thread and reads on its reader thread): rows recorded at launch,
+    once the runner has put in a step ahead's inputs."""
+
+    def launch(self, sched, before=None):
+        launched = self.inner.launch(sched, before)
+        self.record(sched)
+        return launched
+
+    def finish(self, launched):
+        return self.inner.finish(launched)
 
 
 def counting_ahead(engine: AsyncEngine) -> list[int]:
@@ -246,9 +264,12 @@ async def run_mix(engine: AsyncEngine, stop_token: int | None) -> dict[str, tupl
     return got
 
 
-def fake_engine(tokenizer, ahead: bool) -> tuple[AsyncEngine, Recording]:
-    runner = Recording(FakeRunner(64, BS, tokenizer.vocab_size,
-                                  FakeSpeed(decode_step_s=0.001, per_seq_s=0.0)))
+def fake_engine(tokenizer, ahead: bool, queued: bool = False) -> tuple[AsyncEngine, Recording]:
+    """`queued`: the fake device queues steps as a GPU's stream does (launched on the model
+    thread, read back on the reader thread)."""
+    kind, wrap = (QueuedFakeRunner, RecordingQueued) if queued else (FakeRunner, Recording)
+    runner = wrap(kind(64, BS, tokenizer.vocab_size,
+                       FakeSpeed(decode_step_s=0.001, per_seq_s=0.0)))
     engine = AsyncEngine(runner, tokenizer, SchedulerConfig(max_num_seqs=8,
                                                             max_num_batched_tokens=64),
                          debug_checks=True)
@@ -256,11 +277,13 @@ def fake_engine(tokenizer, ahead: bool) -> tuple[AsyncEngine, Recording]:
     return engine, runner
 
 
-async def test_tokens_and_reasons_are_the_same_with_steps_ahead_and_without(tokenizer) -> None:
+@pytest.mark.parametrize("queued", [False, True])
+async def test_tokens_and_reasons_are_the_same_with_steps_ahead_and_without(tokenizer,
+                                                                           queued) -> None:
     results, counts = {}, {}
     stop_token = None
     for ahead in (False, True):
-        engine, runner = fake_engine(tokenizer, ahead)
+        engine, runner = fake_engine(tokenizer, ahead, queued)
         count = counting_ahead(engine)
         await engine.start()
         try:
@@ -311,9 +334,10 @@ async def test_the_real_runner_decodes_the_same_greedy_tokens_ahead(model, reque
     assert outs[True] == outs[False]
 
 
+@pytest.mark.parametrize("queued", [False, True])
 async def test_a_failed_step_fails_everyone_and_its_queued_step_never_runs_a_placeholder(
-        tokenizer) -> None:
-    engine, runner = fake_engine(tokenizer, True)
+        tokenizer, queued) -> None:
+    engine, runner = fake_engine(tokenizer, True, queued)
     count = counting_ahead(engine)
     runner.fail_at = 30  # rows: past the prompts, while decoding two streams
     await engine.start()
@@ -332,9 +356,10 @@ async def test_a_failed_step_fails_everyone_and_its_queued_step_never_runs_a_pla
     assert not engine.healthy
 
 
-async def test_an_aborted_stream_ends_while_steps_run_ahead(tokenizer) -> None:
+@pytest.mark.parametrize("queued", [False, True])
+async def test_an_aborted_stream_ends_while_steps_run_ahead(tokenizer, queued) -> None:
     """Its row in the queued step is wasted; the step after frees it and its stream ends."""
-    engine, runner = fake_engine(tokenizer, True)
+    engine, runner = fake_engine(tokenizer, True, queued)
     count = counting_ahead(engine)
     await engine.start()
     try:
