@@ -212,7 +212,7 @@ async def test_the_real_runner_says_when_its_step_is_under_way(tiny_fp32, tokeni
     engine = AsyncEngine(model_runner, tokenizer,
                          SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256))
     assert (engine.model_steps.runner_signals
-            and model_runner.on_launch == engine.model_steps.taken.set)
+            and model_runner.on_launch == engine.model_steps.under_way)
     calls = []
     signal = model_runner.on_launch
     model_runner.on_launch = lambda: (calls.append(1), signal())

@@ -369,7 +369,7 @@ class AsyncEngine:
                     # emitting is pure Python that would hold it to the end (the interpreter's
                     # switch interval is longer than an emit): waiting here hands it over, so
                     # the step is queued first and runs while this thread emits.
-                    self.model_steps.taken.wait(HANDOFF_WAIT_S)
+                    self.model_steps.wait_under_way(HANDOFF_WAIT_S)
             self.outputs.emit(updates, now)
             self.outputs.end_cut(cut, now)
             if step is not None:
@@ -377,11 +377,13 @@ class AsyncEngine:
                 # now gets no row in it (a step launched before emitting holds its one
                 # wasted row).
                 queued = self._launch_ahead(loop, step[0])
-                if queued is not None and self.model_steps.launches_apart:
-                    # NOTE: the model thread is free (it launches, the reader waits), so the
-                    # step is queued on the device now, not when this thread next lets go of
-                    # the GIL (a switch interval later, with the host's work the longer part).
-                    self.model_steps.taken.wait(HANDOFF_WAIT_S)
+                if queued is not None:
+                    # NOTE: a model thread that only launches (the reader waits for the device)
+                    # is free for it: the step is queued on the device now, not when this
+                    # thread next lets go of the GIL (a switch interval later, with the host's
+                    # work the longer part). One that still runs the step before is not waited
+                    # for.
+                    self.model_steps.wait_under_way(HANDOFF_WAIT_S)
             if learn is not None:
                 # NOTE: after the next step's launch, while the device runs it: the filter's
                 # update is a tenth of a millisecond of the host's time that no step waits
@@ -437,10 +439,6 @@ class AsyncEngine:
             self._unsent_freed = []
         if self.busy_since is None:
             self.busy_since = self.clock()
-        if not ahead or self.model_steps.launches_apart:
-            # NOTE: a step queued ahead runs behind one the loop already handed over, which
-            # the model thread has in hand unless it only launches.
-            self.model_steps.taken.clear()
         started = self.clock()
         self.outputs.note_rescheduled(sched, started)
         return sched, started, self.model_steps.run(loop, sched), ahead

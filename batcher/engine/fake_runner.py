@@ -128,7 +128,9 @@ class QueuedFakeRunner(FakeRunner):
     queued and returns at once; `finish` waits until the device has run it. So the engine's
     model thread launches the next step while the device still runs this one, as with the real
     runner on CUDA (`ModelRunner.launch`). A step scheduled ahead takes its inputs at launch
-    (the fake's tokens are known then; the real runner's are taken on the device)."""
+    (the fake's tokens are known then; the real runner's are taken on the device). Faults
+    strike at launch, which may be a step before the one the reader is waiting for; `hang`
+    wedges the model thread."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)

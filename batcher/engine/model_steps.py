@@ -11,6 +11,7 @@ model thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,14 +19,16 @@ from typing import Any
 from batcher.core.outputs import RunnerOutput, SchedulerOutput, fill_pending_inputs
 from batcher.engine.model_thread import ModelThread
 
+log = logging.getLogger(__name__)
+
 # What the engine awaits for a step: (its output, the model's seconds for it, when it ended).
 StepResult = tuple[RunnerOutput, float, float]
 
 
 class ModelSteps:
-    """Runs steps on the model thread (`run`) for one engine, and says when the step it was
-    last handed is under way (`taken`): set by the runner once the step is queued on the device
-    (`on_launch`), else as the step starts."""
+    """Runs steps on the model thread (`run`) for one engine, and lets the loop wait until the
+    step it handed over last is under way (`wait_under_way`): queued on the device, by the
+    runner's word (`on_launch`), else started."""
 
     def __init__(self, runner: Any, clock: Callable[[], float]) -> None:
         self.runner = runner
@@ -39,10 +42,15 @@ class ModelSteps:
         # Told each step and the model's seconds for it, on the thread that timed it (the model
         # thread, or the reader): a study's own timing of the model, whatever the runner.
         self.on_step: Callable[[SchedulerOutput, float], None] | None = None
-        self.taken = threading.Event()
+        # Steps by their order: handed over (the loop's count), in the model thread's hands,
+        # under way and done launching (the model thread's). Whether the model thread had
+        # launched every step before the last one handed over, when it was handed over.
+        self._handed = self._in_hand = self._under_way = self._launched = 0
+        self._found_idle = False
+        self._signal = threading.Condition()
         self.runner_signals = hasattr(runner, "on_launch")
         if self.runner_signals:
-            runner.on_launch = self.taken.set
+            runner.on_launch = self.under_way
         # NOTE: only the model thread reads or writes these two, in the order steps run: a step
         # scheduled ahead runs right after the one it follows, and takes its inputs from it.
         self._last_output: RunnerOutput | None = None
@@ -58,10 +66,42 @@ class ModelSteps:
     def run(self, loop: asyncio.AbstractEventLoop, sched: SchedulerOutput
             ) -> asyncio.Future[StepResult]:
         """Queue `sched` on the model thread, behind any step handed over before it."""
+        self._found_idle = self._launched == self._handed
+        self._handed += 1
         if not self.launches_apart:
             return self._model.run(loop, self._timed_execute, sched)
         return self._model.run(loop, self._timed_launch, sched,
                                then=(self._reader, self._timed_finish))
+
+    def wait_under_way(self, timeout: float) -> None:
+        """Wait, at most `timeout` s, until the step handed over last is under way, if the
+        model thread had nothing else in hand when it was handed over: the model thread needs
+        the GIL to launch it, and a loop that goes on in Python would hold it for a switch
+        interval. A model thread still busy with the step before (running it to its end, or a
+        launch that waits for the device) is not waited for."""
+        if not self._found_idle:
+            return
+        n = self._handed
+        with self._signal:
+            self._signal.wait_for(lambda: self._under_way >= n, timeout)
+
+    def under_way(self) -> None:
+        """The step in the model thread's hands is under way (the runner's `on_launch`)."""
+        with self._signal:
+            self._under_way = self._in_hand
+            self._signal.notify_all()
+
+    def _take(self) -> None:
+        """On the model thread, as a step starts."""
+        self._in_hand += 1
+        if not self.runner_signals:
+            self.under_way()
+
+    def _taken(self) -> None:
+        """On the model thread, as a step's launch (or the whole step) returns or fails."""
+        self._launched = self._in_hand
+        if self._under_way != self._in_hand:
+            self.under_way()
 
     def shutdown(self) -> None:
         """Run nothing more: steps not yet started are cancelled."""
@@ -79,8 +119,7 @@ class ModelSteps:
     def _timed_execute(self, sched: SchedulerOutput) -> StepResult:
         """Run a step on the model thread and time it there: the model's own time, without the
         event loop's delay in noticing that it finished, and when it finished."""
-        if not self.runner_signals:
-            self.taken.set()
+        self._take()
         started = self.clock()
         before, self._last_output = self._last_output, None
         try:
@@ -90,11 +129,10 @@ class ModelSteps:
                 fill_pending_inputs(sched, before)
             out = self.runner.execute(sched)
         finally:
-            self.taken.set()
+            self._taken()
         self._last_output = out
         ended = self.clock()
-        if self.on_step is not None:
-            self.on_step(sched, ended - started)
+        self._tell(sched, ended - started)
         return out, ended - started, ended
 
     def _timed_launch(self, sched: SchedulerOutput) -> tuple[Any, float, SchedulerOutput]:
@@ -102,14 +140,13 @@ class ModelSteps:
         step). A step
         scheduled ahead takes its inputs from the step launched just before it, on the device
         where the runner can (`batcher.runtime.launched_step`)."""
-        if not self.runner_signals:
-            self.taken.set()
+        self._take()
         started = self.clock()
         before, self._last_launched = self._last_launched, None
         try:
             launched = self.runner.launch(sched, before if sched.inputs_pending else None)
         finally:
-            self.taken.set()
+            self._taken()
         self._last_launched = launched
         return launched, started, sched
 
@@ -122,6 +159,13 @@ class ModelSteps:
         ended = self.clock()
         seconds = ended - max(started, self._last_read)
         self._last_read = ended
-        if self.on_step is not None:
-            self.on_step(sched, seconds)
+        self._tell(sched, seconds)
         return out, seconds, ended
+
+    def _tell(self, sched: SchedulerOutput, seconds: float) -> None:
+        """`on_step`, if set; a fault there is logged, never the step's."""
+        if self.on_step is not None:
+            try:
+                self.on_step(sched, seconds)
+            except Exception:  # noqa: BLE001 (an observer's bug must not fail serving)
+                log.exception("a step observer failed")
