@@ -48,6 +48,7 @@ class ModelSteps:
         self._handed = self._in_hand = self._under_way = self._launched = 0
         self._found_idle = False
         self._signal = threading.Condition()
+        self._observer_faults = 0
         self.runner_signals = hasattr(runner, "on_launch")
         if self.runner_signals:
             runner.on_launch = self.under_way
@@ -66,12 +67,15 @@ class ModelSteps:
     def run(self, loop: asyncio.AbstractEventLoop, sched: SchedulerOutput
             ) -> asyncio.Future[StepResult]:
         """Queue `sched` on the model thread, behind any step handed over before it."""
-        self._found_idle = self._launched == self._handed
-        self._handed += 1
+        idle = self._launched == self._handed
         if not self.launches_apart:
-            return self._model.run(loop, self._timed_execute, sched)
-        return self._model.run(loop, self._timed_launch, sched,
-                               then=(self._reader, self._timed_finish))
+            fut = self._model.run(loop, self._timed_execute, sched)
+        else:
+            fut = self._model.run(loop, self._timed_launch, sched,
+                                  then=(self._reader, self._timed_finish))
+        self._handed += 1
+        self._found_idle = idle
+        return fut
 
     def wait_under_way(self, timeout: float) -> None:
         """Wait, at most `timeout` s, until the step handed over last is under way, if the
@@ -86,7 +90,8 @@ class ModelSteps:
             self._signal.wait_for(lambda: self._under_way >= n, timeout)
 
     def under_way(self) -> None:
-        """The step in the model thread's hands is under way (the runner's `on_launch`)."""
+        """The step in the model thread's hands is under way (the runner's `on_launch`, called
+        on the model thread, inside the step's launch)."""
         with self._signal:
             self._under_way = self._in_hand
             self._signal.notify_all()
@@ -168,4 +173,6 @@ class ModelSteps:
             try:
                 self.on_step(sched, seconds)
             except Exception:  # noqa: BLE001 (an observer's bug must not fail serving)
-                log.exception("a step observer failed")
+                self._observer_faults += 1
+                if self._observer_faults & (self._observer_faults - 1) == 0:  # 1, 2, 4, 8...
+                    log.exception("a step observer failed (%d times)", self._observer_faults)

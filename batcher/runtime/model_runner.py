@@ -97,8 +97,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.grammar: GrammarMasks | None = None  # see attach_tokenizer
         self.vocab_limit: int | None = None  # ids the tokenizer can decode; see attach_tokenizer
-        # Called once a step is queued on the device and the host only waits for it (on a CPU,
-        # as the step starts): the engine holds back its own Python work until then.
+        # Called on the model thread once a step is queued on the device and the host only
+        # waits for it (on a CPU, as the step starts; a step whose launch must first wait for
+        # the step before, as it starts that wait): the engine holds back its own Python work
+        # until then.
         self.on_launch: Callable[[], None] | None = None
         # CPU: a prompt read in chunks keeps a contiguous copy of its K/V (up to an eighth of
         # the pool's bytes), so a chunk deep in a prompt does not gather its context per layer.
@@ -211,6 +213,18 @@ class ModelRunner:
         self.tuner.record(rows, threads, time.perf_counter() - started, reads_prompt)
         return out
 
+    def _launched_on_device(self) -> None:
+        """On CUDA: the step's work is queued (`on_launch`); on a CPU that was said as it
+        started."""
+        if self.on_launch is not None and self.device.type == "cuda":
+            self.on_launch()
+
+    def _launch_waits(self) -> None:
+        """A launch that must wait for the device (for the step before it, or for its own
+        forward): said now, as if it were queued, so that nothing holds back for it
+        (`on_launch`)."""
+        self._launched_on_device()
+
     @staticmethod
     def finish(step: LaunchedStep) -> RunnerOutput:
         """A launched step's output, once its tokens are on the host (may run on another thread
@@ -230,12 +244,17 @@ class ModelRunner:
                 pending = self.grammar.start(sample_seqs)  # masks fill while the model runs
             logits = self.graphs.run(sched, _inputs_from(sched, before, on_device=True))
         elif self.mixed_graphs is not None and not scored and self.mixed_graphs.can_run(sched):
-            _inputs_from(sched, before, on_device=False)  # its buckets take host ids only
+            if _reads_back(sched, before):
+                self._launch_waits()  # its buckets take host ids only: the step before's
+            _inputs_from(sched, before, on_device=False)
             sample_seqs = sampled_rows(sched)
             if self.grammar is not None:
                 pending = self.grammar.start(sample_seqs)
             logits = self.mixed_graphs.run(sched)
         else:
+            if _reads_back(sched, before):
+                # On CUDA its inputs are copied from ordinary host memory, after the step before.
+                self._launch_waits()
             ids, positions, meta, logits_idx, sample_seqs = self.prepare(
                 sched, _inputs_from(sched, before, on_device=True))
             if self.grammar is not None:
@@ -251,8 +270,6 @@ class ModelRunner:
                     self.compiled = None
             if logits is None:
                 logits = self.model(ids, positions, meta, self.kv_caches, logits_idx)  # [N, vocab]
-        if self.on_launch is not None and self.device.type == "cuda":
-            self.on_launch()  # the step is queued; sampling reads its tokens back
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[1]:
             # A model table wider than its tokenizer (random weights in a real config's shapes
             # with the bundled tokenizer, or a table padded past the vocabulary): ids past the
@@ -261,15 +278,23 @@ class ModelRunner:
             with torch.inference_mode():
                 logits[:, self.vocab_limit:] = float("-inf")
         ns = len(sample_seqs)
+        if scored:
+            self._launched_on_device()  # scoring reads the device back
         out = RunnerOutput(prompt_logprobs=score_prompts(logits[ns:], scored) if scored else {})
         if not sample_seqs:
+            self._launched_on_device()
             return LaunchedStep(sched, out=out)
+        if any(s.sampling.top_p < 1 and not s.sampling.top_k for s in sample_seqs):
+            self._launch_waits()  # a top-p row's widening reads the device
         if pending is None and not scored and not any(
                 s.draft_token_ids or s.sampling.logprobs is not None for s in sched.seqs):
             # Nothing the host needs before the next step: the tokens stay on the device, for
             # a step scheduled ahead to take there, and come back while the device runs on.
-            return LaunchedStep.on_device(sched, self.sampler.sample_on_device(
+            step = LaunchedStep.on_device(sched, self.sampler.sample_on_device(
                 logits[:ns], sample_seqs))
+            self._launched_on_device()  # the step and its sampling are queued
+            return step
+        self._launched_on_device()  # the forward is queued; sampling reads the tokens back
         masks = None if pending is None else self.grammar.wait(pending, sample_seqs)
         tokens, logprobs = self.sampler.sample(logits[:ns], sample_seqs, masks)
         if masks is not None:
@@ -292,6 +317,11 @@ class ModelRunner:
         return step_inputs(self, sched,
                            fuse_decodes=not (self.compiled is not None
                                              and self.compiled.takes(sched)), fed=fed)
+
+
+def _reads_back(sched: SchedulerOutput, before: LaunchedStep | None) -> bool:
+    """`sched` is scheduled ahead of `before`, whose tokens are still on the device."""
+    return sched.inputs_pending and before is not None and before.out is None
 
 
 def _inputs_from(sched: SchedulerOutput, before: LaunchedStep | None, on_device: bool
