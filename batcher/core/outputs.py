@@ -113,10 +113,15 @@ class RunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def fill_pending_inputs(sched: SchedulerOutput, before: RunnerOutput) -> None:
+def fill_pending_inputs(sched: SchedulerOutput, before: RunnerOutput | None) -> None:
     """Put in each row of a step scheduled ahead (`inputs_pending`) the token that `before`, the
-    step run just before it, sampled for its request. A row whose request `before` sampled
-    nothing for is a bug upstream: raised here, never run with a placeholder id."""
+    step run just before it, sampled for its request; any other step is left as it is. No step
+    before (it failed), or a row whose request `before` sampled nothing for, is raised here:
+    never run with a placeholder id."""
+    if not sched.inputs_pending:
+        return
+    if before is None:
+        raise RuntimeError("a step scheduled ahead of a step that failed")
     sampled = dict(zip(before.request_ids, before.token_ids, strict=True))
     for seq in sched.seqs:
         token = sampled.get(seq.request_id)

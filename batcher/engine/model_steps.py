@@ -128,10 +128,7 @@ class ModelSteps:
         started = self.clock()
         before, self._last_output = self._last_output, None
         try:
-            if sched.inputs_pending:
-                if before is None:
-                    raise RuntimeError("a step scheduled ahead of a step that failed")
-                fill_pending_inputs(sched, before)
+            fill_pending_inputs(sched, before)
             out = self.runner.execute(sched)
         finally:
             self._taken()

@@ -213,17 +213,12 @@ class ModelRunner:
         self.tuner.record(rows, threads, time.perf_counter() - started, reads_prompt)
         return out
 
-    def _launched_on_device(self) -> None:
-        """On CUDA: the step's work is queued (`on_launch`); on a CPU that was said as it
-        started."""
+    def _under_way(self) -> None:
+        """On CUDA, `on_launch`: the step's work is queued, or its launch must now wait for the
+        device (for the step before it, or its own forward), so nothing should hold back for
+        it. On a CPU that was said as the step started."""
         if self.on_launch is not None and self.device.type == "cuda":
             self.on_launch()
-
-    def _launch_waits(self) -> None:
-        """A launch that must wait for the device (for the step before it, or for its own
-        forward): said now, as if it were queued, so that nothing holds back for it
-        (`on_launch`)."""
-        self._launched_on_device()
 
     @staticmethod
     def finish(step: LaunchedStep) -> RunnerOutput:
@@ -234,8 +229,6 @@ class ModelRunner:
     def _launch(self, sched: SchedulerOutput, before: LaunchedStep | None) -> LaunchedStep:
         if self.grammar is not None:
             self.grammar.drop(sched.freed_ids)
-        if sched.inputs_pending and before is None:
-            raise RuntimeError("a step scheduled ahead of a step that failed")
         pending = None
         scored = [s for s in sched.seqs if s.score_targets]
         if self.graphs is not None and not scored and self.graphs.can_run(sched):
@@ -245,7 +238,7 @@ class ModelRunner:
             logits = self.graphs.run(sched, _inputs_from(sched, before, on_device=True))
         elif self.mixed_graphs is not None and not scored and self.mixed_graphs.can_run(sched):
             if _reads_back(sched, before):
-                self._launch_waits()  # its buckets take host ids only: the step before's
+                self._under_way()  # its buckets take host ids only: the step before's
             _inputs_from(sched, before, on_device=False)
             sample_seqs = sampled_rows(sched)
             if self.grammar is not None:
@@ -254,7 +247,7 @@ class ModelRunner:
         else:
             if _reads_back(sched, before):
                 # On CUDA its inputs are copied from ordinary host memory, after the step before.
-                self._launch_waits()
+                self._under_way()
             ids, positions, meta, logits_idx, sample_seqs = self.prepare(
                 sched, _inputs_from(sched, before, on_device=True))
             if self.grammar is not None:
@@ -278,23 +271,23 @@ class ModelRunner:
             with torch.inference_mode():
                 logits[:, self.vocab_limit:] = float("-inf")
         ns = len(sample_seqs)
-        if scored:
-            self._launched_on_device()  # scoring reads the device back
+        # Nothing the host needs before the next step: the tokens stay on the device, for a
+        # step scheduled ahead to take there, and come back while the device runs on.
+        on_device = bool(sample_seqs) and pending is None and not scored and not any(
+            s.draft_token_ids or s.sampling.logprobs is not None for s in sched.seqs)
+        # A top-p row's widening reads the device, as scoring and reading the tokens back do.
+        widens = any(s.sampling.top_p < 1 and not s.sampling.top_k for s in sample_seqs)
+        if widens or not on_device:
+            self._under_way()  # the forward is queued; what follows reads the device
         out = RunnerOutput(prompt_logprobs=score_prompts(logits[ns:], scored) if scored else {})
         if not sample_seqs:
-            self._launched_on_device()
             return LaunchedStep(sched, out=out)
-        if any(s.sampling.top_p < 1 and not s.sampling.top_k for s in sample_seqs):
-            self._launch_waits()  # a top-p row's widening reads the device
-        if pending is None and not scored and not any(
-                s.draft_token_ids or s.sampling.logprobs is not None for s in sched.seqs):
-            # Nothing the host needs before the next step: the tokens stay on the device, for
-            # a step scheduled ahead to take there, and come back while the device runs on.
+        if on_device:
             step = LaunchedStep.on_device(sched, self.sampler.sample_on_device(
                 logits[:ns], sample_seqs))
-            self._launched_on_device()  # the step and its sampling are queued
+            if not widens:
+                self._under_way()  # the step and its sampling are queued
             return step
-        self._launched_on_device()  # the forward is queued; sampling reads the tokens back
         masks = None if pending is None else self.grammar.wait(pending, sample_seqs)
         tokens, logprobs = self.sampler.sample(logits[:ns], sample_seqs, masks)
         if masks is not None:
@@ -332,10 +325,9 @@ def _inputs_from(sched: SchedulerOutput, before: LaunchedStep | None, on_device:
     step, or once written."""
     if not sched.inputs_pending:
         return None
-    assert before is not None
-    if on_device and before.out is None:
+    if on_device and before is not None and before.out is None:
         return fed_tokens(sched, before)
-    fill_pending_inputs(sched, before.read())
+    fill_pending_inputs(sched, None if before is None else before.read())  # raises without one
     return None
 
 
