@@ -17,6 +17,7 @@ from batcher.runtime.attention import (
     PrefillChunk,
 )
 from batcher.runtime.fused_decode import FusedDecode
+from batcher.runtime.host_to_device import to_device
 from batcher.runtime.prefill_staging import PrefillStaging
 
 # (token ids, positions, attention metadata, rows whose logits are kept, sampling rows)
@@ -107,7 +108,7 @@ def step_inputs(layout: StepLayout, sched: SchedulerOutput, fuse_decodes: bool =
     if fed is not None:
         # NOTE: the decode rows were laid out longest context first, not in scheduled order.
         assert len(ids) == len(sched.seqs) == fed.shape[0]
-        ids_t[torch.tensor([row_of[id(s)] for s in sched.seqs], device=dev)] = fed
+        ids_t[to_device([row_of[id(s)] for s in sched.seqs], dev)] = fed
     return (ids_t, torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_idx,
             sample_seqs)
 
