@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from batcher.models.llama import RMSNorm, RotaryTables, apply_rope, rope_inv_freq
 from batcher.models.tiny import tiny_config
@@ -15,6 +14,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_on_fused_qk_equals_hf(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     cfg = tiny_config()
     heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     torch.manual_seed(0)
@@ -38,6 +39,8 @@ def test_rope_on_fused_qk_equals_hf(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_equals_hf(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     torch.manual_seed(1)
     ours, ref = RMSNorm(64, 1e-5), LlamaRMSNorm(64, 1e-5)
     with torch.no_grad():
