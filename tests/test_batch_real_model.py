@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from tests.server_process import serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
 MODEL = "smollm2-135m"
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 3 + 4?",

@@ -13,7 +13,8 @@ from batcher.app.diagnose import SHEDDING_SHARE, diagnose_url
 from batcher.engine.fake_runner import FakeSpeed
 from tests.test_diagnose import ALICE, C, auth, fake_app, send, url
 
-pytestmark = pytest.mark.usefixtures("frozen_gc")
+# What a window judges comes from measured phases: timed alone (`serial`).
+pytestmark = [pytest.mark.serial, pytest.mark.usefixtures("frozen_gc")]
 
 
 async def test_a_quiet_window_falls_back_to_everything_since_start(aiohttp_client) -> None:

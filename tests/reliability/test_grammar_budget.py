@@ -25,7 +25,7 @@ import pytest
 
 from tests.server_process import DONE, Server, server_fixture, sse_events, write_tenants
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(120)]
 
 TAG = uuid.uuid4().hex[:12]
 ALICE = {"Authorization": f"Bearer alice-grammar-{TAG}"}

@@ -67,6 +67,7 @@ async def run_tenants(session: aiohttp.ClientSession, url: str, noisy: bool
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("frozen_gc")
 async def test_noisy_tenant_does_not_hurt_others(tmp_path: Path) -> None:

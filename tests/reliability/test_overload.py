@@ -80,6 +80,7 @@ def goodput(outcomes: list[Outcome], seconds: float) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(180)
 @pytest.mark.usefixtures("frozen_gc")
 async def test_overload_3x_capacity() -> None:
