@@ -133,6 +133,7 @@ async def test_report_file_and_json_form(aiohttp_client, tmp_path, capsys) -> No
     assert main(["diagnose", "http://127.0.0.1:9", "--window", "-1"]) == 2
 
 
+@pytest.mark.serial  # admission and phases measured on the bundled model
 @pytest.mark.slow
 @pytest.mark.usefixtures("frozen_gc")
 async def test_real_model_long_answers_are_decode(aiohttp_client) -> None:

@@ -110,6 +110,7 @@ def samples(text: str) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
+@pytest.mark.serial  # the client's time and the server's agree within 50 ms
 async def test_answers_carry_phases_that_add_up(aiohttp_client, tiny_fp32, tokenizer, caplog
                                                 ) -> None:
     client = await aiohttp_client(app_factory(tiny_fp32, tokenizer, TENANTS)())

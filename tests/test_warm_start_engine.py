@@ -101,6 +101,7 @@ async def _chat(session: aiohttp.ClientSession, url: str, text: str, max_tokens:
         return resp.status, dict(resp.headers), await resp.json()
 
 
+@pytest.mark.serial  # admission at the default SLO from measured steps
 @pytest.mark.slow
 async def test_fast_device_admits_the_chat64_burst_at_default_flags() -> None:
     reqs = json.loads(CHAT64.read_text())["requests"]
