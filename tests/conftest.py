@@ -47,12 +47,3 @@ def frozen_gc() -> Iterator[None]:
     finally:
         gc.unfreeze()
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a parallel worker (`./scripts/test`), the files that hold slow tests go first: each file
-    runs on one worker, so a long one handed out last would leave the other workers idle while it
-    ends. The order within a file, and between the other files, stays as collected."""
-    if not hasattr(config, "workerinput"):
-        return
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
